@@ -1,0 +1,119 @@
+"""Wire codec: msgpack header frame plus one raw frame per numpy array.
+
+A message is ``[header, buf0, buf1, ...]``. Arrays inside the header are replaced by a
+msgpack ext (code 1) holding ``[frame_index, dtype, shape]``; their bytes travel as
+separate frames, sent and received without copies. Python lists of token ids never
+appear on the wire.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+
+ARRAY_EXT = 1
+# Only plain numeric dtypes cross the wire; object arrays would be a code-execution door.
+ALLOWED_DTYPES = frozenset({"<i4", "<i8", "<f4", "<f8", "|u1", "|i1", "|b1", "<u4", "<i2", "<f2"})
+
+
+class CodecError(ValueError):
+    """A frame set that does not decode. ``code`` is the wire error code."""
+
+    code = "malformed"
+
+
+def encode(obj: dict) -> list:
+    buffers: list = []
+
+    def default(o: Any):
+        if isinstance(o, np.ndarray):
+            if o.dtype.byteorder == ">":
+                o = o.astype(o.dtype.newbyteorder("<"))
+            o = np.ascontiguousarray(o)
+            dt = o.dtype.str
+            if dt not in ALLOWED_DTYPES:
+                raise TypeError(f"array dtype {dt} cannot be sent")
+            buffers.append(o.data if o.nbytes else b"")
+            return msgpack.ExtType(ARRAY_EXT, msgpack.packb([len(buffers), dt, list(o.shape)]))
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, (set, frozenset, tuple)):
+            return list(o)
+        raise TypeError(f"cannot encode {type(o).__name__}")
+
+    header = msgpack.packb(obj, default=default, use_bin_type=True)
+    return [header, *buffers]
+
+
+def decode(frames: Sequence, max_depth_arrays: int = 4096) -> dict:
+    """Decode frames (bytes, memoryview or zmq.Frame). Raises CodecError, never anything else."""
+    if not frames:
+        raise CodecError("empty message")
+    bufs = [_buffer(f) for f in frames]
+
+    def ext_hook(code: int, data: bytes):
+        if code != ARRAY_EXT:
+            raise CodecError(f"unknown msgpack ext type {code}")
+        try:
+            idx, dt, shape = msgpack.unpackb(data)
+        except Exception as e:  # noqa: BLE001 - any decoding failure is malformed input
+            raise CodecError(f"bad array descriptor: {e}") from None
+        if not isinstance(idx, int) or not 1 <= idx < len(bufs):
+            raise CodecError(f"array frame {idx!r} missing")
+        if dt not in ALLOWED_DTYPES:
+            raise CodecError(f"array dtype {dt!r} not allowed")
+        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise CodecError("bad array shape")
+        dtype = np.dtype(dt)
+        n = int(np.prod(shape)) if shape else 1
+        buf = bufs[idx]
+        if n * dtype.itemsize != len(buf):
+            raise CodecError(f"array frame {idx} has {len(buf)} bytes, shape {shape} of {dt} needs {n * dtype.itemsize}")
+        return np.frombuffer(buf, dtype=dtype).reshape(shape) if n else np.zeros(shape, dtype=dtype)
+
+    try:
+        obj = msgpack.unpackb(bufs[0], ext_hook=ext_hook, raw=False, strict_map_key=True,
+                              max_array_len=1 << 20, max_map_len=1 << 20)
+    except CodecError:
+        raise
+    except Exception as e:  # noqa: BLE001 - msgpack raises many types on garbage
+        raise CodecError(f"header is not msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(obj, dict):
+        raise CodecError("header is not a map")
+    return obj
+
+
+def _buffer(f) -> memoryview | bytes:
+    if isinstance(f, (bytes, bytearray, memoryview)):
+        return memoryview(f) if not isinstance(f, bytes) else f
+    buf = getattr(f, "buffer", None)  # zmq.Frame: zero-copy view
+    if buf is not None:
+        return buf
+    raise CodecError(f"frame of type {type(f).__name__}")
+
+
+def frames_size(frames: Sequence) -> int:
+    return sum(len(_buffer(f)) for f in frames)
+
+
+def pack(obj: Any) -> bytes:
+    """Plain msgpack for small payloads with no arrays (event bodies)."""
+    return msgpack.packb(obj, use_bin_type=True, default=_plain_default)
+
+
+def unpack(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False)
+    except Exception as e:  # noqa: BLE001
+        raise CodecError(f"not msgpack: {e}") from None
+
+
+def _plain_default(o: Any):
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    return str(o)

@@ -1,0 +1,85 @@
+"""The events stream: every daemon PUBlishes to an XSUB/XPUB proxy; monitors SUBscribe.
+
+A frame set is ``[topic, msgpack body]``. Topics are dotted names (``job.phase``,
+``daemon.heartbeat``); subscribers filter by prefix. PUB drops messages for a slow
+subscriber instead of blocking, so monitoring never slows the pipeline.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import zmq
+
+from bus import codec
+from bus.sockets import Sockets
+
+EVENTS_HWM = 10000
+
+
+class Publisher:
+    """Publishes events stamped with the daemon, node and pid."""
+
+    def __init__(self, sockets: Sockets, daemon: str, node: str):
+        self.sock = sockets.connect("PUB", "events_in", hwm=EVENTS_HWM)
+        self.base = {"daemon": daemon, "node": node, "pid": os.getpid()}
+
+    def publish(self, topic: str, **fields):
+        body = dict(self.base, ts=time.time(), **fields)
+        try:
+            self.sock.send_multipart([topic.encode(), codec.pack(body)], zmq.NOBLOCK)
+        except zmq.Again:  # the stream is full: drop, never block the pipeline
+            pass
+
+
+class Subscriber:
+    """Sync subscriber for monitors and tests."""
+
+    def __init__(self, address: str, topics: list[str] | None = None, curve=None):
+        self.sockets = Sockets(asyncio=False, curve=curve, linger_ms=0)
+        self.sock = self.sockets.connect("SUB", address, hwm=EVENTS_HWM,
+                                         subscribe=[t.encode() for t in (topics or [""])])
+
+    def next(self, timeout_s: float) -> tuple[str, dict] | None:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        topic, body = self.sock.recv_multipart()
+        return topic.decode(), codec.unpack(body)
+
+    def close(self):
+        self.sockets.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Proxy:
+    """XSUB (events_in) <-> XPUB (events_out), forwarded by libzmq's own proxy in a thread.
+
+    ``sockets`` must be a sync ``Sockets`` (``asyncio=False``): libzmq forwards at C speed.
+    """
+
+    def __init__(self, sockets: Sockets):
+        self.front = sockets.bind("XSUB", "events_in", hwm=EVENTS_HWM)
+        self.back = sockets.bind("XPUB", "events_out", hwm=EVENTS_HWM)
+        self.ctrl_addr = f"inproc://events-proxy-{id(self)}"
+        self.ctrl = sockets.bind("PAIR", self.ctrl_addr)
+        self._peer = sockets.connect("PAIR", self.ctrl_addr)
+        self.thread = threading.Thread(target=self._run, name="events-proxy", daemon=True)
+
+    def _run(self):
+        try:
+            zmq.proxy_steerable(self.front, self.back, None, self._peer)
+        except zmq.ZMQError:
+            pass
+
+    def start(self):
+        self.thread.start()
+
+    def stop(self, timeout_s: float = 2.0):
+        self.ctrl.send(b"TERMINATE")
+        self.thread.join(timeout_s)

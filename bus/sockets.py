@@ -1,0 +1,219 @@
+"""The one socket helper: explicit bind/connect, bounded high-water marks, linger, CURVE.
+
+Every socket is made here and tracked, so ``close()`` closes all of them; nothing else in
+the project calls ``zmq.Context.socket``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from bus.endpoints import Endpoints
+
+# Small HWMs keep work from piling up in pipes, so backpressure reaches the gateway.
+DEFAULT_HWM = 16
+DEFAULT_LINGER_MS = 1000
+MAX_MSG_BYTES = 256 << 20  # hard cap enforced by libzmq; the gateway replies "too_large" far below it
+
+TYPES = {name: getattr(zmq, name) for name in ("PUSH", "PULL", "ROUTER", "DEALER", "PUB", "SUB", "XPUB", "XSUB", "PAIR", "REQ", "REP")}
+
+
+@dataclasses.dataclass
+class Curve:
+    """CURVE keys. A binder with ``secret_key`` is a server; a connecter with
+    ``server_key`` is a client. ``authorized_dir`` holds the clients' public keys."""
+
+    public_key: bytes | None = None
+    secret_key: bytes | None = None
+    server_key: bytes | None = None
+    authorized_dir: str | None = None
+
+    @classmethod
+    def from_dir(cls, keys_dir: str | os.PathLike, name: str) -> "Curve":
+        """Load ``NAME.key_secret`` and ``server.key`` from a directory made by ``rolloutd keys generate``."""
+        import zmq.auth
+
+        d = Path(keys_dir)
+        pub, sec = zmq.auth.load_certificate(d / f"{name}.key_secret")
+        server_pub, _ = zmq.auth.load_certificate(d / "server.key")
+        auth_dir = d / "authorized"
+        return cls(public_key=pub, secret_key=sec, server_key=server_pub,
+                   authorized_dir=str(auth_dir) if auth_dir.is_dir() else None)
+
+
+class Sockets:
+    def __init__(self, endpoints: Endpoints | None = None, *, asyncio: bool = True,
+                 curve: Curve | None = None, linger_ms: int = DEFAULT_LINGER_MS):
+        self.endpoints = endpoints
+        self.ctx = zmq.asyncio.Context() if asyncio else zmq.Context()
+        self.curve = curve
+        self.linger_ms = linger_ms
+        self._sockets: list[zmq.Socket] = []
+        self._auth = None
+
+    def _make(self, kind: str, hwm: int, identity: bytes | None) -> zmq.Socket:
+        s = self.ctx.socket(TYPES[kind])
+        s.setsockopt(zmq.LINGER, self.linger_ms)
+        s.setsockopt(zmq.SNDHWM, hwm)
+        s.setsockopt(zmq.RCVHWM, hwm)
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
+        if identity is not None:
+            s.setsockopt(zmq.IDENTITY, identity)
+        if kind == "ROUTER":
+            s.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to vanished peers are dropped, not raised
+        self._sockets.append(s)
+        return s
+
+    def bind(self, kind: str, name_or_addr: str, *, hwm: int = DEFAULT_HWM, identity: bytes | None = None) -> zmq.Socket:
+        addr = self._bind_addr(name_or_addr)
+        s = self._make(kind, hwm, identity)
+        if addr.startswith("tcp://") and self.curve and self.curve.secret_key:
+            self._start_auth()
+            s.curve_server = True
+            s.curve_secretkey = self.curve.secret_key
+            s.curve_publickey = self.curve.public_key
+        if addr.startswith("ipc://"):
+            path = Path(addr[6:])
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if path.exists():  # left by a killed predecessor; ipc bind would otherwise steal silently
+                path.unlink()
+        s.bind(addr)
+        return s
+
+    def connect(self, kind: str, name_or_addr: str, *, hwm: int = DEFAULT_HWM, identity: bytes | None = None,
+                subscribe: list[bytes] | None = None) -> zmq.Socket:
+        addr = self._addr(name_or_addr)
+        s = self._make(kind, hwm, identity)
+        if addr.startswith("tcp://") and self.curve and self.curve.server_key:
+            s.curve_serverkey = self.curve.server_key
+            s.curve_publickey = self.curve.public_key
+            s.curve_secretkey = self.curve.secret_key
+        if kind == "SUB":
+            for topic in subscribe if subscribe is not None else [b""]:
+                s.setsockopt(zmq.SUBSCRIBE, topic)
+        s.connect(addr)
+        return s
+
+    def _addr(self, name_or_addr: str) -> str:
+        if "://" in name_or_addr:
+            return name_or_addr
+        return getattr(self.endpoints, name_or_addr)
+
+    def _bind_addr(self, name_or_addr: str) -> str:
+        if "://" in name_or_addr:
+            return name_or_addr
+        return self.endpoints.bind_address(name_or_addr)
+
+    def _start_auth(self):
+        if self._auth is not None:
+            return
+        from zmq.auth.thread import ThreadAuthenticator
+
+        # A thread authenticator works for both sync and asyncio contexts (it runs its own zap socket).
+        ctx = zmq.Context.shadow(self.ctx.underlying)  # ZAP must live in the sockets' own context
+        self._auth = ThreadAuthenticator(ctx)
+        self._auth.start()
+        if self.curve.authorized_dir:
+            self._auth.configure_curve(domain="*", location=self.curve.authorized_dir)
+        else:
+            self._auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+
+    def forget(self, s: zmq.Socket):
+        """Close one socket now (e.g. a client reconnecting after a timeout)."""
+        s.close(linger=0)
+        if s in self._sockets:
+            self._sockets.remove(s)
+
+    def close(self, linger_ms: int | None = None):
+        for s in self._sockets:
+            if not s.closed:
+                s.close(linger=self.linger_ms if linger_ms is None else linger_ms)
+        self._sockets.clear()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self.ctx.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+async def recv(sock: zmq.asyncio.Socket, timeout_s: float) -> list | None:
+    """One multipart message or None after ``timeout_s``. Every recv has a timeout."""
+    if await sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+        return await sock.recv_multipart(copy=False)
+    return None
+
+
+def recv_now(sock) -> list | None:
+    """A message already queued, without waiting (to drain a socket in batches)."""
+    try:
+        r = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return None
+    if hasattr(r, "result"):  # zmq.asyncio returns a completed future
+        try:
+            return r.result()
+        except zmq.Again:
+            return None
+    return r
+
+
+def send_now(sock, frames) -> bool:
+    """Send without blocking; False when the peer's pipe is full (HWM) or no peer is there."""
+    try:
+        r = sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        if hasattr(r, "result"):
+            r.result()
+        return True
+    except zmq.Again:
+        return False
+
+
+def writable(sock) -> bool:
+    return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
+
+
+def readable(sock) -> bool:
+    return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+
+Again = zmq.Again
+ZMQError = zmq.ZMQError
+POLLIN = zmq.POLLIN
+POLLOUT = zmq.POLLOUT
+
+
+def poller():
+    return zmq.asyncio.Poller()
+
+
+def sync_poller():
+    return zmq.Poller()
+
+
+def generate_keys(keys_dir: str | os.PathLike, names: list[str]) -> list[Path]:
+    """Make CURVE key pairs: ``server`` plus each name; public keys of clients are copied
+    into ``authorized/`` (the server accepts exactly those)."""
+    import shutil
+
+    import zmq.auth
+
+    d = Path(keys_dir)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    auth = d / "authorized"
+    auth.mkdir(exist_ok=True)
+    made = []
+    for name in ["server", *names]:
+        pub, sec = zmq.auth.create_certificates(d, name)
+        os.chmod(sec, 0o600)
+        shutil.copy(pub, auth / Path(pub).name)
+        made += [Path(pub), Path(sec)]
+    return made

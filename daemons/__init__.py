@@ -1,0 +1,1 @@
+"""The daemons: a shared main loop (signals, poll, heartbeat, drain) and one class per process."""

@@ -1,0 +1,112 @@
+"""The daemon main loop every process shares.
+
+Signal handlers only flip state and wake the loop; the loop polls with timeouts, publishes
+a heartbeat, drains on SIGTERM within a deadline, and on a fatal error publishes a death
+notice before exiting non-zero.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import traceback
+
+from bus.events import Publisher
+from bus.sockets import Sockets
+from daemons import logs
+from daemons.config import Config
+
+
+class Daemon:
+    name = "daemon"
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.node = cfg.node
+        self.dcfg = cfg.section("daemon")
+        self.log = logs.get(f"rolloutd.{self.name}").bind(daemon=self.name, node=self.node)
+        self.stopping = False
+        self.started_at = time.time()
+        self.incarnation = f"{os.getpid()}-{int(self.started_at * 1000)}"
+        self.sockets: Sockets | None = None
+        self.events: Publisher | None = None
+        self._stop_event: asyncio.Event | None = None
+
+    # -- to override ------------------------------------------------------------------
+    async def setup(self) -> None:
+        """Create sockets and state."""
+
+    async def serve(self) -> None:
+        """The work loop; return when ``self.stopping`` is set and the work is drained."""
+        await self.wait_stop()
+
+    async def teardown(self) -> None:
+        """Free what setup made, beyond sockets (closed by the base)."""
+
+    def heartbeat(self) -> dict:
+        """Fields of this daemon's heartbeat."""
+        return {}
+
+    # -- machinery ----------------------------------------------------------------------
+    def main(self) -> int:
+        lc = self.cfg.section("logging")
+        logs.configure(lc["format"], lc["level"], daemon=self.name, node=self.node)
+        return asyncio.run(self._main())
+
+    def request_stop(self, signame: str = "request"):
+        if not self.stopping:
+            self.log.info("stop_requested", signal=signame)
+        self.stopping = True
+        if self._stop_event is not None:
+            self._stop_event.set()
+
+    async def wait_stop(self, timeout_s: float | None = None) -> bool:
+        try:
+            await asyncio.wait_for(self._stop_event.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def _main(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, sig.name)
+        self.sockets = Sockets(self.cfg.endpoints, curve=self.cfg.curve(self.name))
+        self.events = Publisher(self.sockets, self.name, self.node)
+        rc = 0
+        hb = None
+        try:
+            await self.setup()
+            self.log.info("daemon_started", pid=os.getpid(), incarnation=self.incarnation)
+            self.events.publish("daemon.started", incarnation=self.incarnation)
+            hb = asyncio.create_task(self._heartbeats())
+            await self.serve()
+        except Exception as e:  # noqa: BLE001 - the death notice must go out whatever broke
+            rc = 1
+            self.log.error("daemon_crashed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+            self.events.publish("daemon.died", incarnation=self.incarnation, error=f"{type(e).__name__}: {e}")
+        finally:
+            if hb is not None:
+                hb.cancel()
+            try:
+                await self.teardown()
+            except Exception as e:  # noqa: BLE001
+                rc = rc or 1
+                self.log.error("teardown_failed", error=f"{type(e).__name__}: {e}")
+            if rc == 0:
+                self.events.publish("daemon.stopped", incarnation=self.incarnation)
+            self.log.info("daemon_stopped", rc=rc)
+            self.sockets.close()
+        return rc
+
+    async def _heartbeats(self):
+        period = float(self.dcfg["heartbeat_s"])
+        while True:
+            try:
+                self.events.publish("daemon.heartbeat", incarnation=self.incarnation,
+                                    uptime_s=round(time.time() - self.started_at, 3), **self.heartbeat())
+            except Exception as e:  # noqa: BLE001 - a heartbeat must never kill the daemon
+                self.log.warning("heartbeat_failed", error=str(e))
+            await asyncio.sleep(period)

@@ -1,0 +1,173 @@
+"""The ``rolloutd`` command line: one subcommand per daemon plus operator tools."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _daemon(name: str, args) -> int:
+    from daemons.supervisor import config_from_args
+
+    cfg = config_from_args(args.config, args.runtime_dir, args.set)
+    if name == "gateway":
+        from gateway.daemon import Gateway as cls
+    elif name == "router":
+        from daemons.router import Router as cls
+    elif name == "events":
+        from daemons.events import EventsDaemon as cls
+    else:
+        from daemons import phase
+
+        cls = {"init": phase.InitDaemon, "run": phase.RunDaemon, "eval": phase.EvalDaemon}[name]
+    return cls(cfg).main()
+
+
+def cmd_up(args) -> int:
+    from daemons import logs
+    from daemons.supervisor import Supervisor, config_from_args
+
+    cfg = config_from_args(args.config, args.runtime_dir, args.set)
+    lc = cfg.section("logging")
+    logs.configure(lc["format"], lc["level"])
+    return Supervisor(cfg).run()
+
+
+def _client(args):
+    from daemons.supervisor import config_from_args
+    from gateway.client import RolloutClient
+
+    cfg = config_from_args(args.config, args.runtime_dir, [])
+    address = args.gateway or cfg.endpoints.gateway
+    return RolloutClient(address, timeout_s=args.timeout, curve=cfg.curve("client"))
+
+
+def cmd_submit(args) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from gateway.records import to_jsonable
+
+    tasks = []
+    with open(args.tasks) as f:
+        for i, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                t = json.loads(line)
+            except ValueError as e:
+                print(f"{args.tasks}:{i}: not JSON: {e}", file=sys.stderr)
+                return 2
+            if not isinstance(t, dict) or "handler" not in t:
+                print(f"{args.tasks}:{i}: each line must be an object with a 'handler'", file=sys.stderr)
+                return 2
+            tasks.append(t)
+    counts: dict[str, int] = {}
+    with _client(args) as c, open(args.out, "w") as out:
+        ids = c.submit(tasks, n=args.n)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      transient=False, disable=args.quiet) as prog:
+            bar = prog.add_task("rollouts", total=len(ids))
+            for r in c.gather(ids, timeout_s=args.deadline):
+                out.write(json.dumps(to_jsonable(r)) + "\n")
+                counts[r["status"]] = counts.get(r["status"], 0) + 1
+                prog.update(bar, advance=1, description=" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+    print(json.dumps({"jobs": len(ids), "by_status": counts, "out": args.out}))
+    return 0
+
+
+def cmd_status(args) -> int:
+    with _client(args) as c:
+        print(json.dumps(c.status(), indent=2, default=str))
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    with _client(args) as c:
+        print(json.dumps(c.cancel(args.job_ids), indent=2))
+    return 0
+
+
+def cmd_backend(args) -> int:
+    with _client(args) as c:
+        if args.action == "add":
+            out = c.add_backend(args.address, api=args.api, policy_version=args.policy_version,
+                                capacity=args.capacity, weight=args.weight, node=args.node)
+        elif args.action == "clear":
+            out = c.clear_backends(args.address)
+        else:
+            out = c.list_backends()
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rolloutd", description="rollout-as-a-service for multi-turn agent RL")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp):
+        sp.add_argument("--config", help="TOML config file (default: $ROLLOUTD_CONFIG or built-in defaults)")
+        sp.add_argument("--runtime-dir", help="directory for ipc sockets (default: $ROLLOUTD_RUNTIME_DIR)")
+        sp.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value (JSON or a bare string)")
+
+    def client_opts(sp):
+        common(sp)
+        sp.add_argument("--gateway", help="gateway address (default: from the config)")
+        sp.add_argument("--timeout", type=float, default=10.0, help="per-request timeout in seconds")
+
+    sp = sub.add_parser("up", help="run every daemon of this machine, supervised")
+    common(sp)
+    sp.set_defaults(fn=cmd_up)
+    for name in ("gateway", "router", "init", "run", "eval", "events"):
+        sp = sub.add_parser(name, help=f"run the {name} daemon")
+        common(sp)
+        sp.set_defaults(fn=lambda a, n=name: _daemon(n, a))
+
+    sp = sub.add_parser("submit", help="submit tasks from a JSONL file and write results as JSONL")
+    client_opts(sp)
+    sp.add_argument("tasks")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("-n", type=int, default=None, help="samples per task (overrides each line's n)")
+    sp.add_argument("--deadline", type=float, default=None, help="give up after this many seconds")
+    sp.add_argument("--quiet", action="store_true")
+    sp.set_defaults(fn=cmd_submit)
+
+    sp = sub.add_parser("status", help="queue depths, daemons and backends")
+    client_opts(sp)
+    sp.set_defaults(fn=cmd_status)
+
+    sp = sub.add_parser("cancel", help="cancel jobs")
+    client_opts(sp)
+    sp.add_argument("job_ids", nargs="+", type=int)
+    sp.set_defaults(fn=cmd_cancel)
+
+    sp = sub.add_parser("backend", help="manage LLM backends")
+    client_opts(sp)
+    sp.add_argument("action", choices=["add", "clear", "list"])
+    sp.add_argument("address", nargs="?")
+    sp.add_argument("--api", default="vllm", choices=["vllm", "sglang"])
+    sp.add_argument("--policy-version", type=int, default=0)
+    sp.add_argument("--capacity", type=int, default=0)
+    sp.add_argument("--weight", type=float, default=1.0)
+    sp.add_argument("--node", default="")
+    sp.set_defaults(fn=cmd_backend)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from daemons.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    if getattr(args, "cmd", None) == "backend" and args.action == "add" and not args.address:
+        print("rolloutd backend add: an address is required", file=sys.stderr)
+        return 2
+    try:
+        return args.fn(args) or 0
+    except ConfigError as e:
+        print(f"rolloutd: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Configuration: one TOML file read by every daemon of a deployment.
+
+Every key has a default, so ``rolloutd up`` runs with no file at all. Unknown top-level
+sections are rejected (a typo should not silently fall back to a default).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import sys
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from bus.endpoints import Endpoints
+
+DEFAULTS: dict = {
+    "node": "",                # defaults to the host name
+    "endpoints": {},           # see bus.endpoints.Endpoints.from_config
+    "keys_dir": "",            # CURVE keys from `rolloutd keys generate`; empty = no CURVE
+    "daemon": {"heartbeat_s": 1.0, "drain_s": 10.0, "poll_s": 0.2},
+    "logging": {"format": "auto", "level": "info"},
+    "gateway": {
+        "max_request_bytes": 16 << 20,
+        "journal": "",              # SQLite path; empty = in memory only
+        "default_budget_s": 3600.0,
+        "lease_timeout_s": 120.0,   # a job unseen in any heartbeat for this long is re-dispatched
+        "daemon_dead_s": 5.0,       # a daemon silent this long is presumed dead
+        "max_attempts": 3,
+        "retention_s": 86400.0,     # un-acknowledged results of vanished clients are dropped after this
+        "router_timeout_s": 5.0,
+    },
+    "init": {"pool": 32},
+    "run": {"pool": 512},
+    "eval": {"pool": 32},
+    "router": {"policy": "least_inflight", "health_interval_s": 5.0, "health_failures": 3,
+               "lease_ttl_s": 30.0, "node_affinity": 0.1, "max_policy_lag": 0,
+               "stale_policy": "finish"},
+    "sandbox": {"runtime": "auto", "root_dir": ""},
+    "handlers": {},                # per-handler config, by name
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Config:
+    def __init__(self, data: dict | None = None, path: str | None = None):
+        merged = copy.deepcopy(DEFAULTS)
+        for key, val in (data or {}).items():
+            if key not in DEFAULTS:
+                raise ConfigError(f"unknown config section {key!r} in {path or 'config'}")
+            if isinstance(DEFAULTS[key], dict) and key not in ("endpoints", "handlers"):
+                if not isinstance(val, dict):
+                    raise ConfigError(f"[{key}] must be a table")
+                unknown = set(val) - set(DEFAULTS[key])
+                if unknown:
+                    raise ConfigError(f"unknown keys in [{key}]: {sorted(unknown)}")
+                merged[key].update(val)
+            else:
+                merged[key] = val
+        self.data = merged
+        self.path = path
+        self.node = merged["node"] or socket.gethostname()
+        ep = dict(merged["endpoints"])
+        if not ep:
+            ep = {"runtime_dir": str(default_runtime_dir())}
+        self.endpoints = Endpoints.from_config(ep)
+        rt = ep.get("runtime_dir")
+        self.runtime_dir = Path(rt) if rt else default_runtime_dir()
+
+    def __getitem__(self, key):
+        return self.data[key]
+
+    def section(self, key) -> dict:
+        return self.data[key]
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None) -> "Config":
+        if path is None:
+            env = os.environ.get("ROLLOUTD_CONFIG")
+            path = env or None
+        if path is None:
+            return cls()
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p}: {e}") from None
+        return cls(data, str(p))
+
+    def curve(self, name: str):
+        if not self.data["keys_dir"]:
+            return None
+        from bus.sockets import Curve
+
+        return Curve.from_dir(self.data["keys_dir"], name)
+
+
+def default_runtime_dir() -> Path:
+    if os.environ.get("ROLLOUTD_RUNTIME_DIR"):
+        return Path(os.environ["ROLLOUTD_RUNTIME_DIR"])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "rolloutd"
+    return Path("/tmp") / f"rolloutd-{os.getuid()}"
+
+
+def dump_toml(data: dict) -> str:
+    """A minimal TOML writer for the configs ``rolloutd up`` hands its children."""
+    lines: list[str] = []
+    top = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    for k, v in top.items():
+        lines.append(f"{k} = {_toml_value(v)}")
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            continue
+        _dump_table(lines, section, table)
+    return "\n".join(lines) + "\n"
+
+
+def _dump_table(lines, name, table):
+    lines.append(f"\n[{name}]")
+    nested = []
+    for k, v in table.items():
+        if isinstance(v, dict):
+            nested.append((k, v))
+        else:
+            lines.append(f"{k} = {_toml_value(v)}")
+    for k, v in nested:
+        _dump_table(lines, f"{name}.{k}", v)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise ConfigError(f"cannot write {type(v).__name__} to TOML")

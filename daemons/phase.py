@@ -1,0 +1,237 @@
+"""init, run and eval: one daemon class, three phases.
+
+Each pulls jobs only while it has a free slot (its pool), runs its phase of the job's
+handler under the job's remaining budget, and pushes the job on: init -> run -> eval ->
+gateway. A job that fails, times out or is cancelled goes straight to the gateway as a
+well-formed result, and its sandbox is destroyed where it stands.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+
+from bus import codec
+from bus.messages import Job, MessageError, Result, from_wire
+from bus.sockets import recv, recv_now
+from daemons.base import Daemon
+from handlers.base import JobContext, PhaseTimeout, Services
+from handlers.registry import UnknownHandler, get_handler
+
+NEXT = {"init": "run", "run": "eval", "eval": None}
+CANCEL_MEMORY = 100_000  # cancelled ids remembered, for jobs still in a pipe
+
+
+class PhaseDaemon(Daemon):
+    phase = ""
+
+    def __init__(self, cfg):
+        self.name = self.phase
+        super().__init__(cfg)
+        self.pool = int(cfg.section(self.phase)["pool"])
+        self.inflight: dict[int, tuple[int, asyncio.Task]] = {}
+        self.cancelled: dict[int, None] = {}
+        self.counts = {"done": 0, "failed": 0, "timeout": 0, "cancelled": 0, "forwarded": 0, "malformed": 0}
+        self.services = Services(self._make_runtime)
+        self._slot = asyncio.Event()
+
+    def _make_runtime(self):
+        from sandbox import get_runtime
+
+        scfg = self.cfg.section("sandbox")
+        root = scfg["root_dir"] or str(self.cfg.runtime_dir / "sandboxes")
+        return get_runtime(scfg["runtime"], root_dir=root)
+
+    async def setup(self):
+        s = self.sockets
+        # Receive queue of one: a job waits in a pipe only while every slot is busy.
+        self.pull = s.connect("PULL", "init", hwm=1) if self.phase == "init" else s.bind("PULL", self.phase, hwm=1)
+        nxt = NEXT[self.phase]
+        self.push_next = s.connect("PUSH", nxt, hwm=1) if nxt else None
+        self.push_results = s.connect("PUSH", "gateway_results", hwm=64)
+        self.control = s.connect("SUB", "events_out", subscribe=[b"control."], hwm=10000)
+
+    def heartbeat(self):
+        return {"phase": self.phase, "pool": self.pool, "inflight": len(self.inflight),
+                "jobs": [[j, a] for j, (a, _) in self.inflight.items()], "counts": dict(self.counts)}
+
+    async def serve(self):
+        ctrl = asyncio.create_task(self._control_loop())
+        poll_s = float(self.dcfg["poll_s"])
+        try:
+            while not self.stopping:
+                if len(self.inflight) >= self.pool:
+                    self._slot.clear()
+                    try:
+                        await asyncio.wait_for(self._slot.wait(), poll_s)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                frames = await recv(self.pull, poll_s)
+                while frames is not None:
+                    self._accept(frames)
+                    frames = recv_now(self.pull) if len(self.inflight) < self.pool else None
+            await self._drain()
+        finally:
+            ctrl.cancel()
+
+    def _accept(self, frames):
+        received = time.time()
+        try:
+            job = from_wire(codec.decode(frames), expect=("job",))
+        except (codec.CodecError, MessageError) as e:
+            self.counts["malformed"] += 1
+            self.log.warning("malformed_job_dropped", error=str(e), code=getattr(e, "code", "malformed"))
+            self.events.publish("error.malformed", phase=self.phase, error=str(e))
+            return
+        task = asyncio.create_task(self._process(job, received))
+        self.inflight[job.job_id] = (job.attempt, task)
+
+    async def _process(self, job: Job, received: float):
+        t0 = time.monotonic()
+        if job.sent_at:
+            job.timing["queue"] = round(job.timing.get("queue", 0.0) + max(0.0, received - job.sent_at), 6)
+        ctx = JobContext(job, self.services)
+        ctx.phase = self.phase
+        log = self.log.bind(job_id=job.job_id, attempt=job.attempt, handler=job.handler)
+        handler = None
+        outcome = "ok"
+        try:
+            if job.job_id in self.cancelled:
+                raise asyncio.CancelledError()
+            handler = get_handler(job.handler, self.cfg.section("handlers"))
+            limit = self._limit(job)
+            await self._run_phase(handler, ctx, limit)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            ctx.fail(self.phase, JobCancelled(f"cancelled during {self.phase}"), status="cancelled")
+        except UnknownHandler as e:
+            outcome = "failed"
+            ctx.fail(self.phase, e)
+        except Exception as e:  # noqa: BLE001 - a handler bug becomes a failed result, never a dead worker
+            outcome = "timeout" if isinstance(e, PhaseTimeout) else "failed"
+            try:
+                getattr(handler, f"{self.phase}_exception")(ctx, e)
+            except Exception as hook_error:  # noqa: BLE001
+                ctx.fail(self.phase, hook_error)
+            if ctx.trajectory["status"] == "ok":  # a hook that swallowed the failure still fails the job
+                ctx.fail(self.phase, e, "timeout" if isinstance(e, PhaseTimeout) else "failed")
+            outcome = ctx.trajectory["status"]
+        finally:
+            elapsed = time.monotonic() - t0
+            job.timing[self.phase] = round(job.timing.get(self.phase, 0.0) + elapsed, 6)
+            job.spent_s += elapsed
+        try:
+            await self._hand_off(job, ctx, handler, outcome, log)
+        except Exception as e:  # noqa: BLE001
+            log.error("hand_off_failed", error=f"{type(e).__name__}: {e}")
+        finally:
+            self.inflight.pop(job.job_id, None)
+            self._slot.set()
+
+    def _limit(self, job: Job) -> float | None:
+        limits = []
+        if job.budget_s is not None:
+            limits.append(max(0.0, job.budget_s - job.spent_s))
+        per_phase = job.phase_limits.get(self.phase)
+        if per_phase:
+            limits.append(float(per_phase))
+        return min(limits) if limits else None
+
+    async def _run_phase(self, handler, ctx: JobContext, limit: float | None):
+        fn = getattr(handler, self.phase)
+        coro = fn(ctx) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, ctx)
+        if limit is None:
+            await coro
+            return
+        if limit <= 0:
+            coro.close()
+            raise PhaseTimeout(self.phase, 0.0)
+        try:
+            await asyncio.wait_for(coro, limit)
+        except asyncio.TimeoutError:
+            raise PhaseTimeout(self.phase, limit) from None
+
+    async def _hand_off(self, job: Job, ctx: JobContext, handler, outcome: str, log):
+        nxt = NEXT[self.phase]
+        finished = outcome != "ok" or nxt is None
+        if finished or (self.phase == "run" and handler is not None and not handler.eval_needs_sandbox):
+            await self._destroy_sandbox(job, log)
+        if not finished:
+            job.sent_at = time.time()
+            job.node = self.node
+            await self.push_next.send_multipart(codec.encode(job.to_wire()), copy=False)
+            self.counts["forwarded"] += 1
+            return
+        traj = handler.final_result(ctx) if handler is not None else ctx.trajectory
+        traj["timing"] = dict(job.timing)
+        traj["node"] = self.node
+        status = traj["status"]
+        self.counts["done" if status == "ok" else status] += 1
+        if status != "ok":
+            log.info("job_failed", status=status, phase=traj["failed_phase"], error=traj["error"])
+        msg = Result(job_id=job.job_id, attempt=job.attempt, trajectory=traj, node=self.node)
+        await self.push_results.send_multipart(codec.encode(msg.to_wire()), copy=False)
+
+    async def _destroy_sandbox(self, job: Job, log):
+        if not job.sandbox:
+            return
+        handle = job.sandbox
+        job.sandbox = None
+        try:
+            from sandbox import SandboxHandle
+
+            rt = self.services.runtime()
+            await asyncio.to_thread(rt.destroy, SandboxHandle.from_dict(handle))
+        except Exception as e:  # noqa: BLE001 - the janitor reaps what this misses
+            log.warning("sandbox_destroy_failed", error=f"{type(e).__name__}: {e}")
+
+    async def _control_loop(self):
+        """Cancels arrive on the events stream (topic control.cancel) from the gateway."""
+        while True:
+            frames = await recv(self.control, 1.0)
+            if frames is None:
+                continue
+            try:
+                body = codec.unpack(frames[1].bytes)
+                ids = body.get("job_ids", [])
+            except Exception as e:  # noqa: BLE001
+                self.log.warning("malformed_control_dropped", error=str(e))
+                continue
+            for jid in ids:
+                self.cancelled[jid] = None
+                held = self.inflight.get(jid)
+                if held is not None:
+                    held[1].cancel()
+            while len(self.cancelled) > CANCEL_MEMORY:
+                self.cancelled.pop(next(iter(self.cancelled)))
+
+    async def _drain(self):
+        deadline = time.monotonic() + float(self.dcfg["drain_s"])
+        if self.inflight:
+            self.log.info("draining", inflight=len(self.inflight))
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        abandoned = [[j, a] for j, (a, _) in self.inflight.items()]
+        for _, task in list(self.inflight.values()):
+            task.cancel()
+        if abandoned:
+            # The gateway re-dispatches these at once instead of waiting for their lease to lapse.
+            self.log.warning("drain_deadline_passed", abandoned=len(abandoned))
+            self.events.publish("daemon.abandoned", phase=self.phase, jobs=abandoned, incarnation=self.incarnation)
+
+
+class JobCancelled(Exception):
+    pass
+
+
+class InitDaemon(PhaseDaemon):
+    phase = "init"
+
+
+class RunDaemon(PhaseDaemon):
+    phase = "run"
+
+
+class EvalDaemon(PhaseDaemon):
+    phase = "eval"

@@ -1,0 +1,212 @@
+"""The router daemon: owns the LLM backends and their in-flight load.
+
+Run daemons lease a backend for a whole job (prefix-cache affinity) over a DEALER socket
+and release it when the job leaves the run phase. When every backend is at capacity a
+lease request waits (bounded by its ``wait_s``). Leases are renewed by the run daemons'
+heartbeats, which list the leases they hold: a dead run daemon's leases expire, and a
+restarted router rebuilds its view from those heartbeats.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from bus import codec
+from bus.messages import Error, MessageError, Reply, from_wire
+from bus.sockets import POLLIN, poller, recv_now
+from daemons.base import Daemon
+from daemons.routing import NoBackend, Pool
+
+KINDS = ("lease", "release", "backend_failed", "add_llm_server", "clear_llm_server", "list_llm_servers")
+
+
+class Router(Daemon):
+    name = "router"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.rcfg = cfg.section("router")
+        self.pool = Pool(self.rcfg["policy"], float(self.rcfg["node_affinity"]), lease_prefix=f"L{self.incarnation}-")
+        self.waiters: list[tuple[float, list, object]] = []
+        self.out: list = []
+
+    async def setup(self):
+        self.front = self.sockets.bind("ROUTER", "router", hwm=10000)
+        self.watch = self.sockets.connect("SUB", "events_out", subscribe=[b"daemon.heartbeat"], hwm=10000)
+        self.http = httpx.AsyncClient(timeout=2.0)
+
+    def heartbeat(self):
+        return {"policy": self.pool.policy, "backends": [b.public() for b in self.pool.backends.values()],
+                "leases": len(self.pool.leases), "waiting": len(self.waiters),
+                "current_version": self.pool.current_version()}
+
+    async def serve(self):
+        health = asyncio.create_task(self._health_loop())
+        p = poller()
+        p.register(self.front, POLLIN)
+        p.register(self.watch, POLLIN)
+        ttl = float(self.rcfg["lease_ttl_s"])
+        last_expire = time.monotonic()
+        try:
+            while not self.stopping:
+                await p.poll(100)
+                for _ in range(512):
+                    frames = recv_now(self.front)
+                    if frames is None:
+                        break
+                    self._on_request(frames)
+                for _ in range(512):
+                    frames = recv_now(self.watch)
+                    if frames is None:
+                        break
+                    self._on_heartbeat(codec.unpack(frames[1].bytes))
+                self._serve_waiters()
+                now = time.monotonic()
+                if now - last_expire > 1.0:
+                    last_expire = now
+                    for rec in self.pool.expire(ttl):
+                        self.log.warning("lease_expired", lease_id=rec.lease_id, backend=rec.backend_id,
+                                         job_id=rec.job_id, requester=rec.requester)
+                self._flush()
+        finally:
+            health.cancel()
+
+    def _flush(self):
+        for frames in self.out:
+            self.front.send_multipart(frames, copy=False)
+        self.out.clear()
+
+    def _reply(self, route, req_id, **body):
+        self.out.append(route + codec.encode(Reply(req_id=req_id, body=body).to_wire()))
+
+    def _error(self, route, req_id, code, message):
+        self.out.append(route + codec.encode(Error(code=code, message=message, req_id=req_id).to_wire()))
+
+    def _on_request(self, frames):
+        route = [frames[0].bytes]
+        rest = frames[1:]
+        if rest and len(rest[0]) == 0:
+            route.append(b"")
+            rest = rest[1:]
+        req_id = 0
+        try:
+            header = codec.decode(rest)
+            req_id = header.get("req_id", 0) if isinstance(header.get("req_id"), int) else 0
+            msg = from_wire(header, expect=KINDS)
+            getattr(self, f"_op_{msg.KIND}")(route, msg)
+        except (codec.CodecError, MessageError) as e:
+            self._error(route, req_id, getattr(e, "code", "malformed"), str(e))
+        except Exception as e:  # noqa: BLE001 - the router stays up
+            self.log.error("request_failed", error=f"{type(e).__name__}: {e}")
+            self._error(route, req_id, "internal", f"{type(e).__name__}: {e}")
+
+    def _grant(self, route, msg) -> bool:
+        try:
+            rec = self.pool.lease(msg.job_id, msg.requester, msg.node, msg.exclude)
+        except NoBackend as e:
+            self._error(route, msg.req_id, "unavailable", str(e))
+            return True
+        if rec is None:
+            return False
+        b = self.pool.backends[rec.backend_id]
+        self._reply(route, msg.req_id, lease_id=rec.lease_id, backend_id=b.id, address=b.address, api=b.api,
+                    policy_version=b.policy_version)
+        self.events.publish("backend.load", backend=b.id, inflight=b.inflight, capacity=b.capacity,
+                            healthy=b.healthy, policy_version=b.policy_version)
+        return True
+
+    def _op_lease(self, route, msg):
+        if not self._grant(route, msg):
+            self.waiters.append((time.monotonic() + msg.wait_s, route, msg))
+
+    def _serve_waiters(self):
+        if not self.waiters:
+            return
+        now = time.monotonic()
+        keep = []
+        for deadline, route, msg in self.waiters:
+            if self._grant(route, msg):
+                continue
+            if now >= deadline:
+                self._error(route, msg.req_id, "unavailable", "every backend is at capacity or unhealthy")
+            else:
+                keep.append((deadline, route, msg))
+        self.waiters = keep
+
+    def _op_release(self, route, msg):
+        rec = self.pool.leases.get(msg.lease_id)
+        ok = self.pool.release(msg.lease_id)
+        if rec is not None and rec.backend_id in self.pool.backends:
+            b = self.pool.backends[rec.backend_id]
+            self.events.publish("backend.load", backend=b.id, inflight=b.inflight, capacity=b.capacity,
+                                healthy=b.healthy, policy_version=b.policy_version)
+        self._reply(route, msg.req_id, released=ok)
+
+    def _op_backend_failed(self, route, msg):
+        self.pool.release(msg.lease_id)
+        if self.pool.mark(msg.backend_id, False):
+            self.log.warning("backend_out_of_rotation", backend=msg.backend_id, error=msg.error[:300])
+            self.events.publish("backend.health", backend=msg.backend_id, healthy=False, error=msg.error[:300])
+        self._reply(route, msg.req_id, ok=True)
+
+    def _op_add_llm_server(self, route, msg):
+        b = self.pool.add(msg.address, api=msg.api, policy_version=msg.policy_version, capacity=msg.capacity,
+                          weight=msg.weight, node=msg.node)
+        self.log.info("backend_added", backend=b.id, api=b.api, policy_version=b.policy_version, capacity=b.capacity)
+        self.events.publish("backend.added", **b.public())
+        self._reply(route, msg.req_id, backend=b.public())
+
+    def _op_clear_llm_server(self, route, msg):
+        gone = self.pool.clear(msg.address)
+        self.log.info("backends_cleared", backends=gone)
+        self.events.publish("backend.cleared", backends=gone)
+        self._reply(route, msg.req_id, cleared=gone)
+
+    def _op_list_llm_servers(self, route, msg):
+        self._reply(route, msg.req_id, backends=[b.public() for b in self.pool.backends.values()],
+                    policy=self.pool.policy, leases=len(self.pool.leases))
+
+    def _on_heartbeat(self, hb: dict):
+        leases = hb.get("leases")
+        if not leases or hb.get("daemon") != "run":
+            return
+        requester = f"run@{hb.get('node')}"
+        for lease_id, backend_id, job_id, version in leases:
+            self.pool.adopt(lease_id, backend_id, job_id, requester, version)
+        self.pool.renew(requester, {row[0] for row in leases})
+
+    async def _health_loop(self):
+        interval = float(self.rcfg["health_interval_s"])
+        limit = int(self.rcfg["health_failures"])
+        while True:
+            await asyncio.sleep(interval)
+            backends = list(self.pool.backends.values())
+            results = await asyncio.gather(*(self._check(b) for b in backends), return_exceptions=True)
+            for b, ok in zip(backends, results):
+                ok = ok is True
+                if ok:
+                    if self.pool.mark(b.id, True):
+                        self.log.info("backend_readmitted", backend=b.id)
+                        self.events.publish("backend.health", backend=b.id, healthy=True)
+                    b.failures = 0
+                else:
+                    b.failures += 1
+                    if b.failures >= limit and self.pool.mark(b.id, False):
+                        self.log.warning("backend_out_of_rotation", backend=b.id, failed_checks=limit)
+                        self.events.publish("backend.health", backend=b.id, healthy=False, error="health checks failed")
+
+    async def _check(self, b) -> bool:
+        path = "/health" if b.api == "vllm" else "/health_generate"
+        try:
+            r = await self.http.get(b.address.rstrip("/") + path)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def teardown(self):
+        for _, route, msg in self.waiters:
+            self._error(route, msg.req_id, "unavailable", "the router is stopping")
+        self._flush()
+        await self.http.aclose()

@@ -1,0 +1,174 @@
+"""The router's state: LLM backends, their in-flight leases, and the lease policy.
+
+Pure Python with no sockets, so the policy can be tested and benchmarked on its own.
+``least_inflight`` picks the backend with the lowest in-flight load relative to its
+capacity and weight, breaking ties fairly (round-robin among equals) and preferring the
+requester's node when loads are within ``node_affinity``. ``round_robin`` is what the
+reference paper's code shipped (a counter per job, never decremented), kept for comparison.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+
+@dataclasses.dataclass
+class Backend:
+    address: str
+    api: str = "vllm"
+    policy_version: int = 0
+    capacity: int = 0          # max concurrent jobs; 0 = unbounded
+    weight: float = 1.0
+    node: str = ""
+    healthy: bool = True
+    inflight: int = 0
+    leases_total: int = 0
+    failures: int = 0          # consecutive failed checks or reported errors
+    load_signal: float = 0.0   # optional: requests running+waiting read from /metrics
+
+    @property
+    def id(self) -> str:
+        return self.address
+
+    def full(self) -> bool:
+        return self.capacity > 0 and self.inflight >= self.capacity
+
+    def load(self) -> float:
+        denom = (self.capacity if self.capacity > 0 else 1.0) * self.weight
+        return self.inflight / denom
+
+    def public(self) -> dict:
+        return {"id": self.id, "address": self.address, "api": self.api, "policy_version": self.policy_version,
+                "capacity": self.capacity, "weight": self.weight, "node": self.node, "healthy": self.healthy,
+                "inflight": self.inflight, "leases_total": self.leases_total, "load_signal": self.load_signal}
+
+
+@dataclasses.dataclass
+class LeaseRecord:
+    lease_id: str
+    backend_id: str
+    job_id: int
+    requester: str
+    policy_version: int
+    created: float
+    renewed: float
+
+
+class NoBackend(Exception):
+    """No backend is registered (as opposed to all being busy)."""
+
+
+class Pool:
+    def __init__(self, policy: str = "least_inflight", node_affinity: float = 0.1, lease_prefix: str = "L"):
+        if policy not in ("least_inflight", "round_robin"):
+            raise ValueError(f"unknown routing policy {policy!r} (least_inflight, round_robin)")
+        self.policy = policy
+        self.node_affinity = node_affinity
+        self.backends: dict[str, Backend] = {}
+        self.leases: dict[str, LeaseRecord] = {}
+        self._ids = itertools.count(1)
+        self._rr = 0
+        self.lease_prefix = lease_prefix  # unique per router incarnation, so adopted ids never collide
+
+    # -- membership ------------------------------------------------------------------------
+    def add(self, address: str, **fields) -> Backend:
+        b = self.backends.get(address)
+        if b is None:
+            b = self.backends[address] = Backend(address=address, **fields)
+        else:  # re-adding updates its settings (e.g. a new policy_version) and keeps its leases
+            for k, v in fields.items():
+                setattr(b, k, v)
+            b.healthy, b.failures = True, 0
+        return b
+
+    def clear(self, address: str | None = None) -> list[str]:
+        """Remove backends; their live leases stay valid until released (jobs finish)."""
+        gone = [a for a in self.backends if address is None or a == address]
+        for a in gone:
+            del self.backends[a]
+        return gone
+
+    def current_version(self) -> int:
+        return max((b.policy_version for b in self.backends.values()), default=0)
+
+    # -- leasing ---------------------------------------------------------------------------
+    def candidates(self, exclude=()) -> list[Backend]:
+        return [b for b in self.backends.values() if b.healthy and not b.full() and b.id not in exclude]
+
+    def pick(self, node: str = "", exclude=()) -> Backend | None:
+        if not self.backends:
+            raise NoBackend("no LLM backend is registered")
+        cands = self.candidates(exclude)
+        if not cands:
+            return None
+        if self.policy == "round_robin":
+            ordered = list(self.backends.values())
+            for i in range(len(ordered)):
+                b = ordered[(self._rr + i) % len(ordered)]
+                if b in cands:
+                    self._rr = (self._rr + i + 1) % len(ordered)
+                    return b
+            return None
+        best = min(b.load() for b in cands)
+        close = [b for b in cands if b.load() <= best + 1e-12]
+        if node:
+            near = [b for b in cands if b.node == node and b.load() <= best + self.node_affinity]
+            if near:
+                close = [b for b in near if b.load() <= min(x.load() for x in near) + 1e-12]
+        # Fair tie-break: rotate through equals instead of always taking the first.
+        self._rr += 1
+        return close[self._rr % len(close)]
+
+    def lease(self, job_id: int, requester: str = "", node: str = "", exclude=()) -> LeaseRecord | None:
+        b = self.pick(node, exclude)
+        if b is None:
+            return None
+        b.inflight += 1
+        b.leases_total += 1
+        now = time.monotonic()
+        rec = LeaseRecord(f"{self.lease_prefix}{next(self._ids)}", b.id, job_id, requester, b.policy_version, now, now)
+        self.leases[rec.lease_id] = rec
+        return rec
+
+    def release(self, lease_id: str) -> bool:
+        rec = self.leases.pop(lease_id, None)
+        if rec is None:
+            return False
+        b = self.backends.get(rec.backend_id)
+        if b is not None:
+            b.inflight = max(0, b.inflight - 1)
+        return True
+
+    def adopt(self, lease_id: str, backend_id: str, job_id: int, requester: str, policy_version: int):
+        """Re-create a lease a run daemon reports holding (after a router restart)."""
+        if lease_id in self.leases or backend_id not in self.backends:
+            return
+        now = time.monotonic()
+        self.leases[lease_id] = LeaseRecord(lease_id, backend_id, job_id, requester, policy_version, now, now)
+        self.backends[backend_id].inflight += 1
+
+    def renew(self, requester: str, lease_ids: set[str]):
+        now = time.monotonic()
+        for rec in self.leases.values():
+            if rec.requester == requester and rec.lease_id in lease_ids:
+                rec.renewed = now
+
+    def expire(self, ttl_s: float) -> list[LeaseRecord]:
+        """Release leases not renewed for ``ttl_s``: their run daemon died."""
+        now = time.monotonic()
+        dead = [r for r in self.leases.values() if now - r.renewed > ttl_s]
+        for r in dead:
+            self.release(r.lease_id)
+        return dead
+
+    def mark(self, backend_id: str, healthy: bool) -> bool:
+        """Record a health outcome; returns True when the backend changed state."""
+        b = self.backends.get(backend_id)
+        if b is None or b.healthy == healthy:
+            if b is not None and healthy:
+                b.failures = 0
+            return False
+        b.healthy = healthy
+        b.failures = 0
+        return True

@@ -1,0 +1,414 @@
+"""The gateway daemon: the only door for trainers.
+
+One ROUTER socket answers REQ and DEALER clients, exactly one reply per request. The
+gateway assigns job ids, journals jobs before acknowledging them, dispatches them to the
+init daemons as their pipes accept, collects results, and answers polls. Each loop turn
+drains every ready socket, commits the journal once, then sends the replies.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from bus import codec
+from bus.messages import (CLIENT_REQUESTS, Error, Job, MessageError, Reply, Result, empty_trajectory,
+                          from_wire)
+from bus.sockets import POLLIN, POLLOUT, poller, recv_now, send_now, writable
+from daemons.base import Daemon
+from gateway.jobs import JobRecord, JobTable
+from gateway.journal import Journal
+from handlers.registry import handler_names
+
+ROUTER_OPS = ("add_llm_server", "clear_llm_server", "list_llm_servers")
+DRAIN_BATCH = 512
+
+
+class Gateway(Daemon):
+    name = "gateway"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.gcfg = cfg.section("gateway")
+        self.table = JobTable()
+        self.journal = Journal(self.gcfg["journal"] or None)
+        self.paused = False
+        self.replies: list[tuple[list, dict, list]] = []   # (route, header, buffers) to send after commit
+        self.waiters: list[tuple[float, list, object]] = []  # (deadline, route, Poll)
+        self.router_pending: dict[int, tuple[float, list, int]] = {}
+        self.router_seq = 0
+        self.daemons: dict[str, dict] = {}   # "name@node" -> last heartbeat
+        self.backends: list = []
+        self.handlers = set(handler_names())
+        self.next_job_id = 0
+
+    # -- setup and recovery -------------------------------------------------------------
+    async def setup(self):
+        s = self.sockets
+        self.front = s.bind("ROUTER", "gateway", hwm=10000)
+        self.to_init = s.bind("PUSH", "init", hwm=1)
+        self.results = s.bind("PULL", "gateway_results", hwm=1000)
+        self.router = s.connect("DEALER", "router", hwm=1000)
+        self.watch = s.connect("SUB", "events_out", subscribe=[b"daemon."], hwm=10000)
+        self._recover()
+
+    def _recover(self):
+        # Ids stay unique across restarts: from the journal, or from the clock without one.
+        self.next_job_id = max(self.journal.max_job_id(), int(time.time() * 1e6) if not self.journal.durable else 0) + 1
+        for cid, (next_seq, acked) in self.journal.clients().items():
+            c = self.table.client(cid)
+            c.next_seq, c.acked = next_seq, acked
+        self.table.idem.update(self.journal.idempotency())
+        n = 0
+        now = time.monotonic()
+        for jid, cid, spec, attempt, state, seq, result in self.journal.unfinished():
+            rec = JobRecord(jid, cid, spec, attempt=attempt, state=state, last_seen=now)
+            if state == "done":
+                rec.seq, rec.result = seq, result
+                self.table.jobs[jid] = rec
+                self.table.client(cid).ready[seq] = jid
+            else:
+                # In flight when the gateway stopped: daemons may still finish it and deliver the
+                # result; if none lists it in a heartbeat within the lease timeout it is re-dispatched.
+                self.table.add(rec)
+            n += 1
+        if n:
+            for c in self.table.clients.values():
+                c.ready = type(c.ready)(sorted(c.ready.items()))
+            self.log.info("journal_recovered", jobs=n, queued=len(self.table.queue))
+
+    def heartbeat(self):
+        return {"paused": self.paused, **self.table.counts(), "clients": len(self.table.clients)}
+
+    # -- main loop ------------------------------------------------------------------------
+    async def serve(self):
+        p = poller()
+        for s in (self.front, self.results, self.router, self.watch):
+            p.register(s, POLLIN)
+        poll_ms = int(float(self.dcfg["poll_s"]) * 1000)
+        last_sweep = time.monotonic()
+        watching_out = False
+        while not self.stopping:
+            # Wake on the init pipe having room only while there is something to send.
+            want_out = bool(self.table.queue) and not self.paused
+            if want_out != watching_out:
+                p.register(self.to_init, POLLOUT) if want_out else p.unregister(self.to_init)
+                watching_out = want_out
+            timeout = poll_ms if not self.waiters else max(0, min(poll_ms, int((min(w[0] for w in self.waiters) - time.monotonic()) * 1000) + 1))
+            await p.poll(timeout)
+            self._drain(self.results, self._on_result)
+            self._drain(self.front, self._on_request)
+            self._drain(self.router, self._on_router_reply)
+            self._drain(self.watch, self._on_event)
+            self.journal.commit()
+            self._answer_waiters()
+            self._flush_replies()
+            self._dispatch()
+            now = time.monotonic()
+            if now - last_sweep > 1.0:
+                last_sweep = now
+                self._sweep(now)
+        self.journal.commit()
+
+    def _drain(self, sock, fn):
+        for _ in range(DRAIN_BATCH):
+            frames = recv_now(sock)
+            if frames is None:
+                return
+            try:
+                fn(frames)
+            except Exception as e:  # noqa: BLE001 - one bad message must not stop the gateway
+                self.log.error("message_handling_failed", error=f"{type(e).__name__}: {e}")
+
+    # -- trainer requests -------------------------------------------------------------------
+    def _on_request(self, frames):
+        ident = frames[0].bytes
+        rest = frames[1:]
+        route = [ident]
+        if rest and len(rest[0]) == 0:  # REQ (and REQ-style DEALER) envelope delimiter
+            route.append(b"")
+            rest = rest[1:]
+        size = codec.frames_size(rest)
+        if size > int(self.gcfg["max_request_bytes"]):
+            self._error(route, 0, "too_large", f"request of {size} bytes exceeds the limit of {self.gcfg['max_request_bytes']}")
+            return
+        req_id = 0
+        try:
+            header = codec.decode(rest)
+            req_id = header.get("req_id", 0) if isinstance(header.get("req_id", 0), int) else 0
+            msg = from_wire(header, expect=CLIENT_REQUESTS)
+        except (codec.CodecError, MessageError) as e:
+            self._error(route, req_id, getattr(e, "code", "malformed"), str(e))
+            return
+        try:
+            getattr(self, f"_op_{msg.KIND}")(route, msg)
+        except MessageError as e:
+            self._error(route, msg.req_id, e.code, e.message)
+
+    def _reply(self, route, req_id: int, **body):
+        frames = codec.encode(Reply(req_id=req_id, body=body).to_wire())
+        self.replies.append((route, frames))
+
+    def _error(self, route, req_id: int, code: str, message: str):
+        self.log.info("request_rejected", code=code, error=message[:300])
+        self.replies.append((route, codec.encode(Error(code=code, message=message, req_id=req_id).to_wire())))
+
+    def _flush_replies(self):
+        for route, frames in self.replies:
+            self.front.send_multipart(route + frames, copy=False)
+        self.replies.clear()
+
+    def _op_submit(self, route, msg):
+        key = (msg.client_id, msg.idempotency_key) if msg.idempotency_key else None
+        if key and key in self.table.idem:
+            self._reply(route, msg.req_id, job_ids=self.table.idem[key], duplicate=True)
+            return
+        for i, t in enumerate(msg.tasks):
+            if t["handler"] not in self.handlers:
+                raise MessageError("unknown_handler", f"tasks[{i}]: no handler named {t['handler']!r}; "
+                                   f"registered: {', '.join(sorted(self.handlers))}")
+        job_ids, rows = [], []
+        budget = float(self.gcfg["default_budget_s"])
+        for ti, t in enumerate(msg.tasks):
+            iid = str(t.get("instance_id", ti))
+            for k in range(t.get("n", 1)):
+                jid = self.next_job_id
+                self.next_job_id += 1
+                spec = {"handler": t["handler"], "instance": t.get("instance", {}), "instance_id": iid,
+                        "sample_index": k, "budget_s": float(t.get("timeout_s") or budget),
+                        "phase_limits": t.get("phase_timeouts") or {}}
+                self.table.add(JobRecord(jid, msg.client_id, spec))
+                rows.append((jid, msg.client_id, spec))
+                job_ids.append(jid)
+        self.journal.add_jobs(rows)
+        c = self.table.client(msg.client_id)
+        self.journal.set_client(msg.client_id, c.next_seq, c.acked)
+        if key:
+            self.table.idem[key] = job_ids
+            self.journal.add_idempotency(msg.client_id, msg.idempotency_key, job_ids)
+        self.table.totals["submitted"] += len(job_ids)
+        self._reply(route, msg.req_id, job_ids=job_ids, duplicate=False)
+
+    def _op_poll(self, route, msg):
+        acked = self.table.ack(msg.client_id, msg.after)
+        if acked:
+            self.journal.ack(msg.client_id, msg.after)
+        recs = self.table.ready_after(msg.client_id, msg.after, msg.max_results)
+        if recs or msg.wait_s <= 0 or self.table.client(msg.client_id).pending == 0:
+            self._poll_reply(route, msg, recs)
+        else:
+            self.waiters.append((time.monotonic() + msg.wait_s, route, msg))
+
+    def _poll_reply(self, route, msg, recs):
+        # Result frames are forwarded as received: a header with arrays refers to buffer frames,
+        # so each result is re-encoded into one reply (arrays stay zero-copy views).
+        results = [codec.decode(r.result)["trajectory"] for r in recs]
+        c = self.table.client(msg.client_id)
+        last = recs[-1].seq if recs else msg.after
+        self._reply(route, msg.req_id, results=results, last=last, pending=c.pending,
+                    ready=max(0, len(c.ready) - len(recs)))
+
+    def _answer_waiters(self):
+        if not self.waiters:
+            return
+        now = time.monotonic()
+        keep = []
+        for deadline, route, msg in self.waiters:
+            recs = self.table.ready_after(msg.client_id, msg.after, msg.max_results)
+            if recs or now >= deadline or self.stopping or self.table.client(msg.client_id).pending == 0:
+                self._poll_reply(route, msg, recs)
+            else:
+                keep.append((deadline, route, msg))
+        self.waiters = keep
+
+    def _op_cancel(self, route, msg):
+        out = {}
+        to_broadcast = []
+        for jid in msg.job_ids:
+            rec = self.table.jobs.get(jid)
+            if rec is None:
+                out[str(jid)] = "not_found"
+            elif rec.state == "done":
+                out[str(jid)] = "already_finished"
+            elif rec.state == "queued":
+                self.table.queue.remove(jid)
+                self._finish_locally(rec, "cancelled", "queue", "JobCancelled", "cancelled while queued in the gateway")
+                out[str(jid)] = "cancelled"
+            else:
+                rec.cancel_requested = True
+                to_broadcast.append(jid)
+                out[str(jid)] = "cancelling"
+        if to_broadcast:
+            self.events.publish("control.cancel", job_ids=to_broadcast)
+        self._reply(route, msg.req_id, jobs=out)
+
+    def _op_status(self, route, msg):
+        now = time.time()
+        daemons = [dict(d, age_s=round(now - d.get("ts", now), 3)) for d in self.daemons.values()]
+        for d in daemons:
+            d.pop("jobs", None)
+        self._reply(route, msg.req_id, paused=self.paused, **self.table.counts(),
+                    totals=dict(self.table.totals), daemons=daemons, backends=self.backends,
+                    journal=self.journal.path or "", handlers=sorted(self.handlers))
+
+    def _op_start(self, route, msg):
+        self.paused = False
+        self._reply(route, msg.req_id, paused=False)
+
+    def _op_stop(self, route, msg):
+        self.paused = True
+        self._reply(route, msg.req_id, paused=True)
+
+    def _forward_to_router(self, route, msg):
+        self.router_seq += 1
+        rid = self.router_seq
+        self.router_pending[rid] = (time.monotonic() + float(self.gcfg["router_timeout_s"]), route, msg.req_id)
+        wire = msg.to_wire()
+        wire["req_id"] = rid
+        send_now(self.router, [b""] + codec.encode(wire))
+
+    _op_add_llm_server = _forward_to_router
+    _op_clear_llm_server = _forward_to_router
+    _op_list_llm_servers = _forward_to_router
+
+    def _on_router_reply(self, frames):
+        rest = frames[1:] if frames and len(frames[0]) == 0 else frames
+        header = codec.decode(rest)
+        pending = self.router_pending.pop(header.get("req_id"), None)
+        if pending is None:
+            return
+        _, route, client_req = pending
+        header["req_id"] = client_req
+        self.replies.append((route, codec.encode(header)))
+
+    # -- pipeline ----------------------------------------------------------------------------
+    def _dispatch(self):
+        if self.paused:
+            return
+        q = self.table.queue
+        now = time.monotonic()
+        while q and writable(self.to_init):
+            jid = q[0]
+            rec = self.table.jobs.get(jid)
+            if rec is None or rec.state != "queued":
+                q.popleft()
+                continue
+            s = rec.spec
+            job = Job(job_id=jid, attempt=rec.attempt, handler=s["handler"], instance=s["instance"],
+                      instance_id=s["instance_id"], sample_index=s["sample_index"], client_id=rec.client_id,
+                      budget_s=s.get("budget_s"), phase_limits=s.get("phase_limits") or {}, sent_at=time.time())
+            if not send_now(self.to_init, codec.encode(job.to_wire())):
+                break
+            q.popleft()
+            rec.state = "dispatched"
+            rec.last_seen = now
+            self.journal.set_state(jid, "dispatched", rec.attempt)
+
+    def _on_result(self, frames):
+        try:
+            msg = from_wire(codec.decode(frames), expect=("result",))
+        except (codec.CodecError, MessageError) as e:
+            self.log.warning("malformed_result_dropped", error=str(e))
+            return
+        rec = self.table.jobs.get(msg.job_id)
+        if rec is None or rec.state == "done" or rec.attempt != msg.attempt:
+            self.log.info("late_result_discarded", job_id=msg.job_id, attempt=msg.attempt,
+                          current=None if rec is None else rec.attempt)
+            return
+        traj = msg.trajectory
+        traj["attempts"] = rec.attempt
+        self._complete(rec, codec.encode(msg.to_wire()), traj["status"])
+
+    def _complete(self, rec: JobRecord, frames: list, status: str):
+        seq = self.table.finish(rec, frames)
+        self.table.totals[status] += 1
+        self.journal.add_result(rec.job_id, seq, frames)
+        c = self.table.clients[rec.client_id]
+        self.journal.set_client(rec.client_id, c.next_seq, c.acked)
+        self.events.publish("job.done", job_id=rec.job_id, attempt=rec.attempt, status=status)
+
+    def _finish_locally(self, rec: JobRecord, status: str, phase: str, etype: str, message: str):
+        """A result the gateway writes itself (cancelled in queue, attempts exhausted)."""
+        traj = empty_trajectory(rec.job_id, rec.spec["instance_id"], rec.spec["sample_index"])
+        traj.update(handler=rec.spec["handler"], status=status, failed_phase=phase,
+                    error={"type": etype, "message": message}, attempts=rec.attempt)
+        self._complete(rec, codec.encode(Result(job_id=rec.job_id, attempt=rec.attempt, trajectory=traj).to_wire()), status)
+
+    # -- liveness: heartbeats, dead daemons, lease expiry ----------------------------------
+    def _on_event(self, frames):
+        topic = frames[0].bytes.decode()
+        body = codec.unpack(frames[1].bytes)
+        who = f"{body.get('daemon')}@{body.get('node')}"
+        if topic == "daemon.heartbeat":
+            prev = self.daemons.get(who)
+            if prev is not None and prev.get("incarnation") != body.get("incarnation"):
+                self._holder_lost(prev, "restarted")
+            self.daemons[who] = body
+            if body.get("daemon") == "router":
+                self.backends = body.get("backends", [])
+            now = time.monotonic()
+            holder = f"{who}#{body.get('incarnation')}"
+            for jid, attempt in body.get("jobs", ()):
+                rec = self.table.jobs.get(jid)
+                if rec is not None and rec.attempt == attempt and rec.state == "dispatched":
+                    rec.last_seen = now
+                    rec.holder = holder
+        elif topic in ("daemon.died", "daemon.stopped"):
+            prev = self.daemons.pop(who, None)
+            if prev is not None:
+                self._holder_lost(prev, topic.split(".")[1])
+        elif topic == "daemon.abandoned":
+            for jid, attempt in body.get("jobs", ()):
+                self._redispatch(jid, attempt, f"abandoned by {who} at its drain deadline")
+
+    def _holder_lost(self, hb: dict, why: str):
+        holder = f"{hb.get('daemon')}@{hb.get('node')}#{hb.get('incarnation')}"
+        for jid, attempt in hb.get("jobs", ()):
+            rec = self.table.jobs.get(jid)
+            if rec is not None and rec.holder == holder:
+                self._redispatch(jid, attempt, f"{holder} {why}")
+
+    def _redispatch(self, jid: int, attempt: int, cause: str):
+        rec = self.table.jobs.get(jid)
+        if rec is None or rec.state != "dispatched" or rec.attempt != attempt:
+            return
+        if rec.cancel_requested:
+            self._finish_locally(rec, "cancelled", "queue", "JobCancelled", f"cancelled; its holder was lost ({cause})")
+            return
+        if rec.attempt >= int(self.gcfg["max_attempts"]):
+            self._finish_locally(rec, "failed", "queue", "AttemptsExhausted",
+                                 f"attempt {rec.attempt} lost ({cause}); max_attempts={self.gcfg['max_attempts']}")
+            return
+        rec.attempt += 1
+        rec.state = "queued"
+        rec.holder = ""
+        self.table.queue.appendleft(jid)  # it already waited its turn once
+        self.table.totals["redispatched"] += 1
+        self.journal.set_state(jid, "queued", rec.attempt)
+        self.log.warning("job_redispatched", job_id=jid, attempt=rec.attempt, cause=cause)
+        self.events.publish("job.redispatched", job_id=jid, attempt=rec.attempt, cause=cause)
+
+    def _sweep(self, now: float):
+        dead_s = float(self.gcfg["daemon_dead_s"])
+        wall = time.time()
+        for who, hb in list(self.daemons.items()):
+            if wall - hb.get("ts", wall) > dead_s:
+                self.daemons.pop(who)
+                self.log.warning("daemon_presumed_dead", daemon=who, silent_s=round(wall - hb.get("ts", wall), 1))
+                self._holder_lost(hb, "went silent")
+        lease = float(self.gcfg["lease_timeout_s"])
+        for rec in list(self.table.jobs.values()):
+            if rec.state == "dispatched" and now - rec.last_seen > lease:
+                self._redispatch(rec.job_id, rec.attempt, f"unseen in any heartbeat for {lease:.0f}s")
+        for rid, (deadline, route, client_req) in list(self.router_pending.items()):
+            if now > deadline:
+                del self.router_pending[rid]
+                self._error(route, client_req, "unavailable", "the router did not answer in time")
+        self.journal.commit()
+        self._flush_replies()
+
+    async def teardown(self):
+        for _, route, msg in self.waiters:
+            self._poll_reply(route, msg, [])
+        self._flush_replies()
+        self.journal.close()

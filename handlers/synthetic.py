@@ -1,0 +1,72 @@
+"""A handler with no sandbox and no LLM whose phase latencies and failures are drawn from
+distributions the instance gives. Tests and benchmarks drive the pipeline with it.
+
+Instance fields (all optional)::
+
+    {"init": {"dist": "constant", "value": 0.01},
+     "run":  {"dist": "lognormal", "mu": -3, "sigma": 1.0},
+     "eval": {"dist": "uniform", "low": 0.0, "high": 0.002},
+     "fail": {"init": 0.05, "run": 0.0, "eval": 0.0},   # probability of raising in the phase
+     "reward": 1.0, "seed": 7}
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+
+from handlers.base import AgentHandler, JobContext
+
+
+class SyntheticFailure(RuntimeError):
+    pass
+
+
+def draw(spec, rng: random.Random) -> float:
+    """A latency in seconds from ``{"dist": ..., ...}`` or a bare number."""
+    if spec is None:
+        return 0.0
+    if isinstance(spec, (int, float)):
+        return max(0.0, float(spec))
+    if not isinstance(spec, dict):
+        raise ValueError(f"latency spec must be a number or a map, not {type(spec).__name__}")
+    dist = spec.get("dist", "constant")
+    scale = float(spec.get("scale", 1.0))
+    if dist == "constant":
+        v = float(spec.get("value", 0.0))
+    elif dist == "uniform":
+        v = rng.uniform(float(spec.get("low", 0.0)), float(spec.get("high", 0.0)))
+    elif dist == "lognormal":
+        v = rng.lognormvariate(float(spec.get("mu", 0.0)), float(spec.get("sigma", 1.0)))
+    else:
+        raise ValueError(f"unknown latency distribution {dist!r} (constant, uniform, lognormal)")
+    return max(0.0, v * scale)
+
+
+class SyntheticHandler(AgentHandler):
+    name = "synthetic"
+
+    def _rng(self, ctx: JobContext, phase: str) -> random.Random:
+        seed = ctx.instance.get("seed")
+        if seed is None:
+            return random.Random()
+        return random.Random(f"{seed}:{ctx.job.instance_id}:{ctx.job.sample_index}:{phase}")
+
+    async def _phase(self, ctx: JobContext, phase: str):
+        rng = self._rng(ctx, phase)
+        delay = draw(ctx.instance.get(phase), rng)
+        fail_p = float((ctx.instance.get("fail") or {}).get(phase, 0.0))
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if fail_p > 0 and rng.random() < fail_p:
+            raise SyntheticFailure(f"synthetic failure injected in {phase}")
+        ctx.state[f"{phase}_s"] = delay
+
+    async def init(self, ctx):
+        await self._phase(ctx, "init")
+
+    async def run(self, ctx):
+        await self._phase(ctx, "run")
+
+    async def eval(self, ctx):
+        await self._phase(ctx, "eval")
+        ctx.set_reward(float(ctx.instance.get("reward", 1.0)), drawn={k: v for k, v in ctx.state.items()})
