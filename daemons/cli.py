@@ -101,6 +101,31 @@ def cmd_backend(args) -> int:
     return 0
 
 
+# Commands owned by other packages: ``rolloutd NAME ARGS...`` calls ``module.main(ARGS)``.
+TOOLS = {
+    "doctor": ("sandbox.doctor", "preflight: which sandbox runtimes really work on this node"),
+    "serve-hf": ("llm.serve_hf", "serve a local transformers model behind vLLM's /v1/completions (CPU reference backend)"),
+    "make-tiny-model": ("llm.tiny_model", "build a tiny random Qwen2-architecture model with a local BPE and ChatML template"),
+    "scripted-backend": ("llm.scripted", "a scripted stand-in for vLLM/SGLang, for tests and benchmarks"),
+    "monitor": ("daemons.monitor", "live terminal view of the events stream"),
+    "exporter": ("daemons.exporter", "Prometheus exporter fed by the events stream"),
+    "keys": ("daemons.keys", "CURVE keys for tcp deployments"),
+    "demo": ("daemons.demo", "the whole system on the embedded default, with a mixed batch of tasks"),
+}
+
+
+def _tool(name: str, argv: list[str]) -> int:
+    import importlib
+
+    module, _ = TOOLS[name]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        print(f"rolloutd {name}: not available in this installation ({e})", file=sys.stderr)
+        return 2
+    return mod.main(argv) or 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rolloutd", description="rollout-as-a-service for multi-turn agent RL")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -115,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
         common(sp)
         sp.add_argument("--gateway", help="gateway address (default: from the config)")
         sp.add_argument("--timeout", type=float, default=10.0, help="per-request timeout in seconds")
+
+    for name, (_, help_text) in TOOLS.items():
+        sp = sub.add_parser(name, help=help_text, add_help=False)
+        sp.add_argument("argv", nargs=argparse.REMAINDER)
+        sp.set_defaults(fn=lambda a, n=name: _tool(n, a.argv))
 
     sp = sub.add_parser("up", help="run every daemon of this machine, supervised")
     common(sp)
@@ -158,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from daemons.config import ConfigError
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in TOOLS:  # pass everything, --help included, to the tool itself
+        return _tool(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "cmd", None) == "backend" and args.action == "add" and not args.address:
         print("rolloutd backend add: an address is required", file=sys.stderr)
