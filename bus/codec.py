@@ -84,6 +84,20 @@ def decode(frames: Sequence, max_depth_arrays: int = 4096) -> dict:
     return obj
 
 
+def peek_req_id(frames: Sequence, limit: int = 1 << 16) -> int:
+    """The ``req_id`` of a request too large (or too broken) to decode, so the error reply can
+    still name it; 0 when it cannot be read cheaply."""
+    try:
+        head = _buffer(frames[0])
+        if len(head) > limit:
+            return 0
+        obj = msgpack.unpackb(head, ext_hook=lambda code, data: None, raw=False)
+        rid = obj.get("req_id", 0) if isinstance(obj, dict) else 0
+        return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
+    except Exception:  # noqa: BLE001 - best effort only
+        return 0
+
+
 def _buffer(f) -> memoryview | bytes:
     if isinstance(f, (bytes, bytearray, memoryview)):
         return memoryview(f) if not isinstance(f, bytes) else f

@@ -10,15 +10,15 @@ import dataclasses
 import os
 from pathlib import Path
 
-# Who binds each endpoint. The receiver binds, except ``init``: many init daemons on
-# many nodes connect to the one PUSH socket the gateway binds, and PUSH round-robins
-# among them, skipping any whose pipe is full (that is the backpressure path).
+# Who binds each endpoint. Job hand-offs are credit-based (bus.credit): the sender binds a
+# ROUTER and each receiver connects a DEALER and announces its free slots, so the names
+# still say who receives there, but the sender binds.
 BINDER = {
     "gateway": "gateway",          # ROUTER; trainers' REQ/DEALER connect
     "gateway_results": "gateway",  # PULL; init/run/eval PUSH final results
-    "init": "gateway",             # PUSH bound by the gateway; init PULL connects
-    "run": "run",                  # PULL; init PUSH connects (node-local)
-    "eval": "eval",                # PULL; run PUSH connects (node-local)
+    "init": "gateway",             # ROUTER bound by the gateway; init daemons of every node connect
+    "run": "init",                 # ROUTER bound by init; the node's run daemon connects (node-local)
+    "eval": "run",                 # ROUTER bound by run; the node's eval daemon connects (node-local)
     "router": "router",            # ROUTER; run daemons and the gateway connect DEALER
     "events_in": "events",         # XSUB; every daemon's PUB connects
     "events_out": "events",        # XPUB; monitors and the gateway SUB connect

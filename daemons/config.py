@@ -28,7 +28,7 @@ DEFAULTS: dict = {
         "max_request_bytes": 16 << 20,
         "journal": "",              # SQLite path; empty = in memory only
         "default_budget_s": 3600.0,
-        "lease_timeout_s": 120.0,   # a job unseen in any heartbeat for this long is re-dispatched
+        "lease_timeout_s": 10.0,    # a job unseen in any heartbeat for this long is re-dispatched
         "daemon_dead_s": 5.0,       # a daemon silent this long is presumed dead
         "max_attempts": 3,
         "retention_s": 86400.0,     # un-acknowledged results of vanished clients are dropped after this

@@ -13,6 +13,7 @@ import time
 
 from bus import codec
 from bus.messages import Job, MessageError, Result, from_wire
+from bus.credit import CreditReceiver, CreditSender
 from bus.sockets import recv, recv_now
 from daemons.base import Daemon
 from handlers.base import JobContext, PhaseTimeout, Services
@@ -33,7 +34,6 @@ class PhaseDaemon(Daemon):
         self.cancelled: dict[int, None] = {}
         self.counts = {"done": 0, "failed": 0, "timeout": 0, "cancelled": 0, "forwarded": 0, "malformed": 0}
         self.services = Services(self._make_runtime)
-        self._slot = asyncio.Event()
 
     def _make_runtime(self):
         from sandbox import get_runtime
@@ -44,11 +44,13 @@ class PhaseDaemon(Daemon):
 
     async def setup(self):
         s = self.sockets
-        # Receive queue of one: a job waits in a pipe only while every slot is busy.
-        self.pull = s.connect("PULL", "init", hwm=1) if self.phase == "init" else s.bind("PULL", self.phase, hwm=1)
+        ident = f"{self.phase}@{self.node}#{self.incarnation}".encode()
+        self.inbox = s.connect("DEALER", self.phase, hwm=1000, identity=ident)
+        self.receiver = CreditReceiver(self.inbox, self.pool, info={"node": self.node})
         nxt = NEXT[self.phase]
-        self.push_next = s.connect("PUSH", nxt, hwm=1) if nxt else None
-        self.push_results = s.connect("PUSH", "gateway_results", hwm=64)
+        self.outbox = CreditSender(s.bind("ROUTER", nxt, hwm=1000)) if nxt else None
+        self._credit = asyncio.Event()
+        self.push_results = s.connect("PUSH", "gateway_results", hwm=1000)
         self.control = s.connect("SUB", "events_out", subscribe=[b"control."], hwm=10000)
 
     def heartbeat(self):
@@ -56,24 +58,34 @@ class PhaseDaemon(Daemon):
                 "jobs": [[j, a] for j, (a, _) in self.inflight.items()], "counts": dict(self.counts)}
 
     async def serve(self):
-        ctrl = asyncio.create_task(self._control_loop())
+        side = [asyncio.create_task(self._control_loop())]
+        if self.outbox is not None:
+            side.append(asyncio.create_task(self._credit_loop()))
         poll_s = float(self.dcfg["poll_s"])
         try:
             while not self.stopping:
-                if len(self.inflight) >= self.pool:
-                    self._slot.clear()
-                    try:
-                        await asyncio.wait_for(self._slot.wait(), poll_s)
-                    except asyncio.TimeoutError:
-                        pass
-                    continue
-                frames = await recv(self.pull, poll_s)
+                self.receiver.update(self.pool - len(self.inflight))
+                frames = await recv(self.inbox, poll_s)
                 while frames is not None:
                     self._accept(frames)
-                    frames = recv_now(self.pull) if len(self.inflight) < self.pool else None
+                    frames = recv_now(self.inbox)
+            self.receiver.update(0, force=True)  # draining: send nothing more here
             await self._drain()
         finally:
-            ctrl.cancel()
+            for t in side:
+                t.cancel()
+
+    async def _credit_loop(self):
+        """Announcements from the next phase's daemon(s) arrive on the outbox."""
+        while True:
+            frames = await recv(self.outbox.sock, 0.5)
+            while frames is not None:
+                if not self.outbox.on_message(frames):
+                    self.log.warning("malformed_credit_dropped")
+                frames = recv_now(self.outbox.sock)
+            self.outbox.expire()
+            if self.outbox.credit() > 0:
+                self._credit.set()
 
     def _accept(self, frames):
         received = time.time()
@@ -84,6 +96,7 @@ class PhaseDaemon(Daemon):
             self.log.warning("malformed_job_dropped", error=str(e), code=getattr(e, "code", "malformed"))
             self.events.publish("error.malformed", phase=self.phase, error=str(e))
             return
+        self.receiver.got()
         task = asyncio.create_task(self._process(job, received))
         self.inflight[job.job_id] = (job.attempt, task)
 
@@ -123,11 +136,14 @@ class PhaseDaemon(Daemon):
             job.spent_s += elapsed
         try:
             await self._hand_off(job, ctx, handler, outcome, log)
+        except asyncio.CancelledError:  # cancelled while waiting for a slot downstream
+            ctx.fail(self.phase, JobCancelled(f"cancelled after {self.phase}"), status="cancelled")
+            await self._hand_off(job, ctx, handler, "cancelled", log)
         except Exception as e:  # noqa: BLE001
             log.error("hand_off_failed", error=f"{type(e).__name__}: {e}")
         finally:
             self.inflight.pop(job.job_id, None)
-            self._slot.set()
+            self.receiver.update(self.pool - len(self.inflight))
 
     def _limit(self, job: Job) -> float | None:
         limits = []
@@ -158,9 +174,17 @@ class PhaseDaemon(Daemon):
         if finished or (self.phase == "run" and handler is not None and not handler.eval_needs_sandbox):
             await self._destroy_sandbox(job, log)
         if not finished:
-            job.sent_at = time.time()
             job.node = self.node
-            await self.push_next.send_multipart(codec.encode(job.to_wire()), copy=False)
+            # The job keeps its slot here until the next phase has one: that is the backpressure.
+            job.sent_at = time.time()  # waiting for a downstream slot counts as queue time
+            while True:
+                if self.outbox.send(codec.encode(job.to_wire())) is not None:
+                    break
+                self._credit.clear()
+                try:
+                    await asyncio.wait_for(self._credit.wait(), 1.0)
+                except asyncio.TimeoutError:
+                    pass
             self.counts["forwarded"] += 1
             return
         traj = handler.final_result(ctx) if handler is not None else ctx.trajectory

@@ -90,11 +90,9 @@ class Router(Daemon):
         if rest and len(rest[0]) == 0:
             route.append(b"")
             rest = rest[1:]
-        req_id = 0
+        req_id = codec.peek_req_id(rest)
         try:
-            header = codec.decode(rest)
-            req_id = header.get("req_id", 0) if isinstance(header.get("req_id"), int) else 0
-            msg = from_wire(header, expect=KINDS)
+            msg = from_wire(codec.decode(rest), expect=KINDS)
             getattr(self, f"_op_{msg.KIND}")(route, msg)
         except (codec.CodecError, MessageError) as e:
             self._error(route, req_id, getattr(e, "code", "malformed"), str(e))

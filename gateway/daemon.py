@@ -14,7 +14,8 @@ import time
 from bus import codec
 from bus.messages import (CLIENT_REQUESTS, Error, Job, MessageError, Reply, Result, empty_trajectory,
                           from_wire)
-from bus.sockets import POLLIN, POLLOUT, poller, recv_now, send_now, writable
+from bus.credit import CreditSender
+from bus.sockets import POLLIN, poller, recv_now, send_now
 from daemons.base import Daemon
 from gateway.jobs import JobRecord, JobTable
 from gateway.journal import Journal
@@ -46,7 +47,7 @@ class Gateway(Daemon):
     async def setup(self):
         s = self.sockets
         self.front = s.bind("ROUTER", "gateway", hwm=10000)
-        self.to_init = s.bind("PUSH", "init", hwm=1)
+        self.to_init = CreditSender(s.bind("ROUTER", "init", hwm=1000))
         self.results = s.bind("PULL", "gateway_results", hwm=1000)
         self.router = s.connect("DEALER", "router", hwm=1000)
         self.watch = s.connect("SUB", "events_out", subscribe=[b"daemon."], hwm=10000)
@@ -83,23 +84,18 @@ class Gateway(Daemon):
     # -- main loop ------------------------------------------------------------------------
     async def serve(self):
         p = poller()
-        for s in (self.front, self.results, self.router, self.watch):
+        for s in (self.front, self.results, self.router, self.watch, self.to_init.sock):
             p.register(s, POLLIN)
         poll_ms = int(float(self.dcfg["poll_s"]) * 1000)
         last_sweep = time.monotonic()
-        watching_out = False
         while not self.stopping:
-            # Wake on the init pipe having room only while there is something to send.
-            want_out = bool(self.table.queue) and not self.paused
-            if want_out != watching_out:
-                p.register(self.to_init, POLLOUT) if want_out else p.unregister(self.to_init)
-                watching_out = want_out
             timeout = poll_ms if not self.waiters else max(0, min(poll_ms, int((min(w[0] for w in self.waiters) - time.monotonic()) * 1000) + 1))
             await p.poll(timeout)
             self._drain(self.results, self._on_result)
             self._drain(self.front, self._on_request)
             self._drain(self.router, self._on_router_reply)
             self._drain(self.watch, self._on_event)
+            self._drain(self.to_init.sock, self._on_credit)
             self.journal.commit()
             self._answer_waiters()
             self._flush_replies()
@@ -130,13 +126,11 @@ class Gateway(Daemon):
             rest = rest[1:]
         size = codec.frames_size(rest)
         if size > int(self.gcfg["max_request_bytes"]):
-            self._error(route, 0, "too_large", f"request of {size} bytes exceeds the limit of {self.gcfg['max_request_bytes']}")
+            self._error(route, codec.peek_req_id(rest), "too_large", f"request of {size} bytes exceeds the limit of {self.gcfg['max_request_bytes']}")
             return
-        req_id = 0
+        req_id = codec.peek_req_id(rest)
         try:
-            header = codec.decode(rest)
-            req_id = header.get("req_id", 0) if isinstance(header.get("req_id", 0), int) else 0
-            msg = from_wire(header, expect=CLIENT_REQUESTS)
+            msg = from_wire(codec.decode(rest), expect=CLIENT_REQUESTS)
         except (codec.CodecError, MessageError) as e:
             self._error(route, req_id, getattr(e, "code", "malformed"), str(e))
             return
@@ -282,12 +276,16 @@ class Gateway(Daemon):
         self.replies.append((route, codec.encode(header)))
 
     # -- pipeline ----------------------------------------------------------------------------
+    def _on_credit(self, frames):
+        if not self.to_init.on_message(frames):
+            self.log.warning("malformed_credit_dropped")
+
     def _dispatch(self):
         if self.paused:
             return
         q = self.table.queue
         now = time.monotonic()
-        while q and writable(self.to_init):
+        while q and self.to_init.credit() > 0:
             jid = q[0]
             rec = self.table.jobs.get(jid)
             if rec is None or rec.state != "queued":
@@ -297,11 +295,13 @@ class Gateway(Daemon):
             job = Job(job_id=jid, attempt=rec.attempt, handler=s["handler"], instance=s["instance"],
                       instance_id=s["instance_id"], sample_index=s["sample_index"], client_id=rec.client_id,
                       budget_s=s.get("budget_s"), phase_limits=s.get("phase_limits") or {}, sent_at=time.time())
-            if not send_now(self.to_init, codec.encode(job.to_wire())):
+            peer = self.to_init.send(codec.encode(job.to_wire()))
+            if peer is None:
                 break
             q.popleft()
             rec.state = "dispatched"
             rec.last_seen = now
+            rec.holder = peer.ident.decode(errors="replace")
             self.journal.set_state(jid, "dispatched", rec.attempt)
 
     def _on_result(self, frames):
@@ -363,10 +363,8 @@ class Gateway(Daemon):
 
     def _holder_lost(self, hb: dict, why: str):
         holder = f"{hb.get('daemon')}@{hb.get('node')}#{hb.get('incarnation')}"
-        for jid, attempt in hb.get("jobs", ()):
-            rec = self.table.jobs.get(jid)
-            if rec is not None and rec.holder == holder:
-                self._redispatch(jid, attempt, f"{holder} {why}")
+        for rec in [r for r in self.table.jobs.values() if r.holder == holder and r.state == "dispatched"]:
+            self._redispatch(rec.job_id, rec.attempt, f"{holder} {why}")
 
     def _redispatch(self, jid: int, attempt: int, cause: str):
         rec = self.table.jobs.get(jid)
@@ -396,6 +394,7 @@ class Gateway(Daemon):
                 self.daemons.pop(who)
                 self.log.warning("daemon_presumed_dead", daemon=who, silent_s=round(wall - hb.get("ts", wall), 1))
                 self._holder_lost(hb, "went silent")
+        self.to_init.expire()
         lease = float(self.gcfg["lease_timeout_s"])
         for rec in list(self.table.jobs.values()):
             if rec.state == "dispatched" and now - rec.last_seen > lease:

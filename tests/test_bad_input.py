@@ -1,0 +1,119 @@
+"""Bad input gets an error reply with a code; the gateway stays up; other clients are unaffected."""
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from bus import codec
+from bus.sockets import Sockets
+from tests.conftest import synthetic
+
+
+class Raw:
+    """A DEALER speaking the REQ envelope, sending whatever frames a test likes."""
+
+    def __init__(self, address):
+        self.sockets = Sockets(asyncio=False, linger_ms=0)
+        self.sock = self.sockets.connect("DEALER", address)
+
+    def ask(self, frames, timeout_s=5.0) -> dict:
+        self.sock.send_multipart([b""] + frames)
+        assert self.sock.poll(int(timeout_s * 1000)), "no reply: every request must get one"
+        reply = self.sock.recv_multipart()
+        assert reply[0] == b""
+        return codec.decode(reply[1:])
+
+    def close(self):
+        self.sockets.close()
+
+
+@pytest.fixture
+def raw(shared_up):
+    r = Raw(shared_up.gateway)
+    yield r
+    r.close()
+
+
+def header(**kw):
+    return msgpack.packb(dict({"v": 1, "req_id": 7}, **kw))
+
+
+CASES = [
+    ("not msgpack", [b"\xc1\xc1garbage"], "malformed"),
+    ("header not a map", [msgpack.packb([1, 2, 3])], "malformed"),
+    ("missing array frame", [msgpack.packb({"v": 1, "kind": "status", "x": msgpack.ExtType(1, msgpack.packb([1, "<i4", [3]]))})], "malformed"),
+    ("wrong array size", [msgpack.packb({"v": 1, "kind": "status", "x": msgpack.ExtType(1, msgpack.packb([1, "<i4", [3]]))}), b"\0" * 5], "malformed"),
+    ("object dtype", [msgpack.packb({"v": 1, "kind": "status", "x": msgpack.ExtType(1, msgpack.packb([1, "|O", [1]]))}), b"\0" * 8], "malformed"),
+    ("no version", [msgpack.packb({"kind": "status"})], "bad_version"),
+    ("wrong version", [header(v=99, kind="status")], "bad_version"),
+    ("unknown op", [header(kind="launch_missiles")], "unknown_kind"),
+    ("internal kind from a client", [header(kind="job", job_id=1, attempt=1, handler="x", instance={})], "unknown_kind"),
+    ("missing field", [header(kind="cancel")], "invalid"),
+    ("wrong type", [header(kind="submit", tasks="all of them")], "invalid"),
+    ("empty batch", [header(kind="submit", tasks=[])], "invalid"),
+    ("n out of range", [header(kind="submit", tasks=[{"handler": "synthetic", "n": 0}])], "invalid"),
+    ("unknown handler", [header(kind="submit", tasks=[{"handler": "os.system"}])], "unknown_handler"),
+    ("bad backend api", [header(kind="add_llm_server", address="http://127.0.0.1:1", api="grpc")], "invalid"),
+]
+
+
+@pytest.mark.parametrize("name,frames,code", CASES, ids=[c[0] for c in CASES])
+def test_error_reply(raw, name, frames, code):
+    reply = raw.ask(frames)
+    assert reply["kind"] == "error", reply
+    assert reply["code"] == code, reply
+    assert reply["message"]
+
+
+def test_oversize_request_is_refused_and_others_carry_on(shared_up, raw):
+    up = shared_up
+    big = np.zeros(17 << 20, dtype=np.uint8)  # over the 16 MiB default limit
+    reply = raw.ask(codec.encode({"v": 1, "kind": "submit", "req_id": 3,
+                                  "tasks": [{"handler": "synthetic", "instance": {"blob": big}}]}), timeout_s=20)
+    assert reply["kind"] == "error" and reply["code"] == "too_large" and reply["req_id"] == 3
+    with up.client() as c:  # another client, at the same time, is served normally
+        r = c.rollout("synthetic", {"reward": 1.0}, timeout_s=30)
+        assert r["status"] == "ok"
+    # ...and so is the misbehaving one, afterwards.
+    reply = raw.ask([header(kind="status")])
+    assert reply["kind"] == "reply" and reply["req_id"] == 7
+
+
+def test_unknown_fields_are_tolerated(raw):
+    reply = raw.ask([header(kind="status", from_the_future={"a": 1})])
+    assert reply["kind"] == "reply"
+
+
+def test_req_socket_client(shared_up):
+    up = shared_up
+    """A plain REQ socket (what a client in another language would use) gets its reply."""
+    s = Sockets(asyncio=False, linger_ms=0)
+    try:
+        req = s.connect("REQ", up.gateway)
+        req.send_multipart(codec.encode({"v": 1, "kind": "submit", "req_id": 1, "client_id": "req-client",
+                                         "tasks": [synthetic(1)]}))
+        assert req.poll(5000)
+        reply = codec.decode(req.recv_multipart())
+        assert reply["kind"] == "reply" and len(reply["body"]["job_ids"]) == 1
+    finally:
+        s.close()
+
+
+def test_garbage_into_phase_daemons_is_dropped(up):
+    """Daemon inputs are not trainer-facing, but garbage there must not kill them either."""
+    s = Sockets(asyncio=False, linger_ms=1000)
+    try:
+        for name in ("run", "eval"):
+            push = s.connect("PUSH", f"ipc://{up.runtime_dir}/{name}.sock")
+            for frames in ([b"junk"], [msgpack.packb({"v": 1, "kind": "job"})], [header(kind="job", job_id="x")]):
+                push.send_multipart(frames)
+        res = s.connect("PUSH", f"ipc://{up.runtime_dir}/gateway_results.sock")
+        res.send_multipart([b"\x00\x01"])
+        res.send_multipart([header(kind="result", job_id=123456, attempt=1, trajectory={})])
+    finally:
+        s.close()
+    with up.client() as c:
+        r = c.rollout("synthetic", {}, timeout_s=30)
+        assert r["status"] == "ok"
+    assert up.proc.poll() is None and "daemon_restarted" not in up.log()

@@ -1,0 +1,105 @@
+"""A job travels trainer -> gateway -> init -> run -> eval -> gateway -> trainer for real."""
+from __future__ import annotations
+
+import numpy as np
+
+from bus.messages import STATUSES, empty_trajectory
+from tests.conftest import synthetic
+
+SHAPE = set(empty_trajectory())
+
+
+def well_formed(r: dict):
+    assert set(r) >= SHAPE, f"missing keys: {SHAPE - set(r)}"
+    assert r["status"] in STATUSES
+    for key in ("prompt_ids", "response_ids", "loss_mask", "logprobs"):
+        assert isinstance(r[key], np.ndarray), key
+    if r["status"] == "ok":
+        assert r["failed_phase"] is None and r["error"] is None
+        assert {"init", "run", "eval"} <= set(r["timing"])
+    else:
+        assert r["failed_phase"] in ("queue", "init", "run", "eval")
+        assert set(r["error"]) == {"type", "message"}
+
+
+def test_200_jobs_with_mixed_failures(up):
+    tasks = [synthetic(i, init={"dist": "uniform", "low": 0, "high": 0.01},
+                       run={"dist": "lognormal", "mu": -5, "sigma": 1.0},
+                       eval={"dist": "constant", "value": 0.001},
+                       fail={"init": 0.1, "run": 0.1, "eval": 0.1}, reward=0.5) for i in range(200)]
+    with up.client() as c:
+        ids = c.submit(tasks)
+        assert len(ids) == len(set(ids)) == 200
+        results = list(c.gather(ids, timeout_s=60))
+    assert sorted(r["job_id"] for r in results) == sorted(ids)
+    for r in results:
+        well_formed(r)
+    by_phase = {}
+    for r in results:
+        by_phase.setdefault(r["failed_phase"], []).append(r)
+    # Seeds make the draw deterministic: each phase fails for some jobs, most jobs succeed.
+    assert {"init", "run", "eval"} <= set(by_phase), set(by_phase)
+    for phase in ("init", "run", "eval"):
+        for r in by_phase[phase]:
+            assert r["status"] == "failed"
+            assert r["error"]["type"] == "SyntheticFailure" and phase in r["error"]["message"]
+            assert r["reward"] == 0.0
+    ok = by_phase[None]
+    assert len(ok) > 100
+    assert all(r["reward"] == 0.5 for r in ok)
+    # Phases a failed job never reached are not timed.
+    assert all("run" not in r["timing"] for r in by_phase["init"])
+
+
+def test_n_samples_per_instance_and_rollout(up):
+    with up.client() as c:
+        ids = c.submit([synthetic(1), synthetic(2)], n=3)
+        assert len(ids) == 6
+        results = sorted(c.gather(ids, timeout_s=30), key=lambda r: r["job_id"])
+        assert [(r["instance_id"], r["sample_index"]) for r in results] == [
+            ("i1", 0), ("i1", 1), ("i1", 2), ("i2", 0), ("i2", 1), ("i2", 2)]
+        one = c.rollout("synthetic", {"reward": 0.25}, timeout_s=30)
+        assert one["status"] == "ok" and one["reward"] == 0.25
+
+
+def test_results_are_delivered_once_and_poll_is_idempotent(up):
+    import time
+
+    from bus.messages import Poll
+
+    with up.client() as c:
+        ids = c.submit([synthetic(i) for i in range(20)])
+        deadline = time.monotonic() + 30
+        while c.status()["done_unacked"] < 20:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        first = c.poll(max_results=100)
+        assert sorted(r["job_id"] for r in first) == sorted(ids)
+        # The same poll re-sent (as after a lost reply) returns the same results...
+        again = c.request(Poll(client_id=c.client_id, after=0, max_results=100, wait_s=0))
+        assert [r["job_id"] for r in again["results"]] == [r["job_id"] for r in first]
+        # ...until the client's next poll acknowledges them; then they are gone for good.
+        assert c.poll() == []
+        gone = c.request(Poll(client_id=c.client_id, after=0, max_results=100, wait_s=0))
+        assert gone["results"] == [] and c.status()["done_unacked"] == 0
+
+
+def test_status_reports_daemons_and_counts(up):
+    with up.client() as c:
+        c.submit([synthetic(i) for i in range(5)])
+        list(c.gather(timeout_s=30))
+        import time
+
+        deadline = time.monotonic() + 10  # daemon counts arrive with their next heartbeat
+        while True:
+            st = c.status()
+            run = [d for d in st["daemons"] if d["daemon"] == "run"]
+            if run and run[0]["counts"]["forwarded"] >= 5 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    names = {d["daemon"] for d in st["daemons"]}
+    assert {"events", "router", "init", "run", "eval", "gateway"} <= names
+    assert st["totals"]["submitted"] == 5 and st["totals"]["done"] == 5
+    phase = {d["daemon"]: d for d in st["daemons"]}
+    assert phase["run"]["pool"] > 0 and phase["run"]["counts"]["forwarded"] >= 5
+    assert "synthetic" in st["handlers"]
