@@ -274,6 +274,7 @@ class Result(Message):
     attempt: int
     trajectory: dict
     node: str = ""
+    requeue: bool = False   # not a result: run the job again (a stale policy under abort_requeue)
 
 
 # ---- run daemon / gateway <-> router -------------------------------------------------

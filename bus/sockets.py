@@ -189,6 +189,7 @@ Again = zmq.Again
 ZMQError = zmq.ZMQError
 POLLIN = zmq.POLLIN
 POLLOUT = zmq.POLLOUT
+SUBSCRIBE = zmq.SUBSCRIBE
 
 
 def poller():

@@ -35,7 +35,7 @@ DEFAULTS: dict = {
         "router_timeout_s": 5.0,
     },
     "init": {"pool": 32},
-    "run": {"pool": 512},
+    "run": {"pool": 512, "llm_timeout_s": 300.0},
     "eval": {"pool": 32},
     "router": {"policy": "least_inflight", "health_interval_s": 5.0, "health_failures": 3,
                "lease_ttl_s": 30.0, "node_affinity": 0.1, "max_policy_lag": 0,

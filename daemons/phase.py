@@ -14,7 +14,7 @@ import time
 from bus import codec
 from bus.messages import Job, MessageError, Result, from_wire
 from bus.credit import CreditReceiver, CreditSender
-from bus.sockets import recv, recv_now
+from bus.sockets import SUBSCRIBE as _SUBSCRIBE, recv, recv_now
 from daemons.base import Daemon
 from handlers.base import JobContext, PhaseTimeout, Services
 from handlers.registry import UnknownHandler, get_handler
@@ -32,6 +32,7 @@ class PhaseDaemon(Daemon):
         self.pool = int(cfg.section(self.phase)["pool"])
         self.inflight: dict[int, tuple[int, asyncio.Task]] = {}
         self.cancelled: dict[int, None] = {}
+        self.why_cancelled: dict[int, str] = {}  # job id -> "cancelled" | "stale" | "requeue"
         self.counts = {"done": 0, "failed": 0, "timeout": 0, "cancelled": 0, "forwarded": 0, "malformed": 0}
         self.services = Services(self._make_runtime)
 
@@ -111,13 +112,19 @@ class PhaseDaemon(Daemon):
         outcome = "ok"
         try:
             if job.job_id in self.cancelled:
-                raise asyncio.CancelledError()
+                raise asyncio.CancelledError()  # cancelled while it waited in a pipe
             handler = get_handler(job.handler, self.cfg.section("handlers"))
             limit = self._limit(job)
+            await self.before_phase(ctx, handler)
             await self._run_phase(handler, ctx, limit)
         except asyncio.CancelledError:
-            outcome = "cancelled"
-            ctx.fail(self.phase, JobCancelled(f"cancelled during {self.phase}"), status="cancelled")
+            outcome = self.why_cancelled.pop(job.job_id, "cancelled")
+            if outcome == "stale":
+                ctx.fail(self.phase, StalePolicy("the policy version moved on past max_policy_lag"), status="failed")
+                ctx.trajectory["stale"] = True
+                outcome = "failed"
+            else:
+                ctx.fail(self.phase, JobCancelled(f"cancelled during {self.phase}"), status="cancelled")
         except UnknownHandler as e:
             outcome = "failed"
             ctx.fail(self.phase, e)
@@ -131,6 +138,7 @@ class PhaseDaemon(Daemon):
                 ctx.fail(self.phase, e, "timeout" if isinstance(e, PhaseTimeout) else "failed")
             outcome = ctx.trajectory["status"]
         finally:
+            await self.after_phase(ctx)
             elapsed = time.monotonic() - t0
             job.timing[self.phase] = round(job.timing.get(self.phase, 0.0) + elapsed, 6)
             job.spent_s += elapsed
@@ -144,6 +152,12 @@ class PhaseDaemon(Daemon):
         finally:
             self.inflight.pop(job.job_id, None)
             self.receiver.update(self.pool - len(self.inflight))
+
+    async def before_phase(self, ctx: JobContext, handler) -> None:
+        """Set up per-job services for the phase (the run daemon leases an LLM backend)."""
+
+    async def after_phase(self, ctx: JobContext) -> None:
+        """Free what ``before_phase`` set up, however the phase ended."""
 
     def _limit(self, job: Job) -> float | None:
         limits = []
@@ -187,6 +201,11 @@ class PhaseDaemon(Daemon):
                     pass
             self.counts["forwarded"] += 1
             return
+        if outcome == "requeue":
+            # Run again from scratch on the new policy: the gateway re-dispatches it (attempt + 1).
+            msg = Result(job_id=job.job_id, attempt=job.attempt, trajectory=ctx.trajectory, node=self.node, requeue=True)
+            await self.push_results.send_multipart(codec.encode(msg.to_wire()), copy=False)
+            return
         traj = handler.final_result(ctx) if handler is not None else ctx.trajectory
         traj["timing"] = dict(job.timing)
         traj["node"] = self.node
@@ -217,8 +236,12 @@ class PhaseDaemon(Daemon):
             if frames is None:
                 continue
             try:
+                topic = frames[0].bytes.decode()
                 body = codec.unpack(frames[1].bytes)
-                ids = body.get("job_ids", [])
+                if topic != "control.cancel":
+                    self.on_control(topic, body)
+                    continue
+                ids = [int(j) for j in body.get("job_ids", [])]
             except Exception as e:  # noqa: BLE001
                 self.log.warning("malformed_control_dropped", error=str(e))
                 continue
@@ -229,6 +252,9 @@ class PhaseDaemon(Daemon):
                     held[1].cancel()
             while len(self.cancelled) > CANCEL_MEMORY:
                 self.cancelled.pop(next(iter(self.cancelled)))
+
+    def on_control(self, topic: str, body: dict):
+        """Other events this daemon subscribed to."""
 
     async def _drain(self):
         deadline = time.monotonic() + float(self.dcfg["drain_s"])
@@ -249,12 +275,74 @@ class JobCancelled(Exception):
     pass
 
 
+class StalePolicy(Exception):
+    pass
+
+
 class InitDaemon(PhaseDaemon):
     phase = "init"
 
 
 class RunDaemon(PhaseDaemon):
+    """The run phase: many agent loops at once on one asyncio loop, each with an LLM lease."""
+
     phase = "run"
+
+    async def setup(self):
+        await super().setup()
+        from daemons.llm_session import ClientCache, RouterClient
+
+        rcfg = self.cfg.section("router")
+        self.router = RouterClient(self.sockets, requester=f"run@{self.node}", node=self.node)
+        self.router.start()
+        self.llm_clients = ClientCache(float(self.cfg.section("run")["llm_timeout_s"]))
+        self.sessions: dict[int, object] = {}
+        self.max_lag = int(rcfg["max_policy_lag"])
+        self.stale_policy = rcfg["stale_policy"]
+        if self.stale_policy not in ("finish", "abort_requeue", "drop"):
+            raise ValueError(f"router.stale_policy must be finish, abort_requeue or drop, not {self.stale_policy!r}")
+        self.current_version = 0
+        self.control.setsockopt(_SUBSCRIBE, b"backend.added")
+
+    async def before_phase(self, ctx, handler):
+        if handler.needs_llm:
+            from daemons.llm_session import LLMSession
+
+            ctx.llm = self.sessions[ctx.job_id] = LLMSession(self.router, self.llm_clients, ctx.job_id)
+
+    async def after_phase(self, ctx):
+        session = self.sessions.pop(ctx.job_id, None)
+        if session is not None:
+            await session.close()
+
+    def heartbeat(self):
+        hb = super().heartbeat()
+        hb["leases"] = [h for h in (s.held() for s in self.sessions.values()) if h]
+        return hb
+
+    def on_control(self, topic: str, body: dict):
+        if topic == "backend.added":
+            v = int(body.get("policy_version", 0))
+            if v > self.current_version:
+                self.current_version = v
+                self._enforce_staleness()
+
+    def _enforce_staleness(self):
+        if self.stale_policy == "finish":
+            return
+        for jid, session in list(self.sessions.items()):
+            pv = session.policy_version
+            if pv is not None and self.current_version - pv > self.max_lag:
+                held = self.inflight.get(jid)
+                if held is not None:
+                    self.why_cancelled[jid] = "requeue" if self.stale_policy == "abort_requeue" else "stale"
+                    self.log.info("stale_job_stopped", job_id=jid, policy_version=pv,
+                                  current=self.current_version, policy=self.stale_policy)
+                    held[1].cancel()
+
+    async def teardown(self):
+        self.router.stop()
+        await self.llm_clients.aclose()
 
 
 class EvalDaemon(PhaseDaemon):

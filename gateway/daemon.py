@@ -315,6 +315,9 @@ class Gateway(Daemon):
             self.log.info("late_result_discarded", job_id=msg.job_id, attempt=msg.attempt,
                           current=None if rec is None else rec.attempt)
             return
+        if msg.requeue:
+            self._redispatch(rec.job_id, rec.attempt, "stale policy version (abort_requeue)", count=False)
+            return
         traj = msg.trajectory
         traj["attempts"] = rec.attempt
         self._complete(rec, codec.encode(msg.to_wire()), traj["status"])
@@ -366,14 +369,14 @@ class Gateway(Daemon):
         for rec in [r for r in self.table.jobs.values() if r.holder == holder and r.state == "dispatched"]:
             self._redispatch(rec.job_id, rec.attempt, f"{holder} {why}")
 
-    def _redispatch(self, jid: int, attempt: int, cause: str):
+    def _redispatch(self, jid: int, attempt: int, cause: str, count: bool = True):
         rec = self.table.jobs.get(jid)
         if rec is None or rec.state != "dispatched" or rec.attempt != attempt:
             return
         if rec.cancel_requested:
             self._finish_locally(rec, "cancelled", "queue", "JobCancelled", f"cancelled; its holder was lost ({cause})")
             return
-        if rec.attempt >= int(self.gcfg["max_attempts"]):
+        if count and rec.attempt >= int(self.gcfg["max_attempts"]):
             self._finish_locally(rec, "failed", "queue", "AttemptsExhausted",
                                  f"attempt {rec.attempt} lost ({cause}); max_attempts={self.gcfg['max_attempts']}")
             return

@@ -1,0 +1,30 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench venv clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch is an optional extra; this pin takes the local CPU build (a bare `torch` downloads GBs of CUDA).
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test,tasks,torch]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rolloutd demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

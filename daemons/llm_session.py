@@ -1,0 +1,152 @@
+"""A job's view of the LLM fleet: lease a backend from the router, generate, fail over.
+
+The run daemon gives each job that needs an LLM an ``LLMSession``; it is the ``generate``
+callable of the agent loop. The first call leases a backend for the whole job (prefix-cache
+affinity). A backend that fails is reported to the router and the call is retried on a new
+lease that excludes it. Every call returns the backend and policy version it used, so each
+turn records them. ``close`` releases the lease however the job ended.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from bus import codec
+from bus.messages import BackendFailed, Lease, Release
+from bus.sockets import recv
+
+MAX_FAILOVERS = 3
+
+
+class RouterError(RuntimeError):
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class RouterClient:
+    """Async requests to the router over one DEALER socket, matched by request id."""
+
+    def __init__(self, sockets, requester: str, node: str, timeout_s: float = 5.0):
+        self.sock = sockets.connect("DEALER", "router", hwm=10000)
+        self.requester = requester
+        self.node = node
+        self.timeout_s = timeout_s
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+
+    def start(self):
+        self._reader = asyncio.create_task(self._read())
+
+    def stop(self):
+        if self._reader is not None:
+            self._reader.cancel()
+
+    async def _read(self):
+        while True:
+            frames = await recv(self.sock, 1.0)
+            if frames is None:
+                continue
+            rest = frames[1:] if len(frames[0]) == 0 else frames
+            try:
+                header = codec.decode(rest)
+            except codec.CodecError:
+                continue
+            fut = self._waiting.pop(header.get("req_id"), None)
+            if fut is not None and not fut.done():
+                fut.set_result(header)
+
+    async def request(self, msg, timeout_s: float | None = None) -> dict:
+        msg.req_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[msg.req_id] = fut
+        await self.sock.send_multipart([b""] + codec.encode(msg.to_wire()), copy=False)
+        try:
+            header = await asyncio.wait_for(fut, timeout_s or self.timeout_s)
+        except asyncio.TimeoutError:
+            raise RouterError("unavailable", "the router did not answer in time") from None
+        finally:
+            self._waiting.pop(msg.req_id, None)
+        if header.get("kind") == "error":
+            raise RouterError(header.get("code", "?"), header.get("message", ""))
+        return header.get("body", {})
+
+
+class ClientCache:
+    """One pooled LLMClient per backend address, shared by every job of the daemon."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.clients: dict[tuple[str, str], object] = {}
+
+    def get(self, address: str, api: str):
+        key = (address, api)
+        c = self.clients.get(key)
+        if c is None:
+            from llm.client import LLMClient
+
+            c = self.clients[key] = LLMClient(address, api=api, timeout=self.timeout_s)
+        return c
+
+    async def aclose(self):
+        for c in self.clients.values():
+            await c.aclose()
+        self.clients.clear()
+
+
+class LLMSession:
+    def __init__(self, router: RouterClient, clients: ClientCache, job_id: int, lease_wait_s: float = 60.0,
+                 call_timeout_s: float | None = None):
+        self.router = router
+        self.clients = clients
+        self.job_id = job_id
+        self.lease_wait_s = lease_wait_s
+        self.call_timeout_s = call_timeout_s
+        self.lease: dict | None = None
+        self.failed: list[str] = []
+
+    @property
+    def policy_version(self) -> int | None:
+        return None if self.lease is None else self.lease["policy_version"]
+
+    async def acquire(self) -> dict:
+        if self.lease is None:
+            self.lease = await self.router.request(
+                Lease(job_id=self.job_id, requester=self.router.requester, node=self.router.node,
+                      exclude=list(self.failed), wait_s=self.lease_wait_s),
+                timeout_s=self.lease_wait_s + self.router.timeout_s)
+        return self.lease
+
+    async def __call__(self, prompt_ids, params):
+        from llm.client import BackendError
+
+        for _ in range(MAX_FAILOVERS + 1):
+            lease = await self.acquire()
+            client = self.clients.get(lease["address"], lease["api"])
+            try:
+                g = await client.generate(prompt_ids, params, timeout=self.call_timeout_s)
+                return g, lease["backend_id"], lease["policy_version"]
+            except BackendError as e:
+                self.failed.append(lease["backend_id"])
+                self.lease = None
+                try:
+                    await self.router.request(BackendFailed(lease_id=lease["lease_id"], backend_id=lease["backend_id"],
+                                                            error=str(e)[:500]))
+                except RouterError:
+                    pass
+                last = e
+        raise last
+
+    async def close(self):
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            try:
+                await self.router.request(Release(lease_id=lease["lease_id"]))
+            except RouterError:
+                pass  # the lease expires when our heartbeats stop listing it
+
+    def held(self) -> list | None:
+        if self.lease is None:
+            return None
+        return [self.lease["lease_id"], self.lease["backend_id"], self.job_id, self.lease["policy_version"]]
