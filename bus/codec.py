@@ -34,7 +34,7 @@ def encode(obj: dict) -> list:
             dt = o.dtype.str
             if dt not in ALLOWED_DTYPES:
                 raise TypeError(f"array dtype {dt} cannot be sent")
-            buffers.append(o.data if o.nbytes else b"")
+            buffers.append(o.data.cast("B") if o.nbytes else b"")  # byte-format view: len() is bytes
             return msgpack.ExtType(ARRAY_EXT, msgpack.packb([len(buffers), dt, list(o.shape)]))
         if isinstance(o, np.generic):
             return o.item()
@@ -99,8 +99,11 @@ def peek_req_id(frames: Sequence, limit: int = 1 << 16) -> int:
 
 
 def _buffer(f) -> memoryview | bytes:
-    if isinstance(f, (bytes, bytearray, memoryview)):
-        return memoryview(f) if not isinstance(f, bytes) else f
+    if isinstance(f, bytes):
+        return f
+    if isinstance(f, (bytearray, memoryview)):
+        m = memoryview(f)
+        return m if m.format == "B" and m.ndim == 1 else m.cast("B")
     buf = getattr(f, "buffer", None)  # zmq.Frame: zero-copy view
     if buf is not None:
         return buf

@@ -73,6 +73,10 @@ class RouterClient:
         return header.get("body", {})
 
 
+class StaleLease(Exception):
+    """The only lease to be had is older than the staleness bound allows."""
+
+
 class ClientCache:
     """One pooled LLMClient per backend address, shared by every job of the daemon."""
 
@@ -97,7 +101,7 @@ class ClientCache:
 
 class LLMSession:
     def __init__(self, router: RouterClient, clients: ClientCache, job_id: int, lease_wait_s: float = 60.0,
-                 call_timeout_s: float | None = None):
+                 call_timeout_s: float | None = None, is_stale=None):
         self.router = router
         self.clients = clients
         self.job_id = job_id
@@ -105,18 +109,28 @@ class LLMSession:
         self.call_timeout_s = call_timeout_s
         self.lease: dict | None = None
         self.failed: list[str] = []
+        self.calls = 0
+        self.is_stale = is_stale or (lambda version: False)
 
     @property
     def policy_version(self) -> int | None:
         return None if self.lease is None else self.lease["policy_version"]
 
     async def acquire(self) -> dict:
-        if self.lease is None:
+        for _ in range(3):
+            if self.lease is not None:
+                return self.lease
             self.lease = await self.router.request(
                 Lease(job_id=self.job_id, requester=self.router.requester, node=self.router.node,
                       exclude=list(self.failed), wait_s=self.lease_wait_s),
                 timeout_s=self.lease_wait_s + self.router.timeout_s)
-        return self.lease
+            if not self.is_stale(self.lease["policy_version"]):
+                return self.lease
+            if self.calls:
+                # Part of this job already ran on the old version: the daemon's staleness policy decides.
+                raise StaleLease(self.lease["policy_version"])
+            await self.close()  # granted just before a swap and not yet used: lease again
+        raise StaleLease(-1)
 
     async def __call__(self, prompt_ids, params):
         from llm.client import BackendError
@@ -126,6 +140,7 @@ class LLMSession:
             client = self.clients.get(lease["address"], lease["api"])
             try:
                 g = await client.generate(prompt_ids, params, timeout=self.call_timeout_s)
+                self.calls += 1
                 return g, lease["backend_id"], lease["policy_version"]
             except BackendError as e:
                 self.failed.append(lease["backend_id"])

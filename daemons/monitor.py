@@ -240,7 +240,7 @@ class State:
     def rate(self, window_s: float, now: float | None = None) -> float:
         now = self.clock() if now is None else now
         self._trim(now)
-        n = sum(1 for t in self.done_times if now - t <= window_s)
+        n = sum(1 for t in self.done_times if now - t < window_s)
         span = min(window_s, max(now - self.started, 1e-3))
         return n / span
 

@@ -16,6 +16,7 @@ from bus.messages import Job, MessageError, Result, from_wire
 from bus.credit import CreditReceiver, CreditSender
 from bus.sockets import SUBSCRIBE as _SUBSCRIBE, recv, recv_now
 from daemons.base import Daemon
+from daemons.llm_session import StaleLease
 from handlers.base import JobContext, PhaseTimeout, Services
 from handlers.registry import UnknownHandler, get_handler
 
@@ -117,8 +118,10 @@ class PhaseDaemon(Daemon):
             limit = self._limit(job)
             await self.before_phase(ctx, handler)
             await self._run_phase(handler, ctx, limit)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, StaleLease) as e:
             outcome = self.why_cancelled.pop(job.job_id, "cancelled")
+            if isinstance(e, StaleLease):
+                outcome = "requeue" if self.cfg.section("router")["stale_policy"] == "abort_requeue" else "stale"
             if outcome == "stale":
                 ctx.fail(self.phase, StalePolicy("the policy version moved on past max_policy_lag"), status="failed")
                 ctx.trajectory["stale"] = True
@@ -308,7 +311,8 @@ class RunDaemon(PhaseDaemon):
         if handler.needs_llm:
             from daemons.llm_session import LLMSession
 
-            ctx.llm = self.sessions[ctx.job_id] = LLMSession(self.router, self.llm_clients, ctx.job_id)
+            ctx.llm = self.sessions[ctx.job_id] = LLMSession(self.router, self.llm_clients, ctx.job_id,
+                                                             is_stale=self._is_stale)
 
     async def after_phase(self, ctx):
         session = self.sessions.pop(ctx.job_id, None)
@@ -327,12 +331,15 @@ class RunDaemon(PhaseDaemon):
                 self.current_version = v
                 self._enforce_staleness()
 
+    def _is_stale(self, version: int) -> bool:
+        return self.stale_policy != "finish" and self.current_version - version > self.max_lag
+
     def _enforce_staleness(self):
-        if self.stale_policy == "finish":
-            return
+        """Stop jobs running on a version too far behind (a lease granted but not yet seen is
+        checked by its session when it arrives)."""
         for jid, session in list(self.sessions.items()):
             pv = session.policy_version
-            if pv is not None and self.current_version - pv > self.max_lag:
+            if pv is not None and self._is_stale(pv):
                 held = self.inflight.get(jid)
                 if held is not None:
                     self.why_cancelled[jid] = "requeue" if self.stale_policy == "abort_requeue" else "stale"

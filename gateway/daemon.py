@@ -40,6 +40,7 @@ class Gateway(Daemon):
         self.router_seq = 0
         self.daemons: dict[str, dict] = {}   # "name@node" -> last heartbeat
         self.backends: list = []
+        self.backend_regs: dict[str, dict] = {}  # what trainers registered; replayed to a restarted router
         self.handlers = set(handler_names())
         self.next_job_id = 0
 
@@ -60,6 +61,7 @@ class Gateway(Daemon):
             c = self.table.client(cid)
             c.next_seq, c.acked = next_seq, acked
         self.table.idem.update(self.journal.idempotency())
+        self.backend_regs.update(self.journal.backends())
         n = 0
         now = time.monotonic()
         for jid, cid, spec, attempt, state, seq, result in self.journal.unfinished():
@@ -254,6 +256,14 @@ class Gateway(Daemon):
         self._reply(route, msg.req_id, paused=True)
 
     def _forward_to_router(self, route, msg):
+        if msg.KIND == "add_llm_server":
+            wire = {k: v for k, v in msg.to_wire().items() if k not in ("req_id",)}
+            self.backend_regs[msg.address] = wire
+            self.journal.set_backend(msg.address, wire)
+        elif msg.KIND == "clear_llm_server":
+            for a in [a for a in self.backend_regs if msg.address in (None, a)]:
+                del self.backend_regs[a]
+            self.journal.set_backend(msg.address or "", None)
         self.router_seq += 1
         rid = self.router_seq
         self.router_pending[rid] = (time.monotonic() + float(self.gcfg["router_timeout_s"]), route, msg.req_id)
@@ -349,6 +359,7 @@ class Gateway(Daemon):
             self.daemons[who] = body
             if body.get("daemon") == "router":
                 self.backends = body.get("backends", [])
+                self._reconcile_backends()
             now = time.monotonic()
             holder = f"{who}#{body.get('incarnation')}"
             for jid, attempt in body.get("jobs", ()):
@@ -363,6 +374,14 @@ class Gateway(Daemon):
         elif topic == "daemon.abandoned":
             for jid, attempt in body.get("jobs", ()):
                 self._redispatch(jid, attempt, f"abandoned by {who} at its drain deadline")
+
+    def _reconcile_backends(self):
+        """A restarted router has forgotten the backends: register them again (add is idempotent)."""
+        known = {b.get("address") for b in self.backends}
+        for address, wire in self.backend_regs.items():
+            if address not in known:
+                self.log.info("backend_reregistered", backend=address)
+                send_now(self.router, [b""] + codec.encode(dict(wire, req_id=0)))
 
     def _holder_lost(self, hb: dict, why: str):
         holder = f"{hb.get('daemon')}@{hb.get('node')}#{hb.get('incarnation')}"

@@ -33,6 +33,10 @@ CREATE TABLE IF NOT EXISTS idempotency (
     created REAL NOT NULL,
     PRIMARY KEY (client_id, key)
 );
+CREATE TABLE IF NOT EXISTS backends (
+    address TEXT PRIMARY KEY,
+    spec BLOB NOT NULL
+);
 CREATE TABLE IF NOT EXISTS clients (
     client_id TEXT PRIMARY KEY,
     next_seq INTEGER NOT NULL,
@@ -98,6 +102,22 @@ class Journal:
         if self.db:
             self.db.execute("INSERT OR IGNORE INTO idempotency VALUES (?,?,?,?)", (client_id, key, codec.pack(job_ids), time.time()))
             self.dirty = True
+
+    def set_backend(self, address: str, spec: dict | None):
+        """Remember a backend registration (None forgets it; address "" with None forgets all)."""
+        if self.db:
+            if spec is not None:
+                self.db.execute("INSERT OR REPLACE INTO backends VALUES (?,?)", (address, codec.pack(spec)))
+            elif address:
+                self.db.execute("DELETE FROM backends WHERE address=?", (address,))
+            else:
+                self.db.execute("DELETE FROM backends")
+            self.dirty = True
+
+    def backends(self) -> dict[str, dict]:
+        if not self.db:
+            return {}
+        return {a: codec.unpack(spec) for a, spec in self.db.execute("SELECT address, spec FROM backends")}
 
     def commit(self):
         """The group commit: one fsync point for everything written this loop turn."""

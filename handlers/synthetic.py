@@ -70,3 +70,45 @@ class SyntheticHandler(AgentHandler):
     async def eval(self, ctx):
         await self._phase(ctx, "eval")
         ctx.set_reward(float(ctx.instance.get("reward", 1.0)), drawn={k: v for k, v in ctx.state.items()})
+
+
+class SyntheticLLMHandler(SyntheticHandler):
+    """The synthetic handler plus real LLM calls: the run phase makes ``llm_calls`` calls
+    through the leased backend (any vLLM/SGLang-API server), sleeping ``think`` between them.
+    Used to test and benchmark the router, failover and checkpoint swaps.
+
+    Extra instance fields: ``{"llm_calls": 3, "max_tokens": 4, "prompt_len": 16, "think": <latency>}``
+    """
+
+    name = "synthetic_llm"
+    needs_llm = True
+
+    async def run(self, ctx):
+        import numpy as np
+
+        from llm.client import SamplingParams
+
+        rng = self._rng(ctx, "run")
+        calls = int(ctx.instance.get("llm_calls", 1))
+        params = SamplingParams(max_tokens=int(ctx.instance.get("max_tokens", 4)), temperature=1.0)
+        prompt = np.arange(1, 1 + int(ctx.instance.get("prompt_len", 16)), dtype=np.int32)
+        traj = ctx.trajectory
+        response, logprobs, turns = [], [], []
+        for i in range(calls):
+            context = np.concatenate([prompt, *response]) if response else prompt
+            g, backend, version = await ctx.llm(context, params)
+            start = sum(len(r) for r in response)
+            response.append(np.asarray(g.token_ids, dtype=np.int32))
+            logprobs.append(np.asarray(g.logprobs, dtype=np.float32))
+            turns.append({"span": [start, start + len(g.token_ids)], "finish_reason": g.finish_reason,
+                          "backend": backend, "policy_version": version})
+            think = draw(ctx.instance.get("think"), rng)
+            if think > 0 and i < calls - 1:
+                await asyncio.sleep(think)
+        traj["prompt_ids"] = prompt
+        traj["response_ids"] = np.concatenate(response) if response else np.zeros(0, np.int32)
+        traj["logprobs"] = np.concatenate(logprobs) if logprobs else np.zeros(0, np.float32)
+        traj["loss_mask"] = np.ones(len(traj["response_ids"]), np.int8)
+        traj["turns"] = turns
+        traj["policy_version"] = turns[0]["policy_version"] if turns else None
+        await self._phase(ctx, "run")

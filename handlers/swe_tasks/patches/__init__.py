@@ -1,0 +1,1 @@
+"""Bug patches (data only; a package so that setuptools ships the .diff files)."""

@@ -1,0 +1,1 @@
+"""Task definitions (data only; a package so that setuptools ships the JSON files)."""

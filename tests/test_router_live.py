@@ -1,0 +1,166 @@
+"""The router daemon with live scripted vLLM-API backends: leases, failover, health, swaps."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.conftest import synthetic
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from llm.tiny_model import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def backends(tokenizer):
+    from llm.scripted import ScriptedBackend
+
+    made = []
+
+    def make(latency=0.01, port=0):
+        b = ScriptedBackend(tokenizer, policy="constant:text=ok", latency=latency, port=port)
+        b.start()
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.stop()
+
+
+def llm_job(i, calls=2, think=None, **kw):
+    return synthetic(i, llm_calls=calls, max_tokens=2, think=think, **kw) | {"handler": "synthetic_llm"}
+
+
+def wait_until(fn, timeout_s=20.0, what=""):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = fn()
+        if v:
+            return v
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def idle(c):
+    body = c.list_backends()
+    return body["leases"] == 0 and all(b["inflight"] == 0 for b in body["backends"])
+
+
+def test_leases_balance_turn_versions_and_release(up, backends):
+    bs = [backends(latency=0.02) for _ in range(3)]
+    with up.client() as c:
+        for b in bs:
+            c.add_backend(b.url, policy_version=0)
+        ids = c.submit([llm_job(i, calls=1 + i % 4, think={"dist": "uniform", "low": 0, "high": 0.05}) for i in range(60)])
+        results = list(c.gather(ids, timeout_s=120))
+        assert len(results) == 60
+        for r in results:
+            assert r["status"] == "ok", r["error"]
+            assert len(r["turns"]) == 1 + int(r["instance_id"][1:]) % 4
+            assert all(t["policy_version"] == 0 and t["backend"] in {b.url for b in bs} for t in r["turns"])
+            assert len(r["response_ids"]) == len(r["logprobs"]) == len(r["loss_mask"]) > 0
+            # a lease covers the whole job: every turn of one job hit the same backend
+            assert len({t["backend"] for t in r["turns"]}) == 1
+        wait_until(lambda: idle(c), what="every lease released")
+        body = c.list_backends()
+        assert all(b["leases_total"] >= 10 for b in body["backends"]), body  # spread over all three
+
+
+def test_run_daemon_death_expires_its_leases(up_factory, backends):
+    up = up_factory("router.lease_ttl_s=2", "gateway.daemon_dead_s=3")
+    b = backends(latency=0.3)
+    with up.client() as c:
+        c.add_backend(b.url)
+        ids = c.submit([llm_job(i, calls=8) for i in range(6)])
+        wait_until(lambda: c.list_backends()["leases"] >= 6, what="leases taken")
+        os.kill(up.daemon_pid("run"), signal.SIGKILL)
+        results = list(c.gather(ids, timeout_s=120))
+        assert all(r["status"] == "ok" for r in results), [r["error"] for r in results]
+        assert all(r["attempts"] == 2 for r in results)  # each was re-dispatched once
+        wait_until(lambda: idle(c), what="dead daemon's leases expired")
+
+
+def test_failed_backend_leaves_rotation_and_is_readmitted(up_factory, backends):
+    up = up_factory("router.health_interval_s=0.3", "router.health_failures=2")
+    good, bad = backends(latency=0.05), backends(latency=0.05)
+    port = bad.port
+    with up.client() as c:
+        c.add_backend(good.url)
+        c.add_backend(bad.url)
+        ids = c.submit([llm_job(i, calls=6) for i in range(10)])
+        wait_until(lambda: bad.stats["requests"] >= 12, what="the doomed backend serving")
+        bad.stop()  # mid-run: its jobs fail over to the other backend
+        results = list(c.gather(ids, timeout_s=120))
+        assert all(r["status"] == "ok" for r in results), [r["error"] for r in results]
+        assert any(len({t["backend"] for t in r["turns"]}) == 2 for r in results), [  # some moved mid-job
+            [t["backend"][-5:] for t in r["turns"]] for r in results] + [bad.stats, good.stats]
+
+        def health():
+            return {b["address"]: b["healthy"] for b in c.list_backends()["backends"]}
+
+        wait_until(lambda: health()[bad.url] is False, what="bad backend out of rotation")
+        backends(latency=0.05, port=port)  # the server comes back on the same address
+        wait_until(lambda: health()[bad.url] is True, what="backend re-admitted")
+        r = c.rollout("synthetic_llm", {"llm_calls": 1}, timeout_s=30)
+        assert r["status"] == "ok"
+
+
+@pytest.mark.parametrize("policy", ["finish", "abort_requeue", "drop"])
+def test_checkpoint_swap_with_staleness_policy(up_factory, backends, policy):
+    up = up_factory("router.max_policy_lag=0", f"router.stale_policy={policy}")
+    old, new = backends(latency=0.15), backends(latency=0.01)
+    with up.client() as c:
+        c.add_backend(old.url, policy_version=0)
+        ids = c.submit([llm_job(i, calls=8) for i in range(6)])
+        wait_until(lambda: c.list_backends()["leases"] >= 6, what="jobs running on version 0")
+        assert c.clear_backends() == [old.url]
+        c.add_backend(new.url, policy_version=1)
+        late = c.submit([llm_job(100 + i, calls=2) for i in range(3)])
+        results = {r["job_id"]: r for r in c.gather(ids + late, timeout_s=120)}
+    early = [results[j] for j in ids]
+    for r in (results[j] for j in late):  # started after the swap: version 1 throughout
+        assert r["status"] == "ok" and {t["policy_version"] for t in r["turns"]} == {1}
+    if policy == "finish":
+        assert all(r["status"] == "ok" for r in early)
+        assert all({t["policy_version"] for t in r["turns"]} == {0} for r in early)
+    elif policy == "abort_requeue":
+        assert all(r["status"] == "ok" for r in early)
+        assert all({t["policy_version"] for t in r["turns"]} == {1} for r in early), [
+            (r["attempts"], [t["policy_version"] for t in r["turns"]]) for r in early]
+        assert any(r["attempts"] == 2 for r in early)  # stopped and run again (one whose lease came
+        # just before the swap, unused, simply leases again)
+    else:
+        assert all(r["status"] == "failed" and r["stale"] and r["error"]["type"] == "StalePolicy" for r in early)
+        assert all(r["failed_phase"] == "run" for r in early)
+
+
+def test_router_restart_rebuilds_backends_and_leases(up_factory, backends):
+    up = up_factory("router.lease_ttl_s=3")
+    b = backends(latency=1.0)  # 10 calls: the jobs outlive the router's restart
+    with up.client() as c:
+        c.add_backend(b.url, policy_version=4)
+        ids = c.submit([llm_job(i, calls=10) for i in range(4)])
+        wait_until(lambda: c.list_backends()["leases"] >= 4, what="leases taken")
+        os.kill(up.daemon_pid("router"), signal.SIGKILL)
+        # The restarted router learns the backend from the gateway and the leases from the run daemon.
+        wait_until(lambda: _try(lambda: c.list_backends()["leases"] >= 4), timeout_s=30, what="leases adopted")
+        assert c.list_backends()["backends"][0]["policy_version"] == 4
+        results = list(c.gather(ids, timeout_s=120))
+        assert all(r["status"] == "ok" for r in results), [r["error"] for r in results]
+        wait_until(lambda: idle(c), what="leases released after the restart")
+
+
+def _try(fn):
+    from gateway.client import GatewayError
+
+    try:
+        return fn()
+    except GatewayError:
+        return False

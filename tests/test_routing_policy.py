@@ -1,0 +1,99 @@
+"""The router's lease policy on its own (no sockets)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from daemons.routing import NoBackend, Pool
+
+
+def pool_of(n, policy="least_inflight", **kw):
+    p = Pool(policy)
+    for i in range(n):
+        p.add(f"http://b{i}", **kw)
+    return p
+
+
+def test_least_inflight_balances_random_job_lengths():
+    p = pool_of(4)
+    rng = random.Random(0)
+    live = []
+    for t in range(2000):
+        if live and rng.random() < 0.5:
+            p.release(live.pop(rng.randrange(len(live))).lease_id)
+        else:
+            before = {b.id: b.inflight for b in p.backends.values()}
+            lease = p.lease(t)
+            assert before[lease.backend_id] == min(before.values())  # always the least loaded
+            live.append(lease)
+        loads = [b.inflight for b in p.backends.values()]
+        assert sum(loads) == len(live) == len(p.leases)
+    for lease in live:
+        assert p.release(lease.lease_id)
+    assert all(b.inflight == 0 for b in p.backends.values()) and not p.leases
+    assert not p.release("L-unknown")
+
+
+def test_round_robin_ignores_load():
+    p = pool_of(2, policy="round_robin")
+    long = p.lease(1)                       # backend 0 holds a long job
+    for j in range(2, 10):                  # short jobs come and go
+        p.release(p.lease(j).lease_id)
+    picks = [p.lease(j).backend_id for j in range(10, 14)]
+    assert picks.count("http://b0") == 2 and picks[0] != picks[1]  # strict alternation...
+    assert p.backends[long.backend_id].inflight == 3  # ...so the busier backend still gets half
+
+
+def test_capacity_and_weight():
+    p = Pool()
+    p.add("http://small", capacity=1)
+    p.add("http://big", capacity=3)
+    got = [p.lease(j) for j in range(4)]
+    assert sorted(g.backend_id for g in got) == ["http://big"] * 3 + ["http://small"]
+    assert p.lease(5) is None  # every backend at capacity: the caller waits
+    p.release(got[0].lease_id)
+    assert p.lease(6) is not None
+
+
+def test_ties_are_broken_fairly():
+    p = pool_of(3)
+    firsts = set()
+    for j in range(6):
+        lease = p.lease(j)
+        firsts.add(lease.backend_id)
+        p.release(lease.lease_id)
+    assert len(firsts) == 3
+
+
+def test_node_affinity_within_threshold():
+    p = Pool(node_affinity=0.3)
+    p.add("http://far", node="a", capacity=4)
+    p.add("http://near", node="b", capacity=4)
+    assert p.lease(1, node="b").backend_id == "http://near"   # equal loads: same node wins
+    assert p.lease(2, node="b").backend_id == "http://near"   # 0.25 vs 0: within 0.3
+    assert p.lease(3, node="b").backend_id == "http://far"    # 0.5 vs 0: too far apart
+    assert p.lease(4, node="a").backend_id == "http://far"
+
+
+def test_unhealthy_and_excluded_are_skipped_and_expiry():
+    p = pool_of(2)
+    p.mark("http://b0", False)
+    assert {p.lease(j).backend_id for j in range(3)} == {"http://b1"}
+    assert p.lease(9, exclude=["http://b1"]) is None
+    assert len(p.expire(0.0)) == 3 and p.backends["http://b1"].inflight == 0
+    p.clear()
+    with pytest.raises(NoBackend):
+        p.lease(1)
+
+
+def test_clear_keeps_live_leases_releasable_and_readd_updates_version():
+    p = pool_of(1)
+    lease = p.lease(1)
+    p.add("http://b0", policy_version=2)
+    assert p.backends["http://b0"].policy_version == 2 and p.current_version() == 2
+    p.clear()
+    assert p.release(lease.lease_id)  # releasing after the backend went is harmless
+    p.add("http://b0", policy_version=3)
+    p.adopt("Lx", "http://b0", 7, "run@n", 3)
+    assert p.backends["http://b0"].inflight == 1
