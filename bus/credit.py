@@ -59,6 +59,7 @@ class CreditSender:
         p = self.peers.get(ident)
         if p is None:  # identities carry the receiver's incarnation: a restart is a new peer
             p = self.peers[ident] = Peer(ident)
+            p.sent = received  # a restarted *sender* meets a receiver that counted before it: start level
         p.free, p.received, p.seen = free, max(p.received, received), time.monotonic()
         p.info = body.get("info") or {}
         return True

@@ -43,6 +43,9 @@ class Gateway(Daemon):
         self.backend_regs: dict[str, dict] = {}  # what trainers registered; replayed to a restarted router
         self.handlers = set(handler_names())
         self.next_job_id = 0
+        self.last_event_at = time.monotonic()
+        self.stream_silent = False
+        self.last_prune = time.time()
 
     # -- setup and recovery -------------------------------------------------------------
     async def setup(self):
@@ -177,7 +180,7 @@ class Gateway(Daemon):
                 rows.append((jid, msg.client_id, spec))
                 job_ids.append(jid)
         self.journal.add_jobs(rows)
-        c = self.table.client(msg.client_id)
+        c = self.table.touch(msg.client_id)
         self.journal.set_client(msg.client_id, c.next_seq, c.acked)
         if key:
             self.table.idem[key] = job_ids
@@ -186,6 +189,7 @@ class Gateway(Daemon):
         self._reply(route, msg.req_id, job_ids=job_ids, duplicate=False)
 
     def _op_poll(self, route, msg):
+        self.table.touch(msg.client_id)
         acked = self.table.ack(msg.client_id, msg.after)
         if acked:
             self.journal.ack(msg.client_id, msg.after)
@@ -349,6 +353,7 @@ class Gateway(Daemon):
 
     # -- liveness: heartbeats, dead daemons, lease expiry ----------------------------------
     def _on_event(self, frames):
+        self.last_event_at = time.monotonic()
         topic = frames[0].bytes.decode()
         body = codec.unpack(frames[1].bytes)
         who = f"{body.get('daemon')}@{body.get('node')}"
@@ -411,6 +416,25 @@ class Gateway(Daemon):
     def _sweep(self, now: float):
         dead_s = float(self.gcfg["daemon_dead_s"])
         wall = time.time()
+        self._expire_clients(wall)
+        for rid, (deadline, route, client_req) in list(self.router_pending.items()):
+            if now > deadline:
+                del self.router_pending[rid]
+                self._error(route, client_req, "unavailable", "the router did not answer in time")
+        if now - self.last_event_at > dead_s:
+            # Not even our own heartbeat came back: the events stream is down, not every daemon.
+            # Liveness cannot be judged without it, so nothing is re-dispatched meanwhile.
+            if not self.stream_silent:
+                self.stream_silent = True
+                self.log.warning("events_stream_silent", silent_s=round(now - self.last_event_at, 1))
+            self.journal.commit()
+            self._flush_replies()
+            return
+        if self.stream_silent:
+            self.stream_silent = False
+            self.log.info("events_stream_back")
+            for rec in self.table.jobs.values():  # heartbeats could not be seen: restart the clocks
+                rec.last_seen = max(rec.last_seen, now)
         for who, hb in list(self.daemons.items()):
             if wall - hb.get("ts", wall) > dead_s:
                 self.daemons.pop(who)
@@ -421,12 +445,27 @@ class Gateway(Daemon):
         for rec in list(self.table.jobs.values()):
             if rec.state == "dispatched" and now - rec.last_seen > lease:
                 self._redispatch(rec.job_id, rec.attempt, f"unseen in any heartbeat for {lease:.0f}s")
-        for rid, (deadline, route, client_req) in list(self.router_pending.items()):
-            if now > deadline:
-                del self.router_pending[rid]
-                self._error(route, client_req, "unavailable", "the router did not answer in time")
         self.journal.commit()
         self._flush_replies()
+
+    def _expire_clients(self, wall: float):
+        """Results nobody came for within the retention period are dropped (and the client forgotten)."""
+        keep_s = float(self.gcfg["retention_s"])
+        for cid, c in list(self.table.clients.items()):
+            if wall - c.seen <= keep_s or c.pending:
+                continue
+            dropped = list(c.ready.values())
+            for jid in dropped:
+                self.table.jobs.pop(jid, None)
+                self.journal.set_state(jid, "dropped")
+            del self.table.clients[cid]
+            if dropped:
+                self.log.warning("unclaimed_results_dropped", client_id=cid, results=len(dropped), retention_s=keep_s)
+        if wall - self.last_prune > 600:
+            self.last_prune = wall
+            pruned = self.journal.prune(keep_s)
+            if pruned:
+                self.log.info("journal_pruned", rows=pruned)
 
     async def teardown(self):
         for _, route, msg in self.waiters:

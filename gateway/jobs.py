@@ -42,6 +42,11 @@ class JobTable:
         c = self.clients.get(client_id)
         if c is None:
             c = self.clients[client_id] = ClientStream()
+        return c
+
+    def touch(self, client_id: str) -> ClientStream:
+        """The client spoke to us (submit or poll): its retention clock restarts."""
+        c = self.client(client_id)
         c.seen = time.time()
         return c
 
