@@ -33,6 +33,25 @@ class Publisher:
             pass
 
 
+def parse(frames) -> tuple[str, dict] | None:
+    """``(topic, body)`` of an event, or None when it is not one of ours (garbage on the
+    stream must never reach the job table)."""
+    if len(frames) != 2:
+        return None
+    try:
+        topic = (frames[0].bytes if hasattr(frames[0], "bytes") else frames[0]).decode()
+        body = codec.unpack(frames[1].bytes if hasattr(frames[1], "bytes") else frames[1])
+    except (UnicodeDecodeError, codec.CodecError):
+        return None
+    if not isinstance(body, dict) or not all(isinstance(body.get(k), str) for k in ("daemon", "node")):
+        return None
+    jobs = body.get("jobs")
+    if jobs is not None and not (isinstance(jobs, list) and all(
+            isinstance(j, list) and len(j) == 2 and all(isinstance(x, int) for x in j) for j in jobs)):
+        return None
+    return topic, body
+
+
 class Subscriber:
     """Sync subscriber for monitors and tests."""
 

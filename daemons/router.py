@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from bus import codec
+from bus import codec, events
 from bus.messages import Error, MessageError, Reply, from_wire
 from bus.sockets import POLLIN, poller, recv_now
 from daemons.base import Daemon
@@ -61,7 +61,9 @@ class Router(Daemon):
                     frames = recv_now(self.watch)
                     if frames is None:
                         break
-                    self._on_heartbeat(codec.unpack(frames[1].bytes))
+                    event = events.parse(frames)
+                    if event is not None:
+                        self._on_heartbeat(event[1])
                 self._serve_waiters()
                 now = time.monotonic()
                 if now - last_expire > 1.0:
@@ -168,12 +170,14 @@ class Router(Daemon):
 
     def _on_heartbeat(self, hb: dict):
         leases = hb.get("leases")
-        if not leases or hb.get("daemon") != "run":
+        if not leases or hb.get("daemon") != "run" or not isinstance(leases, list):
             return
         requester = f"run@{hb.get('node')}"
-        for lease_id, backend_id, job_id, version in leases:
+        rows = [row for row in leases if isinstance(row, list) and len(row) == 4
+                and isinstance(row[0], str) and isinstance(row[1], str) and isinstance(row[3], int)]
+        for lease_id, backend_id, job_id, version in rows:
             self.pool.adopt(lease_id, backend_id, job_id, requester, version)
-        self.pool.renew(requester, {row[0] for row in leases})
+        self.pool.renew(requester, {row[0] for row in rows})
 
     async def _health_loop(self):
         interval = float(self.rcfg["health_interval_s"])

@@ -14,6 +14,7 @@ import time
 from bus import codec
 from bus.messages import (CLIENT_REQUESTS, Error, Job, MessageError, Reply, Result, empty_trajectory,
                           from_wire)
+from bus import events
 from bus.credit import CreditSender
 from bus.sockets import POLLIN, poller, recv_now, send_now
 from daemons.base import Daemon
@@ -353,9 +354,12 @@ class Gateway(Daemon):
 
     # -- liveness: heartbeats, dead daemons, lease expiry ----------------------------------
     def _on_event(self, frames):
+        event = events.parse(frames)
+        if event is None:
+            self.log.warning("malformed_event_dropped")
+            return
         self.last_event_at = time.monotonic()
-        topic = frames[0].bytes.decode()
-        body = codec.unpack(frames[1].bytes)
+        topic, body = event
         who = f"{body.get('daemon')}@{body.get('node')}"
         if topic == "daemon.heartbeat":
             prev = self.daemons.get(who)

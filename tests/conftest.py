@@ -151,3 +151,29 @@ def up(up_factory):
 
 def synthetic(i: int, **instance) -> dict:
     return {"handler": "synthetic", "instance_id": f"i{i}", "instance": dict({"seed": i}, **instance)}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from llm.tiny_model import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def backends(tokenizer):
+    from llm.scripted import ScriptedBackend
+
+    made = []
+
+    def make(latency=0.01, port=0):
+        b = ScriptedBackend(tokenizer, policy="constant:text=ok", latency=latency, port=port)
+        b.start()
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.stop()
+
+

@@ -25,3 +25,25 @@ def test_cancel_queued_running_unknown_and_finished(up_factory):
     assert all(r["status"] == "cancelled" for r in results.values())
     assert results[ids[0]]["failed_phase"] == "run"
     assert results[ids[-1]]["failed_phase"] == "queue"
+
+
+def test_cancel_mid_llm_call_closes_the_connection(up, backends):
+    b = backends(latency=20.0)  # a call that would take 20 s
+    with up.client() as c:
+        c.add_backend(b.url)
+        (jid,) = c.submit([{"handler": "synthetic_llm", "instance": {"llm_calls": 1}}])
+        deadline = time.monotonic() + 20
+        while b.stats["requests"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        assert c.cancel([jid])[str(jid)] == "cancelling"
+        (r,) = list(c.gather([jid], timeout_s=15))
+        assert time.monotonic() - t0 < 5
+        assert r["status"] == "cancelled" and r["failed_phase"] == "run"
+        deadline = time.monotonic() + 10
+        while b.num_running > 0:  # the server saw the client go away (that is vLLM's abort)
+            assert time.monotonic() < deadline, "the LLM request was not aborted"
+            time.sleep(0.05)
+        body = c.list_backends()
+        assert body["leases"] == 0  # the lease went with the job

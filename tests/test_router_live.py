@@ -10,30 +10,6 @@ import pytest
 from tests.conftest import synthetic
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from llm.tiny_model import build_tiny_tokenizer
-
-    return build_tiny_tokenizer()
-
-
-@pytest.fixture
-def backends(tokenizer):
-    from llm.scripted import ScriptedBackend
-
-    made = []
-
-    def make(latency=0.01, port=0):
-        b = ScriptedBackend(tokenizer, policy="constant:text=ok", latency=latency, port=port)
-        b.start()
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.stop()
-
-
 def llm_job(i, calls=2, think=None, **kw):
     return synthetic(i, llm_calls=calls, max_tokens=2, think=think, **kw) | {"handler": "synthetic_llm"}
 
