@@ -27,6 +27,7 @@ DEFAULTS: dict = {
     "gateway": {
         "max_request_bytes": 16 << 20,
         "journal": "",              # SQLite path; empty = in memory only
+        "journal_sync": "normal",   # "full" also survives power loss, at a cost per commit
         "default_budget_s": 3600.0,
         "lease_timeout_s": 10.0,    # a job unseen in any heartbeat for this long is re-dispatched
         "daemon_dead_s": 5.0,       # a daemon silent this long is presumed dead

@@ -33,7 +33,7 @@ class Gateway(Daemon):
         super().__init__(cfg)
         self.gcfg = cfg.section("gateway")
         self.table = JobTable()
-        self.journal = Journal(self.gcfg["journal"] or None)
+        self.journal = Journal(self.gcfg["journal"] or None, sync=self.gcfg["journal_sync"])
         self.paused = False
         self.replies: list[tuple[list, dict, list]] = []   # (route, header, buffers) to send after commit
         self.waiters: list[tuple[float, list, object]] = []  # (deadline, route, Poll)
@@ -144,6 +144,9 @@ class Gateway(Daemon):
             getattr(self, f"_op_{msg.KIND}")(route, msg)
         except MessageError as e:
             self._error(route, msg.req_id, e.code, e.message)
+        except Exception as e:  # noqa: BLE001 - a bug still owes the client its one reply
+            self.log.error("request_failed", kind=msg.KIND, error=f"{type(e).__name__}: {e}")
+            self._error(route, msg.req_id, "internal", f"{type(e).__name__}: {e}")
 
     def _reply(self, route, req_id: int, **body):
         frames = codec.encode(Reply(req_id=req_id, body=body).to_wire())
