@@ -31,6 +31,7 @@ class Curve:
     secret_key: bytes | None = None
     server_key: bytes | None = None
     authorized_dir: str | None = None
+    server_secret: bytes | None = None   # only where server.key_secret is present (the head)
 
     @classmethod
     def from_dir(cls, keys_dir: str | os.PathLike, name: str) -> "Curve":
@@ -39,9 +40,10 @@ class Curve:
 
         d = Path(keys_dir)
         pub, sec = zmq.auth.load_certificate(d / f"{name}.key_secret")
-        server_pub, _ = zmq.auth.load_certificate(d / "server.key")
+        server_file = d / "server.key_secret"
+        server_pub, server_sec = zmq.auth.load_certificate(server_file if server_file.exists() else d / "server.key")
         auth_dir = d / "authorized"
-        return cls(public_key=pub, secret_key=sec, server_key=server_pub,
+        return cls(public_key=pub, secret_key=sec, server_key=server_pub, server_secret=server_sec,
                    authorized_dir=str(auth_dir) if auth_dir.is_dir() else None)
 
 
@@ -71,11 +73,17 @@ class Sockets:
     def bind(self, kind: str, name_or_addr: str, *, hwm: int = DEFAULT_HWM, identity: bytes | None = None) -> zmq.Socket:
         addr = self._bind_addr(name_or_addr)
         s = self._make(kind, hwm, identity)
-        if addr.startswith("tcp://") and self.curve and self.curve.secret_key:
+        if addr.startswith("tcp://") and self.curve and (self.curve.server_secret or self.curve.secret_key):
+            # A server socket must hold the key pair whose public half the clients were given
+            # (server.key); a daemon's own pair is its client identity.
             self._start_auth()
             s.curve_server = True
-            s.curve_secretkey = self.curve.secret_key
-            s.curve_publickey = self.curve.public_key
+            if self.curve.server_secret:
+                s.curve_secretkey = self.curve.server_secret
+                s.curve_publickey = self.curve.server_key
+            else:
+                s.curve_secretkey = self.curve.secret_key
+                s.curve_publickey = self.curve.public_key
         if addr.startswith("ipc://"):
             path = Path(addr[6:])
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

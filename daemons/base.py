@@ -52,6 +52,9 @@ class Daemon:
     def main(self) -> int:
         lc = self.cfg.section("logging")
         logs.configure(lc["format"], lc["level"], daemon=self.name, node=self.node)
+        # Re-bind: the logger bound in __init__ captured structlog's default configuration
+        # (console renderer on stdout), not the one just configured.
+        self.log = logs.get(f"rolloutd.{self.name}").bind(daemon=self.name, node=self.node)
         return asyncio.run(self._main())
 
     def request_stop(self, signame: str = "request"):

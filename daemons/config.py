@@ -16,7 +16,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from bus.endpoints import Endpoints
+from bus.endpoints import EndpointError, Endpoints
 
 DEFAULTS: dict = {
     "node": "",                # defaults to the host name
@@ -41,7 +41,7 @@ DEFAULTS: dict = {
     "router": {"policy": "least_inflight", "health_interval_s": 5.0, "health_failures": 3,
                "lease_ttl_s": 30.0, "node_affinity": 0.1, "max_policy_lag": 0,
                "stale_policy": "finish"},
-    "sandbox": {"runtime": "auto", "root_dir": ""},
+    "sandbox": {"runtime": "auto", "root_dir": "", "janitor_interval_s": 5.0, "janitor_grace_s": 10.0},
     "handlers": {},                # per-handler config, by name
 }
 
@@ -71,7 +71,10 @@ class Config:
         ep = dict(merged["endpoints"])
         if not ep:
             ep = {"runtime_dir": str(default_runtime_dir())}
-        self.endpoints = Endpoints.from_config(ep)
+        try:
+            self.endpoints = Endpoints.from_config(ep)
+        except EndpointError as e:
+            raise ConfigError(f"{path or 'config'}: {e}") from None
         rt = ep.get("runtime_dir")
         self.runtime_dir = Path(rt) if rt else default_runtime_dir()
 

@@ -127,6 +127,10 @@ class State:
                        str(body.get("cause", "")))
         elif topic.startswith("backend."):
             self._backend_event(topic, body, now)
+        elif topic == "sandbox.reaped":
+            boxes = body.get("sandboxes") or []
+            self._note(now, "reaped", key, f"{len(boxes)} orphan sandbox(es) reaped",
+                       ", ".join(str(b) for b in boxes[:8]))
         elif topic == "error.malformed":
             phase = str(body.get("phase", daemon))
             self.malformed[phase] += 1

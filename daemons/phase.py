@@ -283,7 +283,65 @@ class StalePolicy(Exception):
 
 
 class InitDaemon(PhaseDaemon):
+    """The init phase, plus the node's sandbox janitor.
+
+    The janitor destroys sandboxes that no daemon of this node holds: the job finished, was
+    cancelled, or its holder crashed. A sandbox must be unheld in two scans in a row (and be
+    older than the grace period) before it goes, so one in a hand-off is never touched.
+    """
+
     phase = "init"
+
+    async def setup(self):
+        await super().setup()
+        self.control.setsockopt(_SUBSCRIBE, b"daemon.heartbeat")
+        self.held_elsewhere: dict[str, tuple[set, float]] = {}
+        self._strikes: set[str] = set()
+        self._janitor = asyncio.create_task(self._janitor_loop())
+
+    def on_control(self, topic: str, body: dict):
+        if topic == "daemon.heartbeat" and body.get("node") == self.node and body.get("daemon") in ("run", "eval"):
+            held = {f"{j}.{a}" for j, a in body.get("jobs", ()) if isinstance(j, int)}
+            self.held_elsewhere[body["daemon"]] = (held, time.monotonic())
+
+    def _sandbox_root(self):
+        from pathlib import Path
+
+        scfg = self.cfg.section("sandbox")
+        return Path(scfg["root_dir"] or self.cfg.runtime_dir / "sandboxes")
+
+    async def _janitor_loop(self):
+        while True:
+            await asyncio.sleep(float(self.cfg.section("sandbox")["janitor_interval_s"]))
+            if not self._sandbox_root().exists():
+                continue  # no handler on this node ever made a sandbox
+            try:
+                await self._sweep_sandboxes()
+            except Exception as e:  # noqa: BLE001 - the janitor must not take the daemon down
+                self.log.warning("janitor_failed", error=f"{type(e).__name__}: {e}")
+
+    async def _sweep_sandboxes(self):
+        now = time.monotonic()
+        held = {f"{j}.{a}" for j, (a, _) in self.inflight.items()}
+        for daemon in ("run", "eval"):
+            jobs, seen = self.held_elsewhere.get(daemon, (None, 0.0))
+            if jobs is None or now - seen > 3 * float(self.dcfg["heartbeat_s"]) + 1:
+                return  # that daemon's holdings are unknown right now: judge nothing
+            held |= jobs
+        grace = float(self.cfg.section("sandbox")["janitor_grace_s"])
+        rt = self.services.runtime()
+        handles = await asyncio.to_thread(rt.list)
+        wall = time.time()
+        orphans = {h.job_id for h in handles if h.job_id not in held and wall - h.created_at > grace}
+        doomed = orphans & self._strikes
+        self._strikes = orphans - doomed
+        if doomed:
+            reaped = await asyncio.to_thread(rt.reap, {h.job_id for h in handles if h.job_id not in doomed})
+            self.log.warning("orphan_sandboxes_reaped", sandboxes=sorted(reaped))
+            self.events.publish("sandbox.reaped", sandboxes=sorted(reaped))
+
+    async def teardown(self):
+        self._janitor.cancel()
 
 
 class RunDaemon(PhaseDaemon):

@@ -159,8 +159,8 @@ def wait_ready(address: str, timeout_s: float = 30.0) -> dict:
 def config_from_args(path: str | None, runtime_dir: str | None, sets: list[str]) -> Config:
     cfg = Config.load(path)
     data = cfg.data
-    if runtime_dir:
-        data["endpoints"] = {"runtime_dir": runtime_dir}
+    if runtime_dir:  # keeps head/base_port/explicit names; the ipc ones move to runtime_dir
+        data["endpoints"] = dict(data.get("endpoints") or {}, runtime_dir=runtime_dir)
     for item in sets or []:
         key, _, raw = item.partition("=")
         section, _, field = key.partition(".")

@@ -180,7 +180,7 @@ class Gateway(Daemon):
                 spec = {"handler": t["handler"], "instance": t.get("instance", {}), "instance_id": iid,
                         "sample_index": k, "budget_s": float(t.get("timeout_s") or budget),
                         "phase_limits": t.get("phase_timeouts") or {}}
-                self.table.add(JobRecord(jid, msg.client_id, spec))
+                self.table.add(JobRecord(jid, msg.client_id, spec, submitted=time.time()))
                 rows.append((jid, msg.client_id, spec))
                 job_ids.append(jid)
         self.journal.add_jobs(rows)
@@ -338,22 +338,30 @@ class Gateway(Daemon):
             return
         traj = msg.trajectory
         traj["attempts"] = rec.attempt
-        self._complete(rec, codec.encode(msg.to_wire()), traj["status"])
+        self._complete(rec, codec.encode(msg.to_wire()), traj["status"], traj)
 
-    def _complete(self, rec: JobRecord, frames: list, status: str):
+    def _complete(self, rec: JobRecord, frames: list, status: str, traj: dict | None = None):
         seq = self.table.finish(rec, frames)
         self.table.totals[status] += 1
         self.journal.add_result(rec.job_id, seq, frames)
         c = self.table.clients[rec.client_id]
         self.journal.set_client(rec.client_id, c.next_seq, c.acked)
-        self.events.publish("job.done", job_id=rec.job_id, attempt=rec.attempt, status=status)
+        traj = traj or {}
+        err = traj.get("error") if isinstance(traj.get("error"), dict) else {}
+        timing = traj.get("timing") if isinstance(traj.get("timing"), dict) else {}
+        self.events.publish("job.done", job_id=rec.job_id, attempt=rec.attempt, status=status,
+                            handler=rec.spec.get("handler"), worker_node=traj.get("node"),
+                            failed_phase=traj.get("failed_phase"), error_type=err.get("type"),
+                            timing={k: float(v) for k, v in timing.items() if isinstance(v, (int, float))},
+                            latency_s=round(time.time() - rec.submitted, 6) if rec.submitted else None)
 
     def _finish_locally(self, rec: JobRecord, status: str, phase: str, etype: str, message: str):
         """A result the gateway writes itself (cancelled in queue, attempts exhausted)."""
         traj = empty_trajectory(rec.job_id, rec.spec["instance_id"], rec.spec["sample_index"])
         traj.update(handler=rec.spec["handler"], status=status, failed_phase=phase,
                     error={"type": etype, "message": message}, attempts=rec.attempt)
-        self._complete(rec, codec.encode(Result(job_id=rec.job_id, attempt=rec.attempt, trajectory=traj).to_wire()), status)
+        self._complete(rec, codec.encode(Result(job_id=rec.job_id, attempt=rec.attempt, trajectory=traj).to_wire()), status,
+                       traj)
 
     # -- liveness: heartbeats, dead daemons, lease expiry ----------------------------------
     def _on_event(self, frames):

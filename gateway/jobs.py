@@ -19,6 +19,7 @@ class JobRecord:
     last_seen: float = 0.0        # monotonic time a heartbeat last listed it (or it was dispatched)
     holder: str = ""              # "daemon@node#incarnation" that last listed it
     cancel_requested: bool = False
+    submitted: float = 0.0        # wall clock at submit (0 for jobs recovered from the journal)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,26 @@
+"""The init daemon's janitor reaps sandboxes nobody holds (after a crash, say)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+
+def test_orphan_sandbox_is_reaped(up_factory):
+    from sandbox import bwrap_works, get_runtime
+
+    ok, why = bwrap_works()
+    runtime = "bwrap" if ok else "local"
+    up = up_factory(f"sandbox.runtime={runtime}", "sandbox.janitor_interval_s=0.5", "sandbox.janitor_grace_s=1")
+    rt = get_runtime(runtime, root_dir=up.runtime_dir / "sandboxes")
+    orphan = rt.create("424242.1")  # as if its job's daemon had died with it
+    assert [h.job_id for h in rt.list()] == ["424242.1"]
+    deadline = time.monotonic() + 20
+    while rt.list():
+        assert time.monotonic() < deadline, "the orphan was not reaped\n" + up.log()[-2000:]
+        time.sleep(0.2)
+    assert "orphan_sandboxes_reaped" in up.log()
+    for pid in orphan.pids:
+        from tests.conftest import alive
+
+        assert not alive(pid)
