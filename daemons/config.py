@@ -100,6 +100,20 @@ class Config:
             raise ConfigError(f"config file {p}: {e}") from None
         return cls(data, str(p))
 
+    def sandbox_root(self) -> Path:
+        """Where this deployment's sandboxes live. Not under the runtime directory: that one is
+        private (0700) and sandboxes run as an unprivileged user when the daemons run as root.
+        One root per deployment, so two deployments' janitors never reap each other's."""
+        root = self.data["sandbox"]["root_dir"]
+        if root:
+            return Path(root)
+        import hashlib
+
+        from sandbox.runtime import default_root
+
+        tag = hashlib.sha1(str(self.runtime_dir.resolve()).encode()).hexdigest()[:10]
+        return default_root() / f"d-{tag}"
+
     def curve(self, name: str):
         if not self.data["keys_dir"]:
             return None

@@ -40,9 +40,7 @@ class PhaseDaemon(Daemon):
     def _make_runtime(self):
         from sandbox import get_runtime
 
-        scfg = self.cfg.section("sandbox")
-        root = scfg["root_dir"] or str(self.cfg.runtime_dir / "sandboxes")
-        return get_runtime(scfg["runtime"], root_dir=root)
+        return get_runtime(self.cfg.section("sandbox")["runtime"], root_dir=self.cfg.sandbox_root())
 
     async def setup(self):
         s = self.sockets
@@ -304,16 +302,10 @@ class InitDaemon(PhaseDaemon):
             held = {f"{j}.{a}" for j, a in body.get("jobs", ()) if isinstance(j, int)}
             self.held_elsewhere[body["daemon"]] = (held, time.monotonic())
 
-    def _sandbox_root(self):
-        from pathlib import Path
-
-        scfg = self.cfg.section("sandbox")
-        return Path(scfg["root_dir"] or self.cfg.runtime_dir / "sandboxes")
-
     async def _janitor_loop(self):
         while True:
             await asyncio.sleep(float(self.cfg.section("sandbox")["janitor_interval_s"]))
-            if not self._sandbox_root().exists():
+            if not self.cfg.sandbox_root().exists():
                 continue  # no handler on this node ever made a sandbox
             try:
                 await self._sweep_sandboxes()

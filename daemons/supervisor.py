@@ -49,7 +49,7 @@ class Supervisor:
         os.chmod(rd, 0o700)  # ipc sockets are protected by the directory's permissions
         data = dict(self.cfg.data)
         data["node"] = self.cfg.node
-        data["endpoints"] = self.cfg.endpoints.to_config()
+        data["endpoints"] = dict(self.cfg.endpoints.to_config(), runtime_dir=str(rd))
         self.config_path.write_text(dump_toml(data))
 
     def spawn(self, name: str):
@@ -107,8 +107,7 @@ class Supervisor:
         for path in self.cfg.endpoints.ipc_paths():
             path.unlink(missing_ok=True)
         self.config_path.unlink(missing_ok=True)
-        sandboxes = self.cfg.runtime_dir / "sandboxes"
-        for d in (sandboxes, self.cfg.runtime_dir):
+        for d in (self.cfg.runtime_dir,):
             try:
                 d.rmdir()  # only when empty: never delete what someone else put there
             except OSError:

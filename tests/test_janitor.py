@@ -12,7 +12,9 @@ def test_orphan_sandbox_is_reaped(up_factory):
     ok, why = bwrap_works()
     runtime = "bwrap" if ok else "local"
     up = up_factory(f"sandbox.runtime={runtime}", "sandbox.janitor_interval_s=0.5", "sandbox.janitor_grace_s=1")
-    rt = get_runtime(runtime, root_dir=up.runtime_dir / "sandboxes")
+    from daemons.supervisor import config_from_args
+
+    rt = get_runtime(runtime, root_dir=config_from_args(None, str(up.runtime_dir), []).sandbox_root())
     orphan = rt.create("424242.1")  # as if its job's daemon had died with it
     assert [h.job_id for h in rt.list()] == ["424242.1"]
     deadline = time.monotonic() + 20
