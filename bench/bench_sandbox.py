@@ -1,0 +1,327 @@
+"""Sandbox benchmarks: bash action latency vs tmux and SWE-ReX, bwrap start-up, 128 sandboxes.
+
+    PYTHONPATH=. .venv/bin/python bench/bench_sandbox.py [--quick] [--json out.json]
+
+1. Action latency of one bash call, client to result, for `true` (pure overhead) and
+   `ls -la /usr/bin | head`:
+     ours/bwrap   ToolClient -> Unix socket -> tool server in a bwrap sandbox -> pty bash
+     ours/local   the same tool server without a sandbox (same footing as the baselines)
+     tmux         libtmux send-keys + capture-pane polled in a tight loop (no sleep: tmux's
+                  best case; real harnesses sleep between polls and are slower)
+     swe-rex      SWE-ReX LocalRuntime bash session (pexpect), in-process, no HTTP server
+2. bwrap sandbox start (create() until the tool server answers a ping), sequential.
+3. 128 sandboxes at once: start all, one action in each (AsyncToolClient, concurrently),
+   destroy all; then verify nothing leaked (processes, dirs, loopback addresses).
+Medians are the headline (the machine is shared and noisy); p99 is reported too.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import structlog  # noqa: E402
+
+structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings only
+
+from sandbox import AsyncToolClient, SandboxSpec, ToolClient, get_runtime, procs  # noqa: E402
+
+COMMANDS = {"true": "true", "ls": "ls -la /usr/bin | head"}
+
+
+def pct(xs: List[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def summarize(xs: List[float]) -> Dict[str, float]:
+    return {"median_ms": statistics.median(xs) * 1000, "p99_ms": pct(xs, 0.99) * 1000, "n": len(xs)}
+
+
+def timed(fn: Callable[[], object], n: int, warmup: int = 5) -> List[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# -- latency: the harnesses ----------------------------------------------------------
+class Ours:
+    def __init__(self, kind: str, root: Path) -> None:
+        self.name = "ours_" + kind
+        self.rt = get_runtime(kind, root_dir=root / kind)
+        self.h = self.rt.create("bench-latency")
+        self.c = ToolClient(self.h.tool_socket)
+        self.server_side: List[float] = []
+
+    def call(self, cmd: str) -> None:
+        r = self.c.call("bash", {"command": cmd, "timeout": 30})
+        assert r.exit_code == 0, r
+        if cmd == "true":
+            self.server_side.append(r.duration)
+
+    def close(self) -> None:
+        self.c.close()
+        self.rt.destroy(self.h)
+
+
+class Tmux:
+    """libtmux send-keys + capture-pane, polled with no sleep (tmux's best case)."""
+
+    name = "tmux"
+
+    def __init__(self) -> None:
+        import libtmux
+
+        if shutil.which("tmux") is None:
+            raise RuntimeError("tmux binary not installed")
+        self.server = libtmux.Server(socket_name="rld-bench-%d" % os.getpid())
+        sess = self.server.new_session(session_name="bench", window_command="bash --noprofile --norc", x=200, y=50)
+        self.pane = sess.active_window.active_pane
+        self.n = 0
+
+    def call(self, cmd: str) -> None:
+        self.n += 1
+        marker = "__DONE_%d__" % self.n
+        self.pane.send_keys("%s; echo %s" % (cmd, marker), enter=True)
+        deadline = time.monotonic() + 30
+        while not any(line.strip() == marker for line in self.pane.capture_pane()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(cmd)
+        self.pane.cmd("clear-history")
+
+    def close(self) -> None:
+        self.server.kill()
+
+
+class SweRex:
+    """SWE-ReX LocalRuntime bash session (pexpect), called in-process."""
+
+    name = "swerex"
+
+    def __init__(self) -> None:
+        from swerex.runtime.abstract import BashAction, CreateBashSessionRequest
+        from swerex.runtime.local import LocalRuntime
+
+        self.BashAction = BashAction
+        self.loop = asyncio.new_event_loop()
+        self.rt = LocalRuntime()
+        # its 1 s default start-up timeout fails on a loaded machine
+        self.loop.run_until_complete(self.rt.create_session(CreateBashSessionRequest(startup_timeout=30)))
+        self.lost = 0
+
+    def call(self, cmd: str) -> None:
+        r = self.loop.run_until_complete(self.rt.run_in_session(self.BashAction(command=cmd, timeout=30, check="silent")))
+        self.lost += r.exit_code != 0  # its exit-code probe can fail under load
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.rt.close())
+        self.loop.close()
+
+
+def command_cost(run_script: Callable[[str], str], cmd: str, reps: int = 30) -> float:
+    """What the command itself costs (ms), timed by bash around a loop inside one shell."""
+    script = "TIMEFORMAT=%%R; time (for i in $(seq %d); do %s >/dev/null; done) 2>&1" % (reps, cmd)
+    return float(run_script(script).strip().splitlines()[-1]) * 1000 / reps
+
+
+def bench_latency(root: Path, n: int, out: Dict[str, object]) -> Dict[str, Dict[str, Dict[str, float]]]:
+    """All harnesses interleaved call by call, so load drift on a shared machine hits
+    them equally; the command's own cost is sampled throughout, inside the sandbox and on
+    the host, and its median subtracted to estimate each harness's overhead."""
+    import subprocess
+
+    harnesses: List[object] = [Ours("bwrap", root), Ours("local", root)]
+    for factory in (Tmux, SweRex):
+        try:
+            harnesses.append(factory())
+        except Exception as e:  # report why, keep the other numbers
+            out[factory.name + "_error"] = "%s: %s" % (type(e).__name__, e)
+    ours = harnesses[0]
+    host = lambda script: subprocess.run(["bash", "-c", script], capture_output=True, text=True).stdout  # noqa: E731
+    sandboxed = lambda script: ours.c.call("bash", {"command": script, "timeout": 60}).output  # noqa: E731
+    res: Dict[str, Dict[str, Dict[str, float]]] = {h.name: {} for h in harnesses}
+    costs: Dict[str, Dict[str, List[float]]] = {"sandbox": {}, "host": {}}
+    try:
+        for name, cmd in COMMANDS.items():
+            times: Dict[str, List[float]] = {h.name: [] for h in harnesses}
+            for h in harnesses:
+                for _ in range(3):
+                    h.call(cmd)
+            costs["sandbox"][name], costs["host"][name] = [], []
+            for i in range(n):
+                if i % max(1, n // 5) == 0:
+                    costs["sandbox"][name].append(command_cost(sandboxed, cmd))
+                    costs["host"][name].append(command_cost(host, cmd))
+                for h in harnesses:
+                    t0 = time.perf_counter()
+                    h.call(cmd)
+                    times[h.name].append(time.perf_counter() - t0)
+            for h in harnesses:
+                res[h.name][name] = summarize(times[h.name])
+                where = "sandbox" if h.name == "ours_bwrap" else "host"
+                res[h.name][name]["command_cost_ms"] = statistics.median(costs[where][name])
+        res["ours_bwrap"]["true_server_side"] = summarize(ours.server_side)
+        for h in harnesses:
+            if isinstance(h, SweRex):
+                res[h.name]["exit_code_lost"] = h.lost  # type: ignore[assignment]
+    finally:
+        for h in harnesses:
+            h.close()
+    return res
+
+
+# -- start-up and fleet ---------------------------------------------------------------
+def bench_startup(root: Path, n: int) -> Dict[str, Dict[str, float]]:
+    """create() returns once the tool server answers a ping; the shell itself starts in
+    the background, so the first bash call is timed too (start -> first `true` done)."""
+    rt = get_runtime("bwrap", root_dir=root / "startup")
+    ready, first, destroy = [], [], []
+    for i in range(n + 2):
+        t0 = time.perf_counter()
+        h = rt.create("start-%d" % i, SandboxSpec())
+        t1 = time.perf_counter()
+        with ToolClient(h.tool_socket) as c:
+            assert c.call("bash", {"command": "true", "timeout": 30}).exit_code == 0
+        t2 = time.perf_counter()
+        rt.destroy(h)
+        t3 = time.perf_counter()
+        if i >= 2:  # the first two warm the page cache
+            ready.append(t1 - t0)
+            first.append(t2 - t0)
+            destroy.append(t3 - t2)
+    return {"ready": summarize(ready), "first_action": summarize(first), "destroy": summarize(destroy)}
+
+
+def bench_fleet(root: Path, count: int, workers: int) -> Dict[str, object]:
+    rt = get_runtime("bwrap", root_dir=root / "fleet")
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(workers) as ex:
+        handles = list(ex.map(lambda i: rt.create("fleet-%d" % i, SandboxSpec()), range(count)))
+    t_start = time.perf_counter() - t0
+
+    async def act():
+        clients = [AsyncToolClient(h.tool_socket) for h in handles]
+        try:
+            rs = await asyncio.gather(*[c.call("bash", {"command": "echo $ROLLOUTD_JOB_ID", "timeout": 60})
+                                        for c in clients])
+        finally:
+            await asyncio.gather(*[c.close() for c in clients])
+        return rs
+
+    t1 = time.perf_counter()
+    results = asyncio.run(act())
+    t_act = time.perf_counter() - t1
+    ok = all(r.output.strip() == h.job_id for r, h in zip(results, handles))
+    loopbacks = {h.loopback for h in handles}
+    pidns = [int(h.extra["pidns"]) for h in handles]
+    all_pids = [p for h in handles for p in h.pids]
+    t2 = time.perf_counter()
+    with ThreadPoolExecutor(workers) as ex:
+        list(ex.map(rt.destroy, handles))
+    t_destroy = time.perf_counter() - t2
+    total = time.perf_counter() - t0
+    leaked_procs = [p for ns in set(pidns) for p in procs.pids_in_pidns(ns)]
+    leaked_pids = [p for p in all_pids if procs.is_running(p)]
+    leaked_dirs = list((root / "fleet" / "sb").iterdir())
+    leaked_addrs = rt.loopback.allocated()
+    return {
+        "count": count, "workers": workers, "start_s": t_start, "action_s": t_act, "destroy_s": t_destroy,
+        "total_s": total, "actions_ok": ok, "unique_loopbacks": len(loopbacks),
+        "leaked_processes": len(leaked_procs) + len(leaked_pids), "leaked_dirs": len(leaked_dirs),
+        "leaked_loopbacks": len(leaked_addrs),
+    }
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    ap.add_argument("--fleet", type=int, default=128, help="sandboxes started at once (default 128)")
+    ap.add_argument("--workers", type=int, default=16, help="threads creating/destroying the fleet")
+    ap.add_argument("--json", type=Path, help="also write the raw results here")
+    ns = ap.parse_args(argv)
+    n_lat, n_start = (20, 10) if ns.quick else (150, 40)
+    root = Path(tempfile.mkdtemp(prefix="rldb", dir="/tmp"))
+    os.chmod(root, 0o755)
+    t_all = time.perf_counter()
+    out: Dict[str, object] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
+                                          "loadavg_at_start": os.getloadavg()}}
+    try:
+        out.update(bench_latency(root, n_lat, out))
+        out["startup_bwrap"] = bench_startup(root, n_start)
+        out["fleet"] = bench_fleet(root, ns.fleet, ns.workers)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    out["wall_s"] = time.perf_counter() - t_all
+    report(out)
+    if ns.json:
+        ns.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def report(out: Dict[str, object]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=140)
+    t = Table(title="bash action latency (client call -> result), ms; overhead = median - the command's own cost")
+    for col in ("implementation", "command", "median", "p99", "n", "overhead", "median vs ours/bwrap",
+                "overhead vs ours/bwrap"):
+        t.add_column(col)
+    ours = out["ours_bwrap"]
+
+    def overhead(impl: str, name: str) -> float:
+        s = out[impl][name]
+        return max(0.01, s["median_ms"] - s["command_cost_ms"])
+
+    for impl in ("ours_bwrap", "ours_local", "tmux", "swerex"):
+        res = out.get(impl)
+        if not res:
+            t.add_row(impl, "-", "n/a", "n/a", "0", "-", out.get(impl + "_error", "not run"), "-")
+            continue
+        for name in COMMANDS:
+            s = res[name]
+            ov = overhead(impl, name)
+            same = impl == "ours_bwrap"
+            t.add_row(impl, COMMANDS[name], "%.2f" % s["median_ms"], "%.2f" % s["p99_ms"], str(s["n"]), "%.2f" % ov,
+                      "-" if same else "%.1fx" % (s["median_ms"] / ours[name]["median_ms"]),
+                      "-" if same else "%.1fx" % (ov / overhead("ours_bwrap", name)))
+    con.print(t)
+    con.print("command's own cost (ms, median of bash-timed loops sampled during the run): %s" % {
+        impl: {name: round(out[impl][name]["command_cost_ms"], 2) for name in COMMANDS}
+        for impl in ("ours_bwrap", "tmux") if out.get(impl)})
+    s = ours["true_server_side"]
+    con.print("ours/bwrap `true`, time inside the tool server: median %.2f ms, p99 %.2f ms" % (s["median_ms"], s["p99_ms"]))
+    if out.get("swerex"):
+        con.print("swe-rex calls whose exit code came back wrong/missing: %s" % out["swerex"].get("exit_code_lost"))
+    st = out["startup_bwrap"]
+    con.print("bwrap sandbox start -> tool server ready (create() returns): median %.1f ms, p99 %.1f ms (n=%d)"
+              % (st["ready"]["median_ms"], st["ready"]["p99_ms"], st["ready"]["n"]))
+    con.print("bwrap sandbox start -> first bash `true` done: median %.1f ms, p99 %.1f ms; destroy median %.1f ms"
+              % (st["first_action"]["median_ms"], st["first_action"]["p99_ms"], st["destroy"]["median_ms"]))
+    f = out["fleet"]
+    con.print("%d sandboxes at once (%d creator threads): start %.2f s, one action each %.2f s, destroy %.2f s, "
+              "total %.2f s; actions ok=%s, unique loopbacks=%d; leaked processes=%d dirs=%d loopbacks=%d"
+              % (f["count"], f["workers"], f["start_s"], f["action_s"], f["destroy_s"], f["total_s"], f["actions_ok"],
+                 f["unique_loopbacks"], f["leaked_processes"], f["leaked_dirs"], f["leaked_loopbacks"]))
+    con.print("benchmark wall time %.1f s" % out["wall_s"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""bubblewrap runtime: daemonless, rootless, one set of namespaces per sandbox.
+
+Process tree on the host:  bwrap (outer, our child) -> bwrap init (pid 1 of the sandbox's
+pid namespace) -> tool server -> bash / python sessions / user processes.
+Killing the namespace's init (SIGKILL, from the host) makes the kernel kill everything in
+the namespace, so nothing can escape destroy(). --die-with-parent is deliberately off:
+sandboxes survive a daemon restart; state.json records the pids (with start times, to be
+safe against pid reuse) so any process on the node can destroy or reap them later.
+
+When the daemon runs as root, the sandbox is started as an unprivileged uid (default
+65534): RLIMIT_NPROC is never enforced for real uid 0, and a mapped root has no business
+reading the host's root-owned files through the read-only mounts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from . import procs
+from .cgroups import CgroupV2
+from .errors import RuntimeUnavailable, SandboxSpecError, SandboxStartError
+from .log import log
+from .runtime import LaunchContext, Runtime
+
+# Paths inside the sandbox.
+WORKSPACE = "/workspace"
+RUN_DIR = "/run/rolloutd"
+LIB_DIR = "/run/rolloutd-lib"
+CONFIG = RUN_DIR + "/config.json"
+
+# (op, src, dst) with op in {"ro-bind", "bind", "symlink"}; the pure argv builder takes these.
+FsOp = Tuple[str, str, str]
+
+_TOP_LEVEL = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# The bits of the host's /etc a shell, Python and TLS need; not the whole of /etc (secrets).
+_ETC = ("passwd", "group", "hosts", "host.conf", "nsswitch.conf", "resolv.conf", "gai.conf", "ld.so.cache",
+        "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "alternatives", "ssl", "ca-certificates",
+        "ca-certificates.conf", "pki", "mime.types", "protocols", "services", "os-release", "debian_version",
+        "lsb-release", "terminfo", "locale.alias", "locale.conf")
+_ROOTFS_SKIP = {"proc", "dev", "sys", "tmp", "run", "workspace", "mnt", "media", "lost+found", "boot"}
+
+
+def host_system_ops(root: str = "/") -> List[FsOp]:
+    """The host's /usr, /bin, /lib*, and a few /etc files, read-only (image=None)."""
+    ops: List[FsOp] = []
+    for name in _TOP_LEVEL:
+        p = os.path.join(root, name)
+        if os.path.islink(p):
+            ops.append(("symlink", os.readlink(p), "/" + name))
+        elif os.path.isdir(p):
+            ops.append(("ro-bind", p, "/" + name))
+    etc = os.path.join(root, "etc")
+    names = list(_ETC) + sorted(n for n in _listdir(etc) if re.match(r"^python3(\.\d+)?$", n))
+    for name in names:
+        p = os.path.join(etc, name)
+        if os.path.lexists(p) and os.path.exists(p):
+            ops.append(("ro-bind", p, "/etc/" + name))
+    return ops
+
+
+def rootfs_ops(rootfs: str) -> List[FsOp]:
+    """An unpacked image: each top-level entry read-only (the root itself stays bwrap's tmpfs
+    so /workspace and /run/rolloutd can be mounted even when the image lacks them)."""
+    if not os.path.isdir(rootfs):
+        raise SandboxSpecError("image %s is not a root filesystem directory" % rootfs)
+    ops: List[FsOp] = []
+    for name in sorted(os.listdir(rootfs)):
+        if name in _ROOTFS_SKIP:
+            continue
+        p = os.path.join(rootfs, name)
+        if os.path.islink(p):
+            ops.append(("symlink", os.readlink(p), "/" + name))
+        elif os.path.isdir(p) or os.path.isfile(p):
+            ops.append(("ro-bind", p, "/" + name))
+    return ops
+
+
+def _listdir(p: str) -> List[str]:
+    try:
+        return os.listdir(p)
+    except OSError:
+        return []
+
+
+def build_argv(
+    *,
+    bwrap: str,
+    fs_ops: Sequence[FsOp],
+    workspace: str,
+    run_dir: str,
+    lib_dir: str,
+    binds: Sequence[Tuple[str, str, bool]] = (),
+    network: bool = False,
+    workdir: str = WORKSPACE,
+    env: Optional[Dict[str, str]] = None,
+    python: str = "python3",
+    info_fd: Optional[int] = None,
+    tmp_size_mb: Optional[int] = 512,
+    hostname: str = "sandbox",
+) -> List[str]:
+    """The exact bwrap command line (pure: no filesystem access, golden-testable)."""
+    argv = [bwrap, "--unshare-all"]
+    if network:
+        argv.append("--share-net")
+    # setsid: the sandbox cannot push keystrokes into a terminal of ours (TIOCSTI).
+    argv += ["--new-session", "--hostname", hostname, "--clearenv"]
+    for k, v in sorted((env or {}).items()):
+        argv += ["--setenv", k, v]
+    for op, src, dst in fs_ops:
+        argv += ["--" + op, src, dst]
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    if tmp_size_mb:
+        argv += ["--size", str(int(tmp_size_mb) * 1024 * 1024)]
+    argv += ["--tmpfs", "/tmp"]
+    argv += ["--bind", workspace, WORKSPACE, "--bind", run_dir, RUN_DIR, "--ro-bind", lib_dir, LIB_DIR]
+    for src, dst, ro in binds:
+        argv += ["--ro-bind" if ro else "--bind", src, dst]
+    # bwrap's root is a writable tmpfs holding the mount points; freeze it (not recursive:
+    # /workspace, /run/rolloutd and /tmp stay writable).
+    argv += ["--remount-ro", "/", "--chdir", workdir]
+    if info_fd is not None:
+        argv += ["--info-fd", str(info_fd)]
+    argv += ["--", python, "-S", "-m", "rolloutd_toolserver", "--config", CONFIG]
+    return argv
+
+
+def bwrap_version(bwrap: str = "bwrap") -> Optional[Tuple[int, ...]]:
+    try:
+        out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", out)
+    return tuple(int(x) for x in m.groups() if x is not None) if m else None
+
+
+def resolve_run_as(run_as: Union[str, int, None, Tuple[int, int]]) -> Optional[Tuple[int, int]]:
+    """"auto": nobody (65534) when we are root, else ourselves; None: never switch."""
+    if run_as == "auto":
+        return (65534, 65534) if os.geteuid() == 0 else None
+    if run_as is None:
+        return None
+    if isinstance(run_as, int):
+        return (run_as, run_as)
+    if isinstance(run_as, tuple):
+        return (int(run_as[0]), int(run_as[1]))
+    uid, _, gid = str(run_as).partition(":")
+    return (int(uid), int(gid or uid))
+
+
+def probe(bwrap: str = "bwrap", run_as: Optional[Tuple[int, int]] = None, timeout: float = 10.0) -> Tuple[bool, str]:
+    """Does bwrap really work here? Runs `bwrap --unshare-all ... true` for real."""
+    path = shutil.which(bwrap)
+    if path is None:
+        return False, "%s not found on PATH" % bwrap
+    argv = [path, "--unshare-all", "--new-session"]
+    for op, src, dst in host_system_ops():
+        argv += ["--" + op, src, dst]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--", "true"]
+    kw: Dict[str, Any] = {}
+    if run_as is not None and os.geteuid() == 0:
+        kw.update(user=run_as[0], group=run_as[1], extra_groups=[])
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, "bwrap failed to run: %s" % e
+    if r.returncode != 0:
+        return False, "bwrap --unshare-all failed (exit %d): %s" % (r.returncode, r.stderr.strip()[-300:])
+    who = "uid %d" % (run_as[0] if run_as and os.geteuid() == 0 else os.geteuid())
+    return True, "%s works (--unshare-all as %s)" % (path, who)
+
+
+class BwrapRuntime(Runtime):
+    name = "bwrap"
+    nproc_scoped = True  # each sandbox has its own user namespace
+
+    def __init__(self, root_dir=None, *, bwrap: str = "bwrap", run_as: Any = "auto",
+                 tmp_size_mb: Optional[int] = 512, cgroup: Any = "auto", **kw: Any) -> None:
+        super().__init__(root_dir, **kw)
+        path = shutil.which(bwrap)
+        if path is None:
+            raise RuntimeUnavailable("bubblewrap (%s) is not installed" % bwrap)
+        self.bwrap = path
+        self.run_as = resolve_run_as(run_as)
+        version = bwrap_version(path) or (0, 0)
+        self.tmp_size_mb = tmp_size_mb if version >= (0, 5) else None  # --size needs a recent bwrap
+        self.cgroup = None
+        if cgroup == "auto":
+            self.cgroup = CgroupV2.detect()
+        elif cgroup:
+            self.cgroup = CgroupV2(Path(cgroup))
+        self.python = self.python or "python3"
+
+    def _inside(self, ctx: LaunchContext) -> Dict[str, str]:
+        # per-call scratch files live on the sandbox's private tmpfs: half the latency of disk
+        return {"socket": RUN_DIR + "/tool.sock", "ctl_dir": "/tmp/.rolloutd", "workdir": ctx.spec.workdir,
+                "home": "/tmp/home", "python": None}
+
+    def _prepare_dirs(self, ctx: LaunchContext) -> None:
+        if self.run_as is None or os.geteuid() != 0:
+            return
+        uid, gid = self.run_as
+        for base in (ctx.workspace, ctx.run_dir):
+            os.chown(base, uid, gid)
+            for dirpath, dirnames, filenames in os.walk(base):
+                for name in dirnames + filenames:
+                    os.lchown(os.path.join(dirpath, name), uid, gid)
+
+    def _launch(self, ctx: LaunchContext) -> Dict[str, Any]:
+        spec = ctx.spec
+        if spec.image is None:
+            fs_ops = host_system_ops()
+        elif spec.image.endswith(".sif"):
+            raise SandboxSpecError("bwrap cannot mount .sif images; use the apptainer runtime, or unpack "
+                                   "the image (apptainer build --sandbox DIR IMAGE.sif) and pass DIR")
+        else:
+            fs_ops = rootfs_ops(spec.image)
+        info_r, info_w = os.pipe()
+        server_env = {
+            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "LANG": "C.UTF-8", "PYTHONPATH": LIB_DIR, "PYTHONNOUSERSITE": "1",
+            "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/tmp/home",
+        }
+        argv = build_argv(
+            bwrap=self.bwrap, fs_ops=fs_ops, workspace=str(ctx.workspace), run_dir=str(ctx.run_dir),
+            lib_dir=str(ctx.lib_dir), binds=spec.binds, network=spec.network, workdir=spec.workdir,
+            env=server_env, python=self.python, info_fd=info_w, tmp_size_mb=self.tmp_size_mb,
+        )
+        pass_fds = [info_w] + ([ctx.ready_fd] if ctx.ready_fd is not None else [])
+        kw: Dict[str, Any] = {}
+        cg_path = cg_fd = None
+        drop = self.run_as if (self.run_as is not None and os.geteuid() == 0) else None
+        if self.cgroup is not None and (spec.limits.memory_mb or spec.limits.nproc):
+            cg_path = self.cgroup.create(ctx.sandbox_id, spec.limits.memory_mb, spec.limits.nproc)
+            cg_fd = CgroupV2.open_procs(cg_path)
+            kw["preexec_fn"] = _enter_cgroup_then_drop(cg_fd, drop)
+        elif drop is not None:
+            kw.update(user=drop[0], group=drop[1], extra_groups=[])
+        log_fd = os.open(ctx.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        try:
+            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                                     pass_fds=pass_fds, start_new_session=True, close_fds=True, **kw)
+        finally:
+            os.close(log_fd)
+            os.close(info_w)
+            if cg_fd is not None:
+                os.close(cg_fd)
+        self._children[ctx.sandbox_id] = child
+        pids, extra = [child.pid], {"pid_starts": [procs.start_time(child.pid)],
+                                    "uid": drop[0] if drop else os.geteuid()}
+        if cg_path is not None:
+            extra["cgroup"] = str(cg_path)
+        try:
+            info = _read_info(info_r, child, self.ready_timeout)
+        finally:
+            os.close(info_r)
+        init_pid = int(info["child-pid"])
+        pids.append(init_pid)
+        extra["pid_starts"].append(procs.start_time(init_pid))
+        extra["pidns"] = info.get("pid-namespace")
+        return {"pids": pids, "extra": extra}
+
+    def _kill(self, state: Dict[str, Any]) -> None:
+        pids = [int(p) for p in state.get("pids") or []]
+        extra = state.get("extra") or {}
+        starts = list(extra.get("pid_starts") or []) + [None] * len(pids)
+        # The namespace's init first: its death takes every process of the sandbox with it.
+        if len(pids) >= 2:
+            procs.kill(pids[1], starts[1])
+        if pids:
+            procs.kill_tree(pids[0], starts[0])  # the outer bwrap, and anything not yet in the namespace
+        if not procs.wait_gone(pids, timeout=5.0):
+            log.warning("sandbox_processes_survived_kill", sandbox_id=state.get("sandbox_id"), pids=pids)
+        if extra.get("cgroup"):
+            CgroupV2.kill_and_remove(Path(extra["cgroup"]))
+
+
+def _enter_cgroup_then_drop(cg_fd: int, drop: Optional[Tuple[int, int]]):
+    # Runs between fork and exec: only async-signal-safe-ish calls (os.write, set*id).
+    def fn() -> None:
+        os.write(cg_fd, b"0")
+        if drop is not None:
+            os.setgroups([])
+            os.setgid(drop[1])
+            os.setuid(drop[0])
+    return fn
+
+
+def _read_info(fd: int, child: subprocess.Popen, timeout: float) -> Dict[str, Any]:
+    """bwrap writes {"child-pid": N, ...} to --info-fd once the namespaces exist."""
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while True:
+        r, _, _ = select.select([fd], [], [], max(0.0, min(0.2, deadline - time.monotonic())))
+        if r:
+            chunk = os.read(fd, 4096)
+            buf += chunk
+            try:
+                return json.loads(buf.decode())
+            except ValueError:
+                pass
+            if not chunk:
+                raise SandboxStartError("bwrap exited (code %s) before creating the sandbox" % child.wait())
+        elif child.poll() is not None:
+            raise SandboxStartError("bwrap exited (code %s) before creating the sandbox" % child.returncode)
+        if time.monotonic() > deadline:
+            raise SandboxStartError("bwrap did not report its sandbox pid within %.1fs" % timeout)

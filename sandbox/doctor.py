@@ -1,0 +1,201 @@
+"""`rolloutd doctor`: which sandbox runtimes really work on this machine, and why not.
+
+check() runs real probes (a `bwrap --unshare-all true`, and by default a full bwrap
+sandbox start + ping + destroy); nothing is inferred from the presence of a binary alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from .runtime import MAX_SOCKET_PATH, default_root
+
+MIN_FREE_GB = 10.0
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    optional: bool = False  # a failed optional check only narrows the choice of runtime
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def _userns() -> Check:
+    notes, ok = [], True
+    max_ns = _read("/proc/sys/user/max_user_namespaces")
+    if max_ns is not None:
+        notes.append("max_user_namespaces=%s" % max_ns)
+        ok = ok and max_ns != "0"
+    clone = _read("/proc/sys/kernel/unprivileged_userns_clone")
+    if clone is not None:
+        notes.append("unprivileged_userns_clone=%s" % clone)
+        ok = ok and clone == "1"
+    apparmor = _read("/proc/sys/kernel/apparmor_restrict_unprivileged_userns")
+    if apparmor is not None:
+        notes.append("apparmor_restrict_unprivileged_userns=%s" % apparmor)
+        ok = ok and apparmor == "0"
+    return Check("user_namespaces", ok, ", ".join(notes) or "no sysctl found (kernel default)")
+
+
+def _python() -> Check:
+    py = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
+    if py is None:
+        return Check("host_python3", False, "no python3 in /usr: image=None sandboxes cannot start their tool server")
+    try:
+        v = subprocess.run([py, "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"],
+                           capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        return Check("host_python3", False, "%s does not run: %s" % (py, e))
+    ok = tuple(int(x) for x in v.split(".")[:2]) >= (3, 8)
+    return Check("host_python3", ok, "%s %s (tool server needs >= 3.8; used by image=None sandboxes)" % (py, v))
+
+
+def _bwrap(root_dir: Path, deep: bool) -> List[Check]:
+    from . import bwrap as bw
+
+    out = []
+    path = shutil.which("bwrap")
+    if path is None:
+        return [Check("bwrap", False, "bubblewrap not installed (apt-get install bubblewrap)")]
+    version = bw.bwrap_version(path)
+    out.append(Check("bwrap", True, "%s %s" % (path, ".".join(map(str, version or ())) or "?")))
+    run_as = bw.resolve_run_as("auto")
+    ok, detail = bw.probe(path, run_as)
+    out.append(Check("bwrap_unshare_all", ok, detail))
+    if ok and deep:
+        from .bwrap import BwrapRuntime
+        from .client import ToolClient
+        from .spec import SandboxSpec
+
+        try:
+            rt = BwrapRuntime(root_dir, ready_timeout=30)
+            h = rt.create("doctor", SandboxSpec(loopback=False))
+            try:
+                with ToolClient(h.tool_socket) as c:
+                    r = c.call("bash", {"command": "echo ok", "timeout": 10})
+                good = r.output.strip() == "ok"
+                out.append(Check("bwrap_sandbox", good, "created, ran `echo ok` through the tool server, destroyed"
+                                 if good else "tool server answered %r" % r))
+            finally:
+                rt.destroy(h)
+        except Exception as e:
+            out.append(Check("bwrap_sandbox", False, "full sandbox start failed: %s" % str(e)[-400:]))
+    return out
+
+
+def _apptainer() -> List[Check]:
+    from .apptainer import binary_version
+
+    out = []
+    for binary in ("apptainer", "singularity"):
+        v = binary_version(binary)
+        out.append(Check(binary, v is not None, v or "%s not on PATH" % binary, optional=True))
+    return out
+
+
+def _fakeroot() -> Check:
+    user = pwd.getpwuid(os.getuid()).pw_name
+    entries = []
+    for f in ("/etc/subuid", "/etc/subgid"):
+        text = _read(f) or ""
+        if any(line.split(":")[0] in (user, str(os.getuid())) for line in text.splitlines() if line):
+            entries.append(f)
+    if len(entries) == 2:
+        return Check("fakeroot", True, "%s has ranges in /etc/subuid and /etc/subgid" % user, optional=True)
+    userns = _userns()
+    if userns.ok:
+        return Check("fakeroot", True, "no subuid/subgid ranges for %s; apptainer >= 1.1 can still use "
+                     "--fakeroot in root-mapped user-namespace mode (single uid)" % user, optional=True)
+    return Check("fakeroot", False, "no subuid/subgid ranges for %s and unprivileged user namespaces are off" % user,
+                 optional=True)
+
+
+def _cgroup() -> Check:
+    from .cgroups import CgroupV2, own_cgroup
+
+    cg = CgroupV2.detect()
+    if cg is not None:
+        return Check("cgroup_v2", True, "sandbox memory/pids limits via %s" % cg.parent, optional=True)
+    own = own_cgroup()
+    why = CgroupV2.unusable_reason(own) if own else "no cgroup2 mount"
+    return Check("cgroup_v2", False, "not usable (%s%s); rlimits only" % (why, ", own cgroup %s" % own if own else ""),
+                 optional=True)
+
+
+def _disk(root_dir: Path) -> Check:
+    probe = root_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    usage = shutil.disk_usage(probe)
+    free = usage.free / 1e9
+    return Check("disk_free", free >= MIN_FREE_GB, "%.1f GB free at %s (images want >= %.0f GB)" % (free, probe, MIN_FREE_GB),
+                 optional=True)
+
+
+def _socket_path(root_dir: Path) -> Check:
+    example = root_dir / "sb" / ("0" * 12) / "run" / "tool.sock"
+    n = len(str(example).encode())
+    return Check("socket_path", n <= MAX_SOCKET_PATH, "%s is %d bytes (limit %d)" % (example, n, MAX_SOCKET_PATH))
+
+
+def check(root_dir: Optional[os.PathLike] = None, deep: bool = True) -> List[Check]:
+    root = Path(root_dir or default_root())
+    checks = [_python(), _userns()]
+    checks += _bwrap(root, deep)
+    checks += _apptainer()
+    checks += [_fakeroot(), _cgroup(), _disk(root), _socket_path(root)]
+    bw_ok = all(c.ok for c in checks if c.name in ("bwrap", "bwrap_unshare_all", "bwrap_sandbox", "host_python3"))
+    app = [c.name for c in checks if c.name in ("apptainer", "singularity") and c.ok]
+    works = (["bwrap"] if bw_ok else []) + app + ["local (no isolation)"]
+    checks.append(Check("runtime_auto", bw_ok, "auto picks %s; usable here: %s" % (
+        "bwrap" if bw_ok else "LOCAL (unisolated)", ", ".join(works))))
+    return checks
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="rolloutd doctor", description="Which sandbox runtimes work here, and why not.")
+    p.add_argument("--root-dir", default=None, help="sandbox root dir (default %s)" % default_root())
+    p.add_argument("--quick", action="store_true", help="skip the full sandbox start test")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ns = p.parse_args(argv)
+    import structlog
+
+    if not structlog.is_configured():  # keep stdout for the report (the CLI may configure logging itself)
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    checks = check(ns.root_dir, deep=not ns.quick)
+    if ns.json:
+        print(json.dumps([asdict(c) for c in checks], indent=1))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title="rolloutd doctor: sandboxes")
+        t.add_column("check")
+        t.add_column("status")
+        t.add_column("detail", overflow="fold")
+        for c in checks:
+            status = "[green]ok[/]" if c.ok else ("[yellow]no[/]" if c.optional else "[red]FAIL[/]")
+            t.add_row(c.name, status, c.detail)
+        Console().print(t)
+    # Healthy when some isolating runtime works.
+    return 0 if any(c.ok for c in checks if c.name in ("runtime_auto", "apptainer", "singularity")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

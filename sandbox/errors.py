@@ -1,0 +1,25 @@
+"""Exceptions of the sandbox package."""
+
+
+class SandboxError(Exception):
+    """Base class."""
+
+
+class SandboxSpecError(SandboxError, ValueError):
+    """The SandboxSpec (or a runtime option) is invalid."""
+
+
+class SandboxStartError(SandboxError):
+    """The sandbox or its tool server did not come up; the message carries the log tail."""
+
+
+class RuntimeUnavailable(SandboxError):
+    """The requested runtime cannot work on this machine (binary missing, userns denied...)."""
+
+
+class ToolTransportError(SandboxError, ConnectionError):
+    """The tool server could not be reached or did not answer in time.
+
+    This is an infrastructure failure (the sandbox is gone or wedged), never something to
+    show the agent as a tool observation.
+    """

@@ -1,0 +1,408 @@
+"""The Runtime interface and what every runtime shares.
+
+Layout under root_dir (one dir per sandbox, the source of truth for the janitor):
+  sb/<sandbox_id>/state.json   who/what/pids/deadline (written before launch, updated after)
+  sb/<sandbox_id>/workspace/   the job's workspace (/workspace inside)
+  sb/<sandbox_id>/run/         tool.sock, config.json, per-call scratch (/run/rolloutd inside)
+  sb/<sandbox_id>/log          stderr of the runtime and the tool server
+  lib/<hash>/                  tool server + ptyprocess, mounted read-only (toollib.py)
+  loopback.json/.lock          the loopback allocator
+A subclass provides _launch (start processes), _kill (stop them) and _inside (paths as the
+tool server sees them).
+"""
+from __future__ import annotations
+
+import abc
+import json
+import os
+import re
+import secrets
+import select
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional
+
+from . import procs, toollib
+from .client import ToolClient
+from .errors import SandboxError, SandboxSpecError, SandboxStartError, ToolTransportError
+from .log import log
+from .loopback import LoopbackAllocator
+from .spec import SandboxHandle, SandboxSpec
+
+# sockaddr_un.sun_path is 108 bytes including the NUL.
+MAX_SOCKET_PATH = 107
+_SID = re.compile(r"^[0-9a-f]{12}$")
+STARTING_GRACE = 60.0   # a sandbox still "starting" this long after creation is garbage
+EXPIRY_GRACE = 5.0      # the in-sandbox watchdog gets this long to enforce wall_seconds itself
+
+
+def default_root() -> Path:
+    env = os.environ.get("ROLLOUTD_SANDBOX_ROOT")
+    return Path(env) if env else Path("/tmp/rolloutd-%d" % os.getuid())
+
+
+@dataclass
+class LaunchContext:
+    sandbox_id: str
+    job_id: str
+    spec: SandboxSpec
+    dir: Path
+    workspace: Path
+    run_dir: Path
+    log_path: Path
+    config_path: Path
+    loopback: Optional[str]
+    deadline: Optional[float]
+    lib_dir: Path
+    ready_fd: Optional[int] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+class Runtime(abc.ABC):
+    name = "abstract"
+    uses_ready_fd = True       # the tool server can signal readiness on an inherited fd
+    nproc_scoped = False       # RLIMIT_NPROC counts only this sandbox's processes
+
+    def __init__(
+        self,
+        root_dir: Optional[os.PathLike] = None,
+        *,
+        ready_timeout: float = 20.0,
+        max_output: int = 64 * 1024,
+        default_timeout: float = 60.0,
+        interrupt_grace: float = 1.0,
+        loopback_range: Iterable[str] = ("127.1.0.1", "127.254.255.254"),
+        python: Optional[str] = None,
+        shell: str = "/bin/bash",
+    ) -> None:
+        self.root_dir = Path(root_dir or default_root()).absolute()
+        self.sb_dir = self.root_dir / "sb"
+        self.sb_dir.mkdir(parents=True, exist_ok=True)
+        for d in (self.root_dir, self.sb_dir):
+            _chmod_traversable(d)
+        self.ready_timeout = float(ready_timeout)
+        self.max_output = int(max_output)
+        self.default_timeout = float(default_timeout)
+        self.interrupt_grace = float(interrupt_grace)
+        self.python = python
+        self.shell = shell
+        first, last = tuple(loopback_range)
+        self.loopback = LoopbackAllocator(self.root_dir, first, last)
+        self._children: Dict[str, subprocess.Popen] = {}
+
+    # -- hooks -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def _launch(self, ctx: LaunchContext) -> Dict[str, Any]:
+        """Start the sandbox and its tool server; return {"pids": [...], "extra": {...}}.
+        Register a Popen in self._children[sandbox_id] if this process is its parent."""
+
+    @abc.abstractmethod
+    def _kill(self, state: Dict[str, Any]) -> None:
+        """Kill every process of the sandbox described by state and wait until they are gone."""
+
+    @abc.abstractmethod
+    def _inside(self, ctx: LaunchContext) -> Dict[str, str]:
+        """Paths as the tool server sees them: socket, ctl_dir, workdir, home, lib, python."""
+
+    def _prepare_dirs(self, ctx: LaunchContext) -> None:
+        """Hook: e.g. chown the workspace to the uid the sandbox runs as."""
+
+    # -- public API ------------------------------------------------------------------
+    def create(self, job_id: str, spec: Optional[SandboxSpec] = None) -> SandboxHandle:
+        t0 = time.monotonic()
+        if not isinstance(job_id, str) or not job_id:
+            raise SandboxSpecError("job_id must be a non-empty string")
+        spec = (spec or SandboxSpec()).validate()
+        self._poll_children()
+        sid = secrets.token_hex(6)
+        d = self.sb_dir / sid
+        d.mkdir(mode=0o755)
+        _chmod_traversable(d)
+        sock = d / "run" / "tool.sock"
+        state: Dict[str, Any] = {
+            "status": "starting", "runtime": self.name, "job_id": job_id, "sandbox_id": sid,
+            "created_at": time.time(), "creator_pid": os.getpid(),
+            "creator_start": procs.start_time(os.getpid()), "pids": [], "extra": {},
+            "workspace": str(d / "workspace"), "tool_socket": str(sock), "loopback": None, "deadline": None,
+        }
+        self._write_state(d, state)
+        ready_r = ready_w = None
+        try:
+            if len(str(sock).encode()) > MAX_SOCKET_PATH:
+                raise SandboxSpecError("socket path %s is longer than %d bytes; use a shorter root_dir"
+                                       % (sock, MAX_SOCKET_PATH))
+            for sub in ("workspace", "run"):
+                (d / sub).mkdir(mode=0o755)
+            self._write_workspace(d / "workspace", spec.workspace_files)
+            if spec.loopback:
+                state["loopback"] = self.loopback.allocate(sid, path=str(d))
+            if spec.limits.wall_seconds:
+                state["deadline"] = time.time() + float(spec.limits.wall_seconds)
+            self._write_state(d, state)
+            if self.uses_ready_fd:
+                ready_r, ready_w = os.pipe()
+            ctx = LaunchContext(
+                sandbox_id=sid, job_id=job_id, spec=spec, dir=d, workspace=d / "workspace", run_dir=d / "run",
+                log_path=d / "log", config_path=d / "run" / "config.json", loopback=state["loopback"],
+                deadline=state["deadline"], lib_dir=toollib.prepare(self.root_dir), ready_fd=ready_w,
+            )
+            self._write_config(ctx)
+            self._prepare_dirs(ctx)
+            launched = self._launch(ctx)
+            state["pids"] = list(launched.get("pids", []))
+            state["extra"] = dict(launched.get("extra", {}))
+            self._write_state(d, state)  # from here on, destroy() can find the processes
+            if ready_w is not None:
+                os.close(ready_w)
+                ready_w = None
+            self._wait_ready(ctx, state, ready_r, t0)
+            state["status"] = "running"
+            self._write_state(d, state)
+            if state["loopback"] and state["pids"]:
+                self.loopback.update(state["loopback"], state["pids"][-1])
+        except BaseException as e:
+            for fd in (ready_r, ready_w):
+                if fd is not None:
+                    os.close(fd)
+            tail = _tail(d / "log")
+            self._destroy_state(d, state)
+            log.warning("sandbox_start_failed", job_id=job_id, sandbox_id=sid, runtime=self.name,
+                        error=repr(e), log_tail=tail)
+            if isinstance(e, SandboxSpecError) or not isinstance(e, Exception):
+                raise
+            raise SandboxStartError("%s sandbox for job %s did not start: %s%s" % (
+                self.name, job_id, e, ("\n--- sandbox log ---\n" + tail) if tail else "")) from e
+        if ready_r is not None:
+            os.close(ready_r)
+        handle = self._handle(d, state)
+        log.info("sandbox_created", job_id=job_id, sandbox_id=sid, runtime=self.name,
+                 loopback=state["loopback"], duration_ms=round((time.monotonic() - t0) * 1000, 1))
+        return handle
+
+    def destroy(self, handle: SandboxHandle) -> bool:
+        """Kill every process of the sandbox, remove its dir, release its address. Idempotent."""
+        sid = handle.sandbox_id
+        if not _SID.match(sid):
+            raise SandboxSpecError("not a sandbox id: %r" % sid)
+        d = self.sb_dir / sid  # never trust a path from a handle: it decides what gets deleted
+        state = self._read_state(d)
+        if state is None:
+            if not d.exists() and not self._children.get(sid):
+                self.loopback.release(handle.loopback, owner=sid)
+                return False
+            state = {**handle.to_dict(), "extra": dict(handle.extra)}
+        t0 = time.monotonic()
+        self._destroy_state(d, state)
+        log.info("sandbox_destroyed", job_id=state.get("job_id"), sandbox_id=sid, runtime=self.name,
+                 duration_ms=round((time.monotonic() - t0) * 1000, 1))
+        return True
+
+    def list(self) -> List[SandboxHandle]:
+        out = []
+        for d in sorted(self.sb_dir.iterdir()) if self.sb_dir.is_dir() else []:
+            state = self._read_state(d)
+            if state and state.get("runtime") == self.name:
+                out.append(self._handle(d, state))
+        return out
+
+    def reap(self, keep: Iterable[str]) -> List[str]:
+        """Destroy sandboxes whose job is not in keep (plus expired and abandoned ones)."""
+        keep = set(keep)
+        reaped: List[str] = []
+        now = time.time()
+        for d in sorted(self.sb_dir.iterdir()) if self.sb_dir.is_dir() else []:
+            if not _SID.match(d.name):
+                continue
+            state = self._read_state(d)
+            if state is None:
+                # A dir without state: a create() that crashed before its first write.
+                try:
+                    age = now - d.stat().st_mtime
+                except OSError:
+                    continue
+                if age > STARTING_GRACE:
+                    _rmtree(d)
+                continue
+            if state.get("runtime") != self.name:
+                continue
+            starting = state.get("status") == "starting"
+            creator_alive = procs.is_running(int(state.get("creator_pid") or 0), state.get("creator_start"))
+            if starting and creator_alive and now - float(state.get("created_at") or 0) < STARTING_GRACE:
+                continue  # being created right now by a live process
+            deadline = state.get("deadline")
+            expired = deadline is not None and now > float(deadline) + EXPIRY_GRACE
+            abandoned = starting and not creator_alive
+            if state.get("job_id") not in keep or expired or abandoned:
+                why = "expired" if expired else "abandoned" if abandoned else "not_kept"
+                self._destroy_state(d, state)
+                log.info("sandbox_reaped", job_id=state.get("job_id"), sandbox_id=d.name, runtime=self.name, reason=why)
+                reaped.append(str(state.get("job_id")))
+        self.loopback.reclaim_stale()
+        self._poll_children()
+        return reaped
+
+    def get(self, sandbox_id: str) -> Optional[SandboxHandle]:
+        if not _SID.match(sandbox_id):
+            return None
+        state = self._read_state(self.sb_dir / sandbox_id)
+        return self._handle(self.sb_dir / sandbox_id, state) if state else None
+
+    def client(self, handle: SandboxHandle, **kw: Any) -> ToolClient:
+        return ToolClient(handle.tool_socket, **kw)
+
+    # -- internals -------------------------------------------------------------------
+    def _destroy_state(self, d: Path, state: Dict[str, Any]) -> None:
+        try:
+            self._kill(state)
+        finally:
+            child = self._children.pop(str(state.get("sandbox_id")), None)
+            if child is not None:
+                try:
+                    child.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+            _rmtree(d)
+            if state.get("loopback"):
+                self.loopback.release(state["loopback"], owner=str(state.get("sandbox_id")))
+
+    def _poll_children(self) -> None:
+        # Reap exited launchers we are the parent of (sandboxes killed by their watchdog).
+        for sid, child in list(self._children.items()):
+            if child.poll() is not None and not (self.sb_dir / sid).exists():
+                self._children.pop(sid, None)
+
+    def _handle(self, d: Path, state: Dict[str, Any]) -> SandboxHandle:
+        extra = dict(state.get("extra") or {})
+        extra.setdefault("status", state.get("status"))
+        if state.get("deadline") is not None:
+            extra["deadline"] = state["deadline"]
+        return SandboxHandle(
+            runtime=self.name, job_id=str(state["job_id"]), sandbox_id=d.name,
+            workspace=str(d / "workspace"), tool_socket=str(d / "run" / "tool.sock"),
+            loopback=state.get("loopback"), pids=[int(p) for p in state.get("pids") or []],
+            created_at=float(state.get("created_at") or 0.0), sandbox_dir=str(d), extra=extra,
+        )
+
+    @staticmethod
+    def _write_state(d: Path, state: Dict[str, Any]) -> None:
+        tmp = d / ".state.json.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(state, f)
+        os.replace(tmp, d / "state.json")
+
+    @staticmethod
+    def _read_state(d: Path) -> Optional[Dict[str, Any]]:
+        try:
+            with open(d / "state.json", "r", encoding="utf-8") as f:
+                state = json.load(f)
+            return state if isinstance(state, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _write_workspace(ws: Path, files: Dict[str, Any]) -> None:
+        root = ws.resolve()
+        for rel, content in files.items():
+            target = (ws / rel).resolve()
+            if root not in target.parents:
+                raise SandboxSpecError("workspace file %r escapes the workspace" % rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(content, bytes):
+                target.write_bytes(content)
+            else:
+                target.write_text(content, encoding="utf-8")
+
+    def _session_env(self, ctx: LaunchContext) -> Dict[str, str]:
+        env = dict(ctx.spec.env)
+        env.setdefault("ROLLOUTD_SANDBOX_ID", ctx.sandbox_id)
+        env.setdefault("ROLLOUTD_JOB_ID", ctx.job_id)
+        if ctx.loopback:
+            env.setdefault("ROLLOUTD_LOOPBACK", ctx.loopback)
+        return env
+
+    def _write_config(self, ctx: LaunchContext) -> None:
+        inside = self._inside(ctx)
+        cfg = {
+            "socket": inside["socket"], "ctl_dir": inside["ctl_dir"], "workdir": inside["workdir"],
+            "home": inside["home"], "python": inside.get("python"), "shell": self.shell,
+            "env": self._session_env(ctx), "limits": {k: v for k, v in ctx.spec.limits.to_dict().items()
+                                                      if k != "wall_seconds" and v is not None},
+            "apply_nproc": self.nproc_scoped, "max_output": self.max_output,
+            "default_timeout": self.default_timeout, "interrupt_grace": self.interrupt_grace,
+            "deadline": ctx.deadline, "ready_fd": ctx.ready_fd, "sandbox_id": ctx.sandbox_id, "job_id": ctx.job_id,
+        }
+        with open(ctx.config_path, "w", encoding="utf-8") as f:
+            json.dump(cfg, f)
+
+    def _wait_ready(self, ctx: LaunchContext, state: Dict[str, Any], ready_r: Optional[int], t0: float) -> None:
+        deadline = t0 + self.ready_timeout
+        sock = str(ctx.run_dir / "tool.sock")
+        child = self._children.get(ctx.sandbox_id)
+        if ready_r is not None:
+            r, _, _ = select.select([ready_r], [], [], max(0.0, deadline - time.monotonic()))
+            if not r:
+                raise SandboxStartError("tool server not ready after %.1fs" % self.ready_timeout)
+            if not os.read(ready_r, 64):
+                raise SandboxStartError("the sandbox exited before its tool server was ready")
+        else:
+            while not os.path.exists(sock):
+                if child is not None and child.poll() is not None:
+                    raise SandboxStartError("the sandbox exited (code %s) before its tool server was ready" % child.returncode)
+                if time.monotonic() > deadline:
+                    raise SandboxStartError("tool server socket did not appear after %.1fs" % self.ready_timeout)
+                time.sleep(0.005)
+        remaining = max(1.0, deadline - time.monotonic())
+        with ToolClient(sock, connect_timeout=remaining) as c:
+            try:
+                r = c.ping(timeout=remaining)
+            except ToolTransportError as e:
+                raise SandboxStartError("tool server did not answer a ping: %s" % e) from e
+        if r.output != "pong":
+            raise SandboxStartError("unexpected ping answer: %r" % (r,))
+
+
+def _chmod_traversable(d: Path) -> None:
+    """The sandbox may run as another uid (root drops to nobody): it must be able to
+    traverse into its own dirs."""
+    try:
+        mode = d.stat().st_mode & 0o7777
+        if mode & 0o011 != 0o011:
+            os.chmod(d, mode | 0o011)
+    except OSError:
+        pass
+
+
+def _rmtree(d: Path) -> None:
+    def onerror(func, path, exc_info):  # a sandbox may leave chmod 000 dirs behind
+        try:
+            os.chmod(os.path.dirname(path), 0o700)
+            os.chmod(path, 0o700)
+            func(path)
+        except OSError:
+            pass
+
+    if d.exists():
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(d, onexc=lambda f, p, e: onerror(f, p, None))
+        else:
+            shutil.rmtree(d, onerror=onerror)
+        if d.exists():
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - n))
+            return f.read().decode("utf-8", errors="replace").strip()
+    except OSError:
+        return ""
+
+
+__all__ = ["Runtime", "LaunchContext", "default_root", "SandboxError"]

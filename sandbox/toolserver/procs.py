@@ -1,0 +1,145 @@
+"""Process helpers used inside the sandbox: rlimits on children, killing a process tree."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+from typing import Dict, List, Optional
+
+try:
+    import resource
+except ImportError:  # pragma: no cover - non-Unix
+    resource = None  # type: ignore
+
+PR_SET_CHILD_SUBREAPER = 36
+
+# Children whose exit status their owner (bash/python session) collects itself. The
+# orphan reaper must never waitpid() them; spawning holds the lock until registered.
+MANAGED: "set" = set()
+SPAWN_LOCK = threading.Lock()
+
+_LIMIT_NAMES = {
+    # config key -> (rlimit, multiplier)
+    "memory_mb": ("RLIMIT_AS", 1024 * 1024),
+    "nproc": ("RLIMIT_NPROC", 1),
+    "cpu_seconds": ("RLIMIT_CPU", 1),
+    "file_size_mb": ("RLIMIT_FSIZE", 1024 * 1024),
+}
+
+
+def become_subreaper() -> bool:
+    """Orphans (double-forked daemons) re-parent to us, so we can still find and kill them."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except Exception:
+        return False
+
+
+def apply_limits(pid: int, limits: Dict[str, Optional[float]]) -> List[str]:
+    """Set rlimits on a freshly spawned child (before it runs any user command).
+
+    The tool server itself stays unlimited so that a memory or process limit hit by user
+    code never takes down the server that has to report it.
+    Returns the names of limits that could not be applied.
+    """
+    failed = []
+    if resource is None:
+        return list(k for k, v in limits.items() if v)
+    for key, value in limits.items():
+        if value is None or key not in _LIMIT_NAMES:
+            continue
+        name, mult = _LIMIT_NAMES[key]
+        n = int(value * mult)
+        # CPU: soft < hard, so the process first gets the catchable SIGXCPU, then SIGKILL.
+        hard = n + 1 if key == "cpu_seconds" else n
+        try:
+            resource.prlimit(pid, getattr(resource, name), (n, hard))
+        except (OSError, ValueError, AttributeError):
+            failed.append(key)
+    return failed
+
+
+def _children_map() -> Dict[int, List[int]]:
+    kids: Dict[int, List[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # comm may contain spaces and parens: fields after the last ')' are well formed.
+        rest = stat[stat.rfind(b")") + 2:].split()
+        kids.setdefault(int(rest[1]), []).append(int(name))
+    return kids
+
+
+def descendants(root: int) -> List[int]:
+    kids = _children_map()
+    out: List[int] = []
+    stack = list(kids.get(root, []))
+    while stack:
+        pid = stack.pop()
+        out.append(pid)
+        stack.extend(kids.get(pid, []))
+    return out
+
+
+def session_members(sid: int) -> List[int]:
+    """Processes whose session id is ``sid`` (a dead shell's leftover jobs)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        rest = stat[stat.rfind(b")") + 2:].split()
+        if int(rest[3]) == sid:
+            out.append(int(name))
+    return out
+
+
+def kill_pids(pids: List[int], sig: int = signal.SIGKILL) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def kill_tree(root: int, include_root: bool = True, rounds: int = 10) -> None:
+    """SIGSTOP every descendant, rescanning until no new one appears, then SIGKILL all."""
+    seen: List[int] = []
+    me = os.getpid()
+    for _ in range(rounds):
+        new = [p for p in descendants(root) if p not in seen and p != me]
+        if not new:
+            break
+        kill_pids(new, signal.SIGSTOP)
+        seen.extend(new)
+    kill_pids(seen, signal.SIGKILL)
+    if include_root and root != me:
+        kill_pids([root])
+
+
+def reap_orphans() -> None:
+    """Collect exited orphans that re-parented to us (we are a subreaper).
+
+    Never waitpid(-1): that would steal the exit status of the shell and the Python
+    session, which their owners wait for themselves.
+    """
+    me = os.getpid()
+    with SPAWN_LOCK:
+        for pid in _children_map().get(me, []):
+            if pid in MANAGED:
+                continue
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass

@@ -1,0 +1,232 @@
+"""A persistent Python interpreter session (variables persist between calls).
+
+The interpreter is a child process (pyrepl.py) so that a timeout can interrupt it with
+SIGINT (KeyboardInterrupt in the user's code) and, if it does not yield, kill it and
+start a fresh one without touching the tool server.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, Optional
+
+from .cancel import NEVER, Canceller
+from .output import DEFAULT_MAX_OUTPUT, CappedBuffer, finish_text
+from .procs import MANAGED, SPAWN_LOCK, apply_limits
+from .wire import HEADER
+
+DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pyrepl.py")
+_TICK = 0.1
+
+
+def _nonblock(fd: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+
+
+class _FrameReader:
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> Optional[dict]:
+        self.buf += data
+        if len(self.buf) < HEADER.size:
+            return None
+        (n,) = HEADER.unpack(self.buf[: HEADER.size])
+        if len(self.buf) < HEADER.size + n:
+            return None
+        body = bytes(self.buf[HEADER.size: HEADER.size + n])
+        del self.buf[: HEADER.size + n]
+        return json.loads(body.decode("utf-8"))
+
+
+class PythonSession:
+    def __init__(
+        self,
+        env: Dict[str, str],
+        cwd: str,
+        python: str = sys.executable,
+        limits: Optional[Dict[str, Optional[float]]] = None,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+        interrupt_grace: float = 1.0,
+    ) -> None:
+        self.env = dict(env)
+        self.cwd = cwd
+        self.python = python
+        self.limits = limits or {}
+        self.max_output = max_output
+        self.interrupt_grace = interrupt_grace
+        self.proc: Optional[subprocess.Popen] = None
+        self.restarts = 0
+
+    def start(self, timeout: float = 15.0) -> None:
+        req_r, req_w = os.pipe()
+        resp_r, resp_w = os.pipe()
+        out_r, out_w = os.pipe()
+        try:
+            SPAWN_LOCK.acquire()
+            self.proc = subprocess.Popen(
+                [self.python, "-u", DRIVER, str(req_r), str(resp_w)],
+                stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w,
+                pass_fds=(req_r, resp_w), env=self.env, cwd=self.cwd,
+                start_new_session=True,  # its own process group: SIGINT reaches its children too
+            )
+            MANAGED.add(self.proc.pid)
+        finally:
+            SPAWN_LOCK.release()
+            for fd in (req_r, resp_w, out_w):
+                os.close(fd)
+        apply_limits(self.proc.pid, self.limits)
+        self.req_w, self.resp_r, self.out_r = req_w, resp_r, out_r
+        _nonblock(resp_r)
+        _nonblock(out_r)
+        self.reader = _FrameReader()
+        hello = self._wait_reply(time.monotonic() + timeout, CappedBuffer(4096), NEVER)
+        if not isinstance(hello, dict) or not hello.get("ready"):
+            self.kill()
+            raise RuntimeError("python session did not start (%s)" % (hello,))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
+        MANAGED.discard(proc.pid)
+        for fd in (self.req_w, self.resp_r, self.out_r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def restart(self) -> None:
+        self.kill()
+        self.restarts += 1
+        self.start()
+
+    def run(self, code: str, timeout: float, canceller: Canceller = NEVER) -> Dict:
+        t0 = time.monotonic()
+        notes = []
+        if not self.alive():
+            if self.proc is not None:
+                notes.append("[the previous Python session had died; a fresh one was started, state lost]")
+            self.kill()
+            self.start()
+        buf = CappedBuffer(self.max_output)
+        self._drain(buf, discard=True)
+        body = json.dumps({"code": code}).encode("utf-8")
+        frame = HEADER.pack(len(body)) + body
+        timed_out = cancelled = False
+        try:
+            while frame:  # the pipe may be smaller than the code; the driver is reading
+                frame = frame[os.write(self.req_w, frame):]
+        except BrokenPipeError:
+            reply = "eof"
+        else:
+            reply = self._wait_reply(t0 + timeout, buf, canceller)
+        if reply in ("timeout", "cancelled"):
+            timed_out, cancelled = reply == "timeout", reply == "cancelled"
+            notes.append(("[execution timed out after %gs and was interrupted]" % timeout) if timed_out
+                         else "[call cancelled by the client; execution interrupted]")
+            try:
+                os.killpg(self.proc.pid, signal.SIGINT)
+            except (ProcessLookupError, PermissionError):
+                pass
+            reply = self._wait_reply(time.monotonic() + self.interrupt_grace, buf, NEVER)
+            if not isinstance(reply, dict):
+                self.kill()
+                self.restarts += 1
+                notes.append("[the session ignored the interrupt and was killed; a fresh one starts on the next call, state lost]")
+                reply = None
+        exit_code = None
+        if reply == "eof":
+            code_ = self.proc.wait() if self.proc else None
+            self.kill()
+            self.restarts += 1
+            notes.append("[the Python process exited (code %s); a fresh session starts on the next call, state lost]" % code_)
+            exit_code = code_
+        elif isinstance(reply, dict):
+            exit_code = reply.get("exit_code")
+            self._drain(buf)
+        data, truncated = buf.getvalue()
+        text = finish_text(data)
+        if notes:
+            text = text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(notes)
+        result = {
+            "output": text,
+            "exit_code": exit_code,
+            "duration": time.monotonic() - t0,
+            "timed_out": timed_out,
+            "error": None,
+            "truncated": truncated,
+        }
+        if cancelled:
+            result["cancelled"] = True
+        return result
+
+    def _drain(self, buf: CappedBuffer, discard: bool = False) -> None:
+        while True:
+            try:
+                data = os.read(self.out_r, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                return
+            if not data:
+                return
+            if not discard:
+                buf.write(data)
+
+    def _wait_reply(self, deadline: float, buf: CappedBuffer, canceller: Canceller):
+        """Collect output until the driver replies. Returns the reply dict or a status str."""
+        out_open = True
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return "timeout"
+            watch = [self.resp_r] + ([self.out_r] if out_open else []) + canceller.fds()
+            try:
+                r, _, _ = select.select(watch, [], [], min(remaining, _TICK))
+            except InterruptedError:
+                continue
+            if not r:
+                if self.proc is not None and self.proc.poll() is not None:
+                    return "eof"
+                continue
+            if self.out_r in r:
+                try:
+                    data = os.read(self.out_r, 65536)
+                except BlockingIOError:
+                    data = None
+                if data == b"":
+                    out_open = False
+                elif data:
+                    buf.write(data)
+            if self.resp_r in r:
+                try:
+                    data = os.read(self.resp_r, 65536)
+                except BlockingIOError:
+                    data = None
+                if data == b"":
+                    return "eof"
+                if data:
+                    reply = self.reader.feed(data)
+                    if reply is not None:
+                        return reply
+            for fd in canceller.fds():
+                if fd in r and canceller.poll():
+                    return "cancelled"

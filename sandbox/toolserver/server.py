@@ -1,0 +1,330 @@
+"""The tool server: a Unix socket, one thread per connection, tools behind per-tool locks.
+
+Config is a JSON file written by the runtime before start (see sandbox/runtime.py):
+  socket, ctl_dir, workdir, home, shell, python, env, limits, apply_nproc, max_output,
+  default_timeout, max_timeout, interrupt_grace, deadline (epoch s or null), ready_fd,
+  sandbox_id, job_id
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, Optional
+
+from . import PROTOCOL_VERSION
+from .cancel import Canceller
+from .errors import ArgError, BusyError, ToolError
+from .wire import FrameError, recv_frame, send_frame
+
+# The tools (ptyprocess, subprocess, ctypes, re...) are imported by a background thread
+# after "ready" is signalled: half of the interpreter's start-up is those imports, and a
+# ping does not need them. The first tool call waits for them (see _tools_ready).
+DEFAULT_MAX_OUTPUT = 64 * 1024
+
+
+def log(event: str, **fields: Any) -> None:
+    fields.update(event=event, ts=round(time.time(), 3), pid=os.getpid())
+    try:
+        sys.stderr.write(json.dumps(fields, default=str) + "\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+def result(output: str = "", exit_code: Optional[int] = None, duration: float = 0.0, timed_out: bool = False,
+           error: Optional[str] = None, truncated: bool = False, **extra: Any) -> Dict[str, Any]:
+    out = {"output": output, "exit_code": exit_code, "duration": duration, "timed_out": timed_out,
+           "error": error, "truncated": truncated}
+    out.update(extra)
+    return out
+
+
+class ToolServer:
+    def __init__(self, cfg: Dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.started = time.time()
+        self.max_output = int(cfg.get("max_output") or DEFAULT_MAX_OUTPUT)
+        self.default_timeout = float(cfg.get("default_timeout") or 60.0)
+        self.max_timeout = float(cfg.get("max_timeout") or 24 * 3600.0)
+        grace = float(cfg.get("interrupt_grace") or 1.0)
+        limits = dict(cfg.get("limits") or {})
+        if not cfg.get("apply_nproc", True):
+            limits.pop("nproc", None)
+        self.workdir = cfg.get("workdir") or os.getcwd()
+        self._limits, self._grace = limits, grace
+        self.bash = self.python = self.editor = None  # set by _load_tools
+        self.locks = {name: threading.Lock() for name in ("bash", "python", "editor")}
+        self.tools: Dict[str, Callable[[Dict[str, Any], Canceller], Dict[str, Any]]] = {
+            "ping": self.t_ping, "bash": self.t_bash, "python": self.t_python, "editor": self.t_editor,
+        }
+        self.calls = 0
+        self._tools_ready = threading.Event()
+        self._tools_error: Optional[str] = None
+
+    def _load_tools(self) -> None:
+        from . import editor, procs
+        from .bash import BashSession
+        from .pysession import PythonSession
+
+        self._kill_tree, self._reap_orphans = procs.kill_tree, procs.reap_orphans
+        procs.become_subreaper()
+        cfg, env = self.cfg, self._session_env(self.cfg)
+        self.bash = BashSession(cfg["ctl_dir"], env, self.workdir, shell=cfg.get("shell") or "/bin/bash",
+                                limits=self._limits, max_output=self.max_output, interrupt_grace=self._grace)
+        self.python = PythonSession(env, self.workdir, python=cfg.get("python") or sys.executable,
+                                    limits=self._limits, max_output=self.max_output, interrupt_grace=self._grace)
+        self.editor = editor.Editor(self.workdir, max_output=self.max_output)
+
+    @staticmethod
+    def _session_env(cfg: Dict[str, Any]) -> Dict[str, str]:
+        """Environment of the shell and the Python session: defaults, then the job's env."""
+        env = {
+            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb",
+            "PAGER": "cat", "GIT_PAGER": "cat", "MANPAGER": "cat",
+            "HOME": cfg.get("home") or cfg.get("workdir") or "/tmp",
+        }
+        env.update({str(k): str(v) for k, v in (cfg.get("env") or {}).items()})
+        return env
+
+    # -- lifecycle -------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        os.makedirs(self.cfg["ctl_dir"], exist_ok=True)
+        home = self.cfg.get("home")
+        if home:
+            os.makedirs(home, exist_ok=True)
+        path = self.cfg["socket"]
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o077)  # only the owner (the runtime's uid) may connect
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        sock.listen(128)
+        self.sock = sock
+        signal.signal(signal.SIGTERM, lambda *_: self.shutdown("sigterm"))
+        threading.Thread(target=self._start_tools, name="tools-start", daemon=True).start()
+        threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
+        ready_fd = self.cfg.get("ready_fd")
+        if ready_fd is not None:
+            try:
+                os.write(int(ready_fd), b"ready\n")
+                os.close(int(ready_fd))
+            except OSError:
+                pass
+        log("toolserver_ready", socket=path, sandbox_id=self.cfg.get("sandbox_id"),
+            startup_ms=round((time.time() - self.started) * 1000, 1))
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except InterruptedError:
+                continue
+            threading.Thread(target=self._serve_conn, args=(conn,), name="conn", daemon=True).start()
+
+    def _start_tools(self) -> None:
+        # In the background so "ready" is signalled as early as possible; a first bash
+        # call waits on the lock held here while the shell starts.
+        with self.locks["bash"]:
+            try:
+                self._load_tools()
+            except Exception as e:
+                self._tools_error = repr(e)
+                log("tools_load_failed", error=repr(e), traceback=traceback.format_exc())
+                self._tools_ready.set()
+                return
+            self._tools_ready.set()
+            try:
+                self.bash.start()
+            except Exception as e:
+                log("bash_start_failed", error=repr(e))
+
+    def _wait_tools(self) -> None:
+        if not self._tools_ready.wait(60):
+            raise ToolError("the tools did not load within 60s")
+        if self._tools_error:
+            raise RuntimeError("the tools failed to load: %s" % self._tools_error)
+
+    def shutdown(self, reason: str) -> None:
+        log("toolserver_shutdown", reason=reason)
+        if self._tools_ready.is_set() and not self._tools_error:
+            self._kill_tree(os.getpid(), include_root=False)
+        else:  # tools never loaded: no children of ours beyond what /proc shows
+            from .procs import kill_tree
+            kill_tree(os.getpid(), include_root=False)
+        try:
+            os.unlink(self.cfg["socket"])
+        except OSError:
+            pass
+        os._exit(0 if reason == "sigterm" else 137)
+
+    def _watchdog(self) -> None:
+        deadline = self.cfg.get("deadline")
+        while True:
+            if deadline is not None and time.time() >= float(deadline):
+                log("sandbox_wall_clock_expired", deadline=deadline)
+                self.shutdown("wall_clock")
+            if self._tools_ready.is_set() and not self._tools_error:
+                self._reap_orphans()
+            wait = 1.0 if deadline is None else max(0.01, min(1.0, float(deadline) - time.time()))
+            time.sleep(wait)
+
+    # -- connections -----------------------------------------------------------------
+    def _serve_conn(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                try:
+                    req = recv_frame(conn)
+                except FrameError as e:
+                    send_frame(conn, result(error="bad frame: %s" % e, exit_code=None))
+                    return
+                if req is None:
+                    return
+                canceller = Canceller(conn)
+                resp = self.dispatch(req, canceller)
+                if canceller.cancelled:
+                    return
+                send_frame(conn, resp)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def dispatch(self, req: Dict[str, Any], canceller: Canceller) -> Dict[str, Any]:
+        t0 = time.monotonic()
+        rid = req.get("id")
+        tool = req.get("tool")
+        args = req.get("args")
+        if args is None:
+            args = {}
+        if not isinstance(tool, str) or tool not in self.tools:
+            resp = result(error="unknown tool %r; available tools: %s" % (tool, ", ".join(sorted(self.tools))))
+        elif not isinstance(args, dict):
+            resp = result(error="'args' must be a JSON object, got %s" % type(args).__name__)
+        else:
+            try:
+                resp = self.tools[tool](args, canceller)
+            except ArgError as e:
+                resp = result(error="bad arguments for %s: %s" % (tool, e))
+            except BusyError as e:
+                resp = result(error=str(e))
+            except ToolError as e:
+                resp = result(error=str(e), exit_code=1)
+            except Exception as e:  # a tool bug must never take the server down
+                log("tool_internal_error", tool=tool, error=repr(e), traceback=traceback.format_exc())
+                resp = result(error="internal error in tool %s: %r" % (tool, e))
+        resp.setdefault("duration", time.monotonic() - t0)
+        if not resp.get("duration"):
+            resp["duration"] = time.monotonic() - t0
+        resp["id"] = rid
+        if resp.get("timed_out"):
+            log("tool_call_timed_out", tool=tool, duration_ms=round(resp["duration"] * 1000, 1))
+        if resp.get("cancelled"):
+            log("tool_call_cancelled", tool=tool, duration_ms=round(resp["duration"] * 1000, 1))
+        self.calls += 1
+        return resp
+
+    # -- argument helpers ------------------------------------------------------------
+    def _timeout(self, args: Dict[str, Any]) -> float:
+        t = args.get("timeout", self.default_timeout)
+        if t is None:
+            t = self.default_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ArgError("'timeout' must be a positive number of seconds, got %r" % (t,))
+        if t > self.max_timeout:
+            raise ArgError("'timeout' %gs exceeds the maximum of %gs" % (t, self.max_timeout))
+        return float(t)
+
+    @staticmethod
+    def _text(args: Dict[str, Any], name: str, required: bool = True) -> Optional[str]:
+        value = args.get(name)
+        if value is None:
+            if required:
+                raise ArgError("'%s' (a string) is required" % name)
+            return None
+        if not isinstance(value, str):
+            raise ArgError("'%s' must be a string, got %s" % (name, type(value).__name__))
+        return value
+
+    def _locked(self, name: str, timeout: float) -> threading.Lock:
+        lock = self.locks[name]
+        if not lock.acquire(timeout=timeout):
+            raise BusyError("the %s tool is busy with another call (waited %gs)" % (name, timeout))
+        return lock
+
+    # -- tools -----------------------------------------------------------------------
+    def t_ping(self, args: Dict[str, Any], canceller: Canceller) -> Dict[str, Any]:
+        info = {
+            "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "python": sys.version.split()[0],
+            "uptime": round(time.time() - self.started, 3), "calls": self.calls,
+            "sandbox_id": self.cfg.get("sandbox_id"), "job_id": self.cfg.get("job_id"),
+            "tools_loaded": self._tools_ready.is_set(),
+            "bash_restarts": self.bash.restarts if self.bash else 0,
+            "python_restarts": self.python.restarts if self.python else 0,
+        }
+        return result(output="pong", exit_code=0, info=info)
+
+    def t_bash(self, args: Dict[str, Any], canceller: Canceller) -> Dict[str, Any]:
+        timeout = self._timeout(args)
+        restart = bool(args.get("restart", False))
+        command = self._text(args, "command", required=not restart)
+        self._wait_tools()
+        lock = self._locked("bash", timeout + 30)  # + the shell's start-up on a first call
+        try:
+            if restart:
+                self.bash.restart()
+                if command is None:
+                    return result(output="[shell restarted]", exit_code=0)
+            return self.bash.run(command, timeout, canceller)
+        finally:
+            lock.release()
+
+    def t_python(self, args: Dict[str, Any], canceller: Canceller) -> Dict[str, Any]:
+        timeout = self._timeout(args)
+        restart = bool(args.get("restart", False))
+        code = self._text(args, "code", required=not restart)
+        self._wait_tools()
+        lock = self._locked("python", timeout)
+        try:
+            if restart:
+                self.python.restart()
+                if code is None:
+                    return result(output="[python session restarted]", exit_code=0)
+            return self.python.run(code, timeout, canceller)
+        finally:
+            lock.release()
+
+    def t_editor(self, args: Dict[str, Any], canceller: Canceller) -> Dict[str, Any]:
+        t0 = time.monotonic()
+        self._wait_tools()
+        lock = self._locked("editor", 30.0)
+        try:
+            output, truncated = self.editor.call(args)
+        except OSError as e:
+            raise ToolError("%s: %s" % (e.strerror or "error", e.filename or "")) from None
+        finally:
+            lock.release()
+        return result(output=output, exit_code=0, duration=time.monotonic() - t0, truncated=truncated)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="rolloutd_toolserver", description="rolloutd in-sandbox tool server")
+    parser.add_argument("--config", required=True, help="path of the JSON config written by the runtime")
+    ns = parser.parse_args(argv)
+    with open(ns.config, "r", encoding="utf-8") as f:
+        cfg = json.load(f)
+    # PYTHONPATH only exists to find this package; keep it out of the agent's sessions.
+    os.environ.pop("PYTHONPATH", None)
+    ToolServer(cfg).serve_forever()
+    return 0
