@@ -1,0 +1,524 @@
+"""Conversation state, token-in/token-out.
+
+A :class:`Conversation` is the exact token sequence a policy saw and produced:
+
+* the initial prompt, rendered once with ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``;
+* every generation appended **as sampled** (ids and logprobs straight from the
+  backend, ``loss_mask == 1``); assistant text is never decoded and re-encoded;
+* every batch of new messages (tool observations, user turns) tokenized on its own,
+  with the template's own delimiters: the text the template puts between the end of
+  the previous assistant content and the next generation prompt
+  (``loss_mask == 0``, ``logprob == 0``).
+
+How the delimiters are found (:class:`ChatRenderer`): the template is rendered for a
+fixed probe conversation ``[system, user, assistant=MARKER]`` and for the same probe
+plus the new messages with ``add_generation_prompt=True``. The second rendering
+must start with the first (checked: a template that rewrites history cannot be
+rendered incrementally and raises :class:`~llm.errors.TemplateError`); the extra text
+is the new messages plus the next generation prompt. The text after ``MARKER`` in
+the probe is how the template closes an assistant turn (``<|im_end|>\\n`` for
+ChatML). If the sampled ids already end with that end-of-turn token only the rest of
+the closer (``\\n``) is added, otherwise the whole closer is.
+
+Untrusted content (tool output) that contains control-token strings such as
+``<|im_end|>`` is encoded as plain text, never as control tokens, so a tool cannot
+forge turn boundaries (same idea as transformers' ``sanitize_control_tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+import structlog
+
+from .errors import ContextOverflow, TemplateError
+from .tokenizer_utils import FastEncoder, fast_encoder
+
+log = structlog.get_logger("rolloutd.llm")
+
+_MARK_START = "\ue000"
+_MARK_END = "\ue001"
+
+
+class TokenIds(np.ndarray):
+    """int32 ids; ``json_ids`` caches their JSON array text (kept incrementally by Conversation)."""
+
+    json_ids: str | None = None
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self.json_ids = None
+
+
+def _join_ids(ids: Any) -> str:
+    if isinstance(ids, np.ndarray):
+        ids = ids.tolist()
+    return ",".join(map(str, ids))
+
+
+class GenerationLike(Protocol):
+    token_ids: Any
+    logprobs: Any
+    finish_reason: str
+    latency_s: float
+
+
+@dataclass(slots=True)
+class Turn:
+    """One generation call. Spans are in response coordinates (``response_ids[start:end]``)."""
+
+    index: int
+    start: int
+    end: int
+    finish_reason: str
+    backend: str
+    policy_version: int
+    latency_s: float = 0.0
+    obs_start: int | None = None
+    obs_end: int | None = None
+    continuation: bool = False  # continues the previous assistant message (after an abort)
+
+
+def _compile(template: str):
+    """transformers' own compiled Jinja template (same sandbox, filters, extensions), or None."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # pragma: no cover - very old transformers
+        return None
+    try:
+        return _compile_jinja_template(template)
+    except Exception:  # pragma: no cover
+        return None
+
+
+_PLAIN = (str, int, float, bool, type(None))
+_REASONING_KEYS = frozenset(("reasoning_content", "reasoning", "thinking"))
+
+
+def _plain_message(m: Any) -> bool:
+    """A dict of scalars (what the fast render path is verified for)."""
+    return (
+        type(m) is dict
+        and all(type(v) in _PLAIN for v in m.values())
+        and not (_REASONING_KEYS & m.keys())
+    )
+
+
+class ChatRenderer:
+    """Template-faithful incremental rendering for one tokenizer and tool list.
+
+    Rendering goes through transformers' compiled chat template directly (what
+    ``apply_chat_template`` does, minus its per-call input normalization) once that has
+    been checked to give exactly ``apply_chat_template``'s text for the probe
+    conversations; otherwise it falls back to ``apply_chat_template``. Continuations are
+    rendered without the tool list when that is checked to change nothing after the
+    probe (the tools only go into the system prompt), which saves re-serializing the
+    tool schemas on every turn.
+    """
+
+    MARKER = "rolloutdAssistantMarker7c1f"
+    _PROBE_SYSTEM = "rolloutd probe system"
+    _PROBE_USER = "rolloutd probe user"
+    _CHECK_MSGS = (
+        {"role": "tool", "content": "rolloutd probe tool 1"},
+        {"role": "tool", "content": "rolloutd probe tool 2"},
+        {"role": "user", "content": "rolloutd probe user 2"},
+    )
+
+    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, *, sanitize: bool = True) -> None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise TemplateError("tokenizer has no chat_template")
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+        self.sanitize = sanitize
+        self.enc: FastEncoder = fast_encoder(tokenizer)
+        self._probe = [
+            {"role": "system", "content": self._PROBE_SYSTEM},
+            {"role": "user", "content": self._PROBE_USER},
+            {"role": "assistant", "content": self.MARKER},
+        ]
+        self._compiled = None
+        self._kwargs: dict[str, Any] = {}
+        try:
+            template = tokenizer.get_chat_template(None, self.tools)
+            self._compiled = _compile(template)
+            self._kwargs = dict(getattr(tokenizer, "special_tokens_map", {}) or {})
+        except Exception:  # pragma: no cover - exotic tokenizers
+            self._compiled = None
+        if self._compiled is not None:
+            probe_msgs = self._probe + list(self._CHECK_MSGS)
+            for tools in (self.tools, None):
+                for gp in (False, True):
+                    for msgs in (self._probe, probe_msgs, self._probe[:2]):
+                        if self._render_fast(msgs, tools, gp) != self._render_slow(msgs, tools, gp):
+                            self._compiled = None
+                            break
+        self._probe_text = self._render(self._probe, add_generation_prompt=False)
+        i = self._probe_text.rfind(self.MARKER)
+        if i < 0:
+            raise TemplateError("chat template does not render assistant content verbatim")
+        self.closer_text = self._probe_text[i + len(self.MARKER) :]
+        self.eot_id: int | None = None
+        self.closer_after_eot = self.closer_text
+        for tok in self.enc.control_tokens:  # longest first
+            if tok and self.closer_text.startswith(tok):
+                tid = tokenizer.convert_tokens_to_ids(tok)
+                if isinstance(tid, int) and tid >= 0:
+                    self.eot_id = tid
+                    self.closer_after_eot = self.closer_text[len(tok) :]
+                break
+        # Continuations without the tools, if that renders the same suffix.
+        self._cont_tools = self.tools
+        self._cont_probe_text = self._probe_text
+        if self.tools is not None:
+            check = self._probe + list(self._CHECK_MSGS)
+            with_tools = self._render(check, add_generation_prompt=True)
+            no_tools_probe = self._render(self._probe, add_generation_prompt=False, tools=None)
+            no_tools = self._render(check, add_generation_prompt=True, tools=None)
+            if (
+                with_tools.startswith(self._probe_text)
+                and no_tools.startswith(no_tools_probe)
+                and with_tools[len(self._probe_text) :] == no_tools[len(no_tools_probe) :]
+            ):
+                self._cont_tools = None
+                self._cont_probe_text = no_tools_probe
+        # Generation prompt, for information (e.g. "<|im_start|>assistant\n").
+        with_gp = self._render(self._probe[:2], add_generation_prompt=True)
+        without_gp = self._render(self._probe[:2], add_generation_prompt=False)
+        self.generation_prompt = with_gp[len(without_gp) :] if with_gp.startswith(without_gp) else ""
+
+    # -- rendering -----------------------------------------------------------------
+    def _render_slow(self, messages: list[dict], tools: list[dict] | None, gp: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gp)
+
+    def _render_fast(self, messages: list[dict], tools: list[dict] | None, gp: bool) -> str:
+        assert self._compiled is not None
+        return self._compiled.render(
+            messages=messages, tools=tools, documents=None, add_generation_prompt=gp, **self._kwargs
+        )
+
+    @property
+    def fast_path(self) -> bool:
+        """True when the compiled template is used directly."""
+        return self._compiled is not None
+
+    def _render(self, messages: list[dict], *, add_generation_prompt: bool, tools: Any = "default") -> str:
+        t = self.tools if tools == "default" else tools
+        if self._compiled is not None:
+            return self._render_fast(messages, t, add_generation_prompt)
+        return self._render_slow(messages, t, add_generation_prompt)
+
+    def _needs_marking(self, obj: Any) -> bool:
+        if isinstance(obj, str):
+            return self.enc.has_control_tokens(obj) or _MARK_START in obj or _MARK_END in obj
+        if isinstance(obj, dict):
+            return any(self._needs_marking(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return any(self._needs_marking(v) for v in obj)
+        return False
+
+    def _mark(self, obj: Any) -> Any:
+        if isinstance(obj, str):
+            obj = obj.replace(_MARK_START, "").replace(_MARK_END, "")
+            pat = self.enc.control_token_pattern()
+            return pat.sub(lambda m: _MARK_START + m.group(0) + _MARK_END, obj) if pat is not None else obj
+        if isinstance(obj, dict):
+            return {k: self._mark(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [self._mark(v) for v in obj]
+        return obj
+
+    def _encode_marked(self, text: str) -> list[int]:
+        """Encode text in which content control tokens are wrapped in private-use markers."""
+        if _MARK_START not in text and _MARK_END not in text:
+            return self.enc.encode(text)
+        ids: list[int] = []
+        pos = 0
+        n = len(text)
+        while pos < n:
+            s = text.find(_MARK_START, pos)
+            if s < 0:
+                ids += self.enc.encode(text[pos:].replace(_MARK_END, ""))
+                break
+            ids += self.enc.encode(text[pos:s].replace(_MARK_END, ""))
+            e = text.find(_MARK_END, s + 1)
+            if e < 0:
+                ids += self.enc.encode_plain(text[s + 1 :])
+                break
+            ids += self.enc.encode_plain(text[s + 1 : e])
+            pos = e + 1
+        return ids
+
+    def render_prompt(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of ``messages`` followed by the generation prompt (``apply_chat_template``)."""
+        msgs = list(messages)
+        if self.sanitize and self._needs_marking(msgs):
+            return self._encode_marked(self._render_slow(self._mark(msgs), self.tools, True))
+        return self.enc.encode(self._render_slow(msgs, self.tools, True))
+
+    def render_continuation(self, messages: Sequence[dict], *, ended_with_eot: bool) -> list[int]:
+        """Token ids that close the current assistant turn, add ``messages`` and open the next one."""
+        msgs = list(messages)
+        marked = self.sanitize and self._needs_marking(msgs)
+        if marked:
+            msgs = self._mark(msgs)
+        if self._compiled is not None and all(_plain_message(m) for m in msgs):
+            full = self._render_fast(self._probe + msgs, self._cont_tools, True)
+        else:  # structured content, reasoning fields, custom objects: let transformers normalize
+            full = self._render_slow(self._probe + msgs, self._cont_tools, True)
+        probe = self._cont_probe_text
+        if not full.startswith(probe):
+            raise TemplateError(
+                "the chat template renders earlier turns differently once new messages are appended; "
+                "incremental (token-in/token-out) rendering is impossible with it"
+            )
+        head = self.closer_after_eot if ended_with_eot else self.closer_text
+        text = head + full[len(probe) :]
+        return self._encode_marked(text) if marked else self.enc.encode(text)
+
+
+_RENDERERS: dict[tuple[int, str, bool], tuple[Any, ChatRenderer]] = {}
+
+
+def get_renderer(tokenizer: Any, tools: list[dict] | None = None, *, sanitize: bool = True) -> ChatRenderer:
+    """A cached :class:`ChatRenderer` per (tokenizer, tools)."""
+    key = (id(tokenizer), json.dumps(tools, sort_keys=True, default=str) if tools else "", sanitize)
+    hit = _RENDERERS.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    r = ChatRenderer(tokenizer, tools, sanitize=sanitize)
+    if len(_RENDERERS) > 256:
+        _RENDERERS.clear()
+    _RENDERERS[key] = (tokenizer, r)
+    return r
+
+
+class Conversation:
+    """Token-level trajectory of one rollout.
+
+    ``Conversation(tokenizer, messages, tools, max_context)``; then alternate
+    :meth:`add_generation` and :meth:`add_messages`. ``context_ids`` is what to send
+    to the backend next; :meth:`arrays` is what the trainer gets.
+    """
+
+    __slots__ = (
+        "tokenizer",
+        "max_context",
+        "renderer",
+        "_ids",
+        "_mask",
+        "_lp",
+        "_n",
+        "_n_prompt",
+        "_turns",
+        "_open",
+        "_last_abort",
+        "_json",
+        "_view",
+    )
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        max_context: int = 32768,
+        *,
+        sanitize: bool = True,
+        renderer: ChatRenderer | None = None,
+    ) -> None:
+        if not messages:
+            raise ValueError("a conversation needs at least one message")
+        self.tokenizer = tokenizer
+        self.max_context = int(max_context)
+        self.renderer = renderer if renderer is not None else get_renderer(tokenizer, tools, sanitize=sanitize)
+        prompt = self.renderer.render_prompt(messages)
+        cap = max(256, 2 * len(prompt))
+        self._ids = np.zeros(cap, dtype=np.int32)
+        self._mask = np.zeros(cap, dtype=np.int8)
+        self._lp = np.zeros(cap, dtype=np.float32)
+        self._ids[: len(prompt)] = prompt
+        self._n = self._n_prompt = len(prompt)
+        self._turns: list[Turn] = []
+        self._open = True  # a generation prompt is open: the next thing must be a generation
+        self._last_abort = False
+        self._json = _join_ids(prompt)
+        self._view: TokenIds | None = None
+
+    # -- buffers ---------------------------------------------------------------------
+    def _reserve(self, extra: int) -> None:
+        need = self._n + extra
+        cap = len(self._ids)
+        if need <= cap:
+            return
+        while cap < need:
+            cap *= 2
+        for name in ("_ids", "_mask", "_lp"):
+            old = getattr(self, name)
+            new = np.zeros(cap, dtype=old.dtype)
+            new[: self._n] = old[: self._n]
+            setattr(self, name, new)
+
+    # -- properties ------------------------------------------------------------------
+    @property
+    def context_ids(self) -> np.ndarray:
+        """Prompt + everything so far (read-only int32 view, with its JSON text cached)."""
+        v = self._view
+        if v is None or v.shape[0] != self._n:
+            v = self._ids[: self._n].view(TokenIds)
+            v.flags.writeable = False
+            v.json_ids = "[" + self._json + "]"
+            self._view = v
+        return v
+
+    @property
+    def num_tokens(self) -> int:
+        return self._n
+
+    @property
+    def prompt_length(self) -> int:
+        return self._n_prompt
+
+    @property
+    def response_length(self) -> int:
+        return self._n - self._n_prompt
+
+    @property
+    def remaining_context(self) -> int:
+        return self.max_context - self._n
+
+    @property
+    def turns(self) -> list[dict]:
+        return [
+            {
+                "index": t.index,
+                "start": t.start,
+                "end": t.end,
+                "finish_reason": t.finish_reason,
+                "backend": t.backend,
+                "policy_version": t.policy_version,
+                "latency_s": t.latency_s,
+                "obs_start": t.obs_start,
+                "obs_end": t.obs_end,
+                "continuation": t.continuation,
+            }
+            for t in self._turns
+        ]
+
+    @property
+    def num_turns(self) -> int:
+        return len(self._turns)
+
+    @property
+    def awaiting_generation(self) -> bool:
+        """True when the context ends with an open generation prompt (or a partial turn after an abort)."""
+        return self._open
+
+    @property
+    def last_turn(self) -> Turn | None:
+        return self._turns[-1] if self._turns else None
+
+    # -- mutation --------------------------------------------------------------------
+    def add_generation(self, g: GenerationLike, backend: str, policy_version: int) -> Turn:
+        """Append the sampled ids exactly as returned (loss_mask 1, logprobs kept)."""
+        if not self._open:
+            raise ValueError("add_generation: no open assistant turn (call add_messages first)")
+        ids = np.asarray(g.token_ids, dtype=np.int32).reshape(-1)
+        lps = np.asarray(g.logprobs, dtype=np.float32).reshape(-1)
+        k = ids.shape[0]
+        if lps.shape[0] != k:
+            raise ValueError(f"generation has {k} token ids but {lps.shape[0]} logprobs")
+        self._reserve(k)
+        n = self._n
+        self._ids[n : n + k] = ids
+        self._mask[n : n + k] = 1
+        self._lp[n : n + k] = lps
+        self._n = n + k
+        if k:
+            self._json = self._json + "," + _join_ids(ids) if self._json else _join_ids(ids)
+        p = self._n_prompt
+        turn = Turn(
+            index=len(self._turns),
+            start=n - p,
+            end=n + k - p,
+            finish_reason=str(g.finish_reason),
+            backend=str(backend),
+            policy_version=int(policy_version),
+            latency_s=float(getattr(g, "latency_s", 0.0) or 0.0),
+            continuation=self._last_abort,
+        )
+        self._turns.append(turn)
+        self._last_abort = g.finish_reason == "abort"
+        # After an abort the assistant message is still open: the next call continues it.
+        self._open = self._last_abort
+        return turn
+
+    def _can_add_messages(self) -> bool:
+        # After a generation (or a partial, aborted one); not before the first generation
+        # and not twice in a row (the generation prompt is already open).
+        return bool(self._turns) and (not self._open or self._last_abort)
+
+    def render_messages(self, msgs: Sequence[dict]) -> list[int]:
+        """The ids :meth:`add_messages` would append (no mutation)."""
+        if not self._can_add_messages():
+            raise ValueError("add_messages must follow a generation (and cannot be called twice in a row)")
+        n = self._n
+        eot = self.renderer.eot_id
+        ended_eot = eot is not None and n > self._n_prompt and int(self._ids[n - 1]) == eot
+        return self.renderer.render_continuation(msgs, ended_with_eot=ended_eot)
+
+    def add_messages(self, msgs: Sequence[dict], *, check_context: bool = True) -> int:
+        """Append new messages (tool observations / user turns) plus the next generation prompt.
+
+        loss_mask 0, logprob 0. Raises :class:`ContextOverflow` without changing
+        anything if the result would not fit ``max_context`` and ``check_context``.
+        Returns the number of tokens appended.
+        """
+        if not msgs:
+            raise ValueError("add_messages: no messages")
+        ids = self.render_messages(msgs)
+        k = len(ids)
+        if check_context and self._n + k > self.max_context:
+            raise ContextOverflow(
+                f"observation of {k} tokens does not fit: {self._n} used of {self.max_context}"
+            )
+        self._reserve(k)
+        n = self._n
+        self._ids[n : n + k] = ids
+        # mask / logprobs are already zero in fresh buffer space
+        self._mask[n : n + k] = 0
+        self._lp[n : n + k] = 0.0
+        self._n = n + k
+        if k:
+            self._json = self._json + "," + _join_ids(ids) if self._json else _join_ids(ids)
+        last = self._turns[-1]
+        p = self._n_prompt
+        last.obs_start, last.obs_end = n - p, n + k - p
+        self._open = True
+        self._last_abort = False
+        return k
+
+    def set_last_finish_reason(self, reason: str) -> None:
+        if self._turns:
+            self._turns[-1].finish_reason = reason
+
+    # -- output ----------------------------------------------------------------------
+    def arrays(self) -> dict[str, np.ndarray]:
+        p, n = self._n_prompt, self._n
+        return {
+            "prompt_ids": self._ids[:p].copy(),
+            "response_ids": self._ids[p:n].copy(),
+            "loss_mask": self._mask[p:n].copy(),
+            "logprobs": self._lp[p:n].copy(),
+        }
+
+    def decode(self, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(self._ids[: self._n].tolist(), skip_special_tokens=skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return (
+            f"Conversation(prompt={self._n_prompt}, response={self._n - self._n_prompt}, "
+            f"turns={len(self._turns)}, max_context={self.max_context})"
+        )

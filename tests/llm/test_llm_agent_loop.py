@@ -1,0 +1,221 @@
+"""The agent loop against the scripted backend: tool calls, malformed calls, limits, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from llm.agent_loop import run_agent_loop
+from llm.client import BackendError, Generation, LLMClient, SamplingParams, simple_generate
+from llm.conversation import Conversation
+from llm.policies import Policy
+from llm.toolparse import get_parser
+
+
+class Script(Policy):
+    """Reply number k (k = tool responses seen so far) comes from a fixed list."""
+
+    def __init__(self, replies):
+        super().__init__()
+        self.replies = replies
+
+    def reply(self, request):
+        k = request.prompt_text.count("<tool_response>")
+        return self.replies[min(k, len(self.replies) - 1)]
+
+
+def _loop(tok, url, api="vllm", *, max_context=4096, max_turns=8, max_tokens=256, tools=None, parser="hermes",
+          messages=None, **kw):
+    async def execute(call):
+        return f"result of {call.name}"
+
+    async def main():
+        async with LLMClient(url, api, timeout=10) as c:
+            conv = Conversation(tok, messages or [{"role": "user", "content": "go"}], tools, max_context)
+            res = await run_agent_loop(
+                simple_generate(c, "b0", 1), conv, get_parser(parser), execute, SamplingParams(max_tokens), max_turns, tok, **kw
+            )
+            return res, conv
+
+    return main()
+
+
+def test_malformed_and_missing_name_are_counted_and_sent_back(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    replies = [
+        '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"\n</tool_call>',  # malformed JSON
+        '<tool_call>{"arguments": {"command": "ls"}}</tool_call>'  # missing name
+        '<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>',  # + a good one
+        "Done.",
+    ]
+    be = scripted(tok, Script(replies))
+    res, conv = arun(_loop(tok, be.url, keep_messages=True))
+    assert res.stop_reason == "no_tool_call" and res.final_text == "Done."
+    assert res.metrics["turns"] == 3
+    assert res.metrics["tool_calls"] == 1
+    assert res.metrics["malformed_tool_calls"] == 2
+    errors = [m["content"] for m in res.messages if m["content"].startswith("Error:")]
+    assert len(errors) == 2 and "invalid JSON" in errors[0] and '"name"' in errors[1]
+    # the error observations are in the trajectory, masked out
+    text = tok.decode(res.arrays["response_ids"][res.arrays["loss_mask"] == 0].tolist())
+    assert "invalid JSON" in text and "result of bash" in text
+    assert res.metrics["llm_s"] > 0 and res.metrics["tools_s"] >= 0
+
+
+def test_fenced_bash_loop(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    be = scripted(tok, Script(["Let me check.\n```bash\nls -la\n```", "```bash\nls -la", "All good."]))
+    res, _ = arun(_loop(tok, be.url, "sglang", parser="fenced_bash"))
+    assert res.stop_reason == "no_tool_call"
+    assert res.metrics["tool_calls"] == 1 and res.metrics["malformed_tool_calls"] == 1
+
+
+def test_max_turns(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    be = scripted(tok, "tool_then_answer:tool_turns=100")
+    res, conv = arun(_loop(tok, be.url, max_turns=3))
+    assert res.stop_reason == "max_turns"
+    assert res.metrics["turns"] == 3 and res.metrics["tool_calls"] == 2  # the last call is not executed
+    assert conv.turns[-1]["obs_start"] is None
+    assert res.arrays["loss_mask"][-1] == 1  # trajectory ends with the sampled turn
+
+
+def test_context_overflow_clips_generation(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    long = "word " * 400
+    be = scripted(tok, Script(['<tool_call>{"name": "bash", "arguments": {}}</tool_call>', long]))
+    res, conv = arun(_loop(tok, be.url, max_context=200, max_tokens=1000))
+    assert res.stop_reason == "context_overflow"
+    assert conv.num_tokens == 200 and conv.remaining_context == 0
+    assert res.turns[-1]["finish_reason"] == "context_overflow"
+    assert res.turns[0]["finish_reason"] == "stop"
+
+
+def test_context_overflow_on_observation(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    be = scripted(tok, "tool_then_answer")
+
+    async def huge(call):
+        return "x" * 5000
+
+    async def main():
+        async with LLMClient(be.url, "vllm", timeout=10) as c:
+            conv = Conversation(tok, [{"role": "user", "content": "go"}], None, 300)
+            return await run_agent_loop(simple_generate(c), conv, get_parser("hermes"), huge, SamplingParams(64), 5, tok)
+
+    res = arun(main())
+    assert res.stop_reason == "context_overflow"
+    assert res.metrics["tool_calls"] == 1 and len(res.turns) == 1
+    assert res.arrays["loss_mask"][-1] == 1  # the observation was not appended
+
+
+def test_context_overflow_rejected_by_server(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    be = scripted(tok, "tool_then_answer:tool_turns=5", max_model_len=100)
+    res, _ = arun(_loop(tok, be.url, "sglang", max_context=4096, max_tokens=64))
+    assert res.stop_reason == "context_overflow"  # a ContextOverflow, never a BackendError
+    assert be.stats["rejected_context"] == 1
+
+
+def test_no_room_at_all(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    be = scripted(tok, "echo")
+    res, conv = arun(_loop(tok, be.url, max_context=5))
+    assert res.stop_reason == "context_overflow" and res.turns == [] and be.stats["requests"] == 0
+
+
+def test_abort_keeps_tokens_and_continues_the_message(qwen_tokenizer, arun):
+    tok = qwen_tokenizer
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    part1 = tok.encode("<tool_call>\n{\"name\": \"bash\", ", add_special_tokens=False)
+    part2 = tok.encode('"arguments": {"command": "ls"}}\n</tool_call>', add_special_tokens=False) + [eot]
+    seen = []
+    replies = iter(
+        [
+            (Generation(np.array(part1, np.int32), np.full(len(part1), -0.5, np.float32), "abort", tok.decode(part1)), "old", 1),
+            (Generation(np.array(part2, np.int32), np.full(len(part2), -0.25, np.float32), "stop", tok.decode(part2[:-1])), "new", 2),
+        ]
+    )
+
+    async def gen(ids, params):
+        seen.append((len(ids), params.max_tokens))
+        try:
+            return next(replies)
+        except StopIteration:
+            ans = tok.encode("done", add_special_tokens=False) + [eot]
+            return Generation(np.array(ans, np.int32), np.zeros(len(ans), np.float32), "stop", "done"), "new", 2
+
+    async def execute(call):
+        assert call.arguments == {"command": "ls"}
+        return "a b c"
+
+    async def main():
+        conv = Conversation(tok, [{"role": "user", "content": "go"}], None, 4096)
+        return await run_agent_loop(gen, conv, get_parser("hermes"), execute, SamplingParams(100), 5, tok), conv
+
+    res, conv = arun(main())
+    assert res.stop_reason == "no_tool_call" and res.metrics["aborts"] == 1 and res.metrics["tool_calls"] == 1
+    t = res.turns
+    assert [x["backend"] for x in t] == ["old", "new", "new"] and [x["policy_version"] for x in t] == [1, 2, 2]
+    assert t[1]["continuation"] and t[0]["end"] == t[1]["start"]
+    assert res.arrays["response_ids"][t[0]["start"] : t[1]["end"]].tolist() == part1 + part2
+    assert seen[1] == (seen[0][0] + len(part1), 100 - len(part1))  # continuation keeps the per-message budget
+
+
+def test_repeated_aborts_raise_backend_error(qwen_tokenizer, arun):
+    tok = qwen_tokenizer
+
+    async def gen(ids, params):
+        return Generation(np.array([15], np.int32), np.array([-1.0], np.float32), "abort", "0"), "b", 0
+
+    async def main():
+        conv = Conversation(tok, [{"role": "user", "content": "go"}], None, 4096)
+        await run_agent_loop(gen, conv, get_parser("hermes"), None, SamplingParams(100), 5, tok, max_aborts=2)
+
+    with pytest.raises(BackendError):
+        arun(main())
+
+
+def test_tool_timeout_becomes_an_observation(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    be = scripted(tok, "tool_then_answer")
+
+    async def slow(call):
+        await asyncio.sleep(10)
+        return "never"
+
+    async def main():
+        async with LLMClient(be.url, "vllm", timeout=10) as c:
+            conv = Conversation(tok, [{"role": "user", "content": "go"}], None, 4096)
+            return await run_agent_loop(
+                simple_generate(c), conv, get_parser("hermes"), slow, SamplingParams(64), 5, tok,
+                tool_timeout=0.05, keep_messages=True,
+            )
+
+    res = arun(main())
+    assert res.stop_reason == "no_tool_call" and "timed out" in res.messages[0]["content"]
+
+
+def test_many_concurrent_rollouts_one_loop(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    be = scripted(tok, "tool_then_answer:tool_turns=3", latency="uniform:0,0.01")
+
+    async def execute(call):
+        await asyncio.sleep(0)
+        return "ok"
+
+    async def main():
+        async with LLMClient(be.url, "vllm", timeout=30) as c:
+            gen = simple_generate(c)
+
+            async def one(i):
+                conv = Conversation(tok, [{"role": "user", "content": f"task {i}"}], None, 4096)
+                return await run_agent_loop(gen, conv, get_parser("hermes"), execute, SamplingParams(64), 10, tok)
+
+            return await asyncio.gather(*[one(i) for i in range(200)])
+
+    results = arun(main(), timeout=120)
+    assert all(r.stop_reason == "no_tool_call" and r.metrics["turns"] == 4 for r in results)
+    assert be.stats["requests"] == 800
