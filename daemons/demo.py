@@ -277,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the oracle gets every N-th task wrong on purpose (0: never); scripted backend only")
     p.add_argument("--runtime", choices=["auto", "bwrap", "local"], default="auto", help="sandbox runtime")
     p.add_argument("--out", default=None, help="trajectories JSONL (default: <cache>/demo/trajectories-<time>.jsonl)")
-    p.add_argument("--cache-dir", default=None, help="cache (default: $ROLLOUTD_CACHE_DIR or ~/.cache/rolloutd)")
+    p.add_argument("--cache-dir", default=None,
+                   help="cache for the tiny model, the swe repositories and the output (default: $ROLLOUTD_CACHE_DIR "
+                        "or ~/.cache/rolloutd)")
     p.add_argument("--deadline", type=float, default=150.0, help="give up on results after this many seconds")
     p.add_argument("--no-progress", action="store_true", help="no live progress display")
     return p
@@ -304,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     old_term = signal.signal(signal.SIGTERM, on_term)
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even if started ignored
     workdir = Path(tempfile.mkdtemp(prefix="rd-demo-", dir="/tmp"))  # short: ipc paths must fit 108 bytes
     os.chmod(workdir, 0o711)  # the sandbox root is inside; bwrap may run as another uid (nobody)
     try:
@@ -316,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, old_term)  # a second SIGTERM now ends us; children have PDEATHSIG
+        signal.signal(signal.SIGINT, old_int)
         children.stop(console)
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -326,6 +330,8 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
 
     t_start = time.monotonic()
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache()
+    if args.cache_dir and not os.environ.get("ROLLOUTD_SWE_CACHE"):
+        os.environ["ROLLOUTD_SWE_CACHE"] = str(cache / "swe_tasks")  # here and in the daemons
     out_path = Path(args.out) if args.out else cache / "demo" / f"trajectories-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     logs_dir = out_path.parent
@@ -365,8 +371,7 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
     # -- start the system ----------------------------------------------------------------------
     run_dir = workdir / "run"
     hcfg = {d: {"tokenizer": str(model_dir)} for d in DOMAINS}
-    # A private sandbox root: sandboxes of other rolloutd instances on this machine are not ours
-    # to see (and their janitors must not see ours).
+    # Sandboxes in the demo's own work dir: nothing of them outlives the demo.
     sets = [f"sandbox.runtime={runtime}", f"sandbox.root_dir={workdir / 'sb'}", "handlers=" + json.dumps(hcfg),
             "logging.format=json"]
     console.print(f"starting [bold]rolloutd up[/] (sandbox runtime: [bold]{runtime}[/]; log: {up_log}) ...")

@@ -162,11 +162,14 @@ def config_from_args(path: str | None, runtime_dir: str | None, sets: list[str])
         data["endpoints"] = dict(data.get("endpoints") or {}, runtime_dir=runtime_dir)
     for item in sets or []:
         key, _, raw = item.partition("=")
-        section, _, field = key.partition(".")
-        if not field:
+        section, *path = key.split(".")
+        if not path:
             data[section] = _parse(raw)
             continue
-        data.setdefault(section, {})[field] = _parse(raw)
+        node = data.setdefault(section, {})
+        for p in path[:-1]:  # handlers.math.tokenizer=X nests
+            node = node.setdefault(p, {})
+        node[path[-1]] = _parse(raw)
     return Config({k: v for k, v in data.items()}, cfg.path)
 
 
