@@ -24,7 +24,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"
-	$(BIN)/python bench/run_all.py
+	$(BIN)/python bench/bench_pipeline.py
+	$(BIN)/python bench/bench_router.py
+	$(BIN)/python bench/bench_sandbox.py
+	$(BIN)/python bench/bench_agent_loop.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -8,6 +8,7 @@ well-formed result, and its sandbox is destroyed where it stands.
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import time
 
@@ -21,6 +22,7 @@ from handlers.base import JobContext, PhaseTimeout, Services
 from handlers.registry import UnknownHandler, get_handler
 
 NEXT = {"init": "run", "run": "eval", "eval": None}
+_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 CANCEL_MEMORY = 100_000  # cancelled ids remembered, for jobs still in a pipe
 
 
@@ -49,7 +51,7 @@ class PhaseDaemon(Daemon):
         self.receiver = CreditReceiver(self.inbox, self.pool, info={"node": self.node})
         nxt = NEXT[self.phase]
         self.outbox = CreditSender(s.bind("ROUTER", nxt, hwm=1000)) if nxt else None
-        self._credit = asyncio.Event()
+        self._waiting: collections.deque = collections.deque()  # (frames, future): hand-offs waiting for credit
         self.push_results = s.connect("PUSH", "gateway_results", hwm=1000)
         self.control = s.connect("SUB", "events_out", subscribe=[b"control."], hwm=10000)
 
@@ -84,8 +86,20 @@ class PhaseDaemon(Daemon):
                     self.log.warning("malformed_credit_dropped")
                 frames = recv_now(self.outbox.sock)
             self.outbox.expire()
-            if self.outbox.credit() > 0:
-                self._credit.set()
+            self._pump()
+
+    def _pump(self):
+        """Send waiting hand-offs in arrival order while the next phase has credit."""
+        w = self._waiting
+        while w:
+            frames, fut = w[0]
+            if fut.done():  # its job was cancelled while it waited
+                w.popleft()
+                continue
+            if self.outbox.send(frames) is None:
+                return
+            w.popleft()
+            fut.set_result(None)
 
     def _accept(self, frames):
         received = time.time()
@@ -179,7 +193,11 @@ class PhaseDaemon(Daemon):
             coro.close()
             raise PhaseTimeout(self.phase, 0.0)
         try:
-            await asyncio.wait_for(coro, limit)
+            if _timeout is not None:  # in this task: wait_for wraps every phase in a second task
+                async with _timeout(limit):
+                    await coro
+            else:
+                await asyncio.wait_for(coro, limit)
         except asyncio.TimeoutError:
             raise PhaseTimeout(self.phase, limit) from None
 
@@ -192,14 +210,13 @@ class PhaseDaemon(Daemon):
             job.node = self.node
             # The job keeps its slot here until the next phase has one: that is the backpressure.
             job.sent_at = time.time()  # waiting for a downstream slot counts as queue time
-            while True:
-                if self.outbox.send(codec.encode(job.to_wire())) is not None:
-                    break
-                self._credit.clear()
-                try:
-                    await asyncio.wait_for(self._credit.wait(), 1.0)
-                except asyncio.TimeoutError:
-                    pass
+            frames = codec.encode(job.to_wire())  # once, however long it waits
+            if self._waiting or self.outbox.send(frames) is None:
+                # Queue behind earlier hand-offs; _pump sends it when credit arrives. (Waking every
+                # waiting task on each announcement, each re-encoding its job, cost O(waiting) per credit.)
+                fut = asyncio.get_running_loop().create_future()
+                self._waiting.append((frames, fut))
+                await fut
             self.counts["forwarded"] += 1
             return
         if outcome == "requeue":

@@ -206,7 +206,8 @@ class Gateway(Daemon):
     def _poll_reply(self, route, msg, recs):
         # Result frames are forwarded as received: a header with arrays refers to buffer frames,
         # so each result is re-encoded into one reply (arrays stay zero-copy views).
-        results = [codec.decode(r.result)["trajectory"] for r in recs]
+        # A result kept as its decoded trajectory (the usual case) is not decoded again.
+        results = [r.result if isinstance(r.result, dict) else codec.decode(r.result)["trajectory"] for r in recs]
         c = self.table.client(msg.client_id)
         last = recs[-1].seq if recs else msg.after
         self._reply(route, msg.req_id, results=results, last=last, pending=c.pending,
@@ -338,12 +339,15 @@ class Gateway(Daemon):
             return
         traj = msg.trajectory
         traj["attempts"] = rec.attempt
-        self._complete(rec, codec.encode(msg.to_wire()), traj["status"], traj)
+        # Kept decoded (its arrays are views of the received frames); encoded only for the journal.
+        self._complete(rec, traj, traj["status"], traj, msg)
 
-    def _complete(self, rec: JobRecord, frames: list, status: str, traj: dict | None = None):
-        seq = self.table.finish(rec, frames)
+    def _complete(self, rec: JobRecord, result, status: str, traj: dict | None = None, msg=None):
+        """``result``: the trajectory dict (``msg`` is its Result), or encoded Result frames."""
+        seq = self.table.finish(rec, result)
         self.table.totals[status] += 1
-        self.journal.add_result(rec.job_id, seq, frames)
+        if self.journal.durable:
+            self.journal.add_result(rec.job_id, seq, codec.encode(msg.to_wire()) if msg is not None else result)
         c = self.table.clients[rec.client_id]
         self.journal.set_client(rec.client_id, c.next_seq, c.acked)
         traj = traj or {}

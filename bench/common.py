@@ -1,0 +1,293 @@
+"""Shared helpers for the benchmarks: a private ``rolloutd up``, per-process CPU accounting,
+statistics and plot output.
+
+Everything a benchmark starts is stopped by pid; nothing here kills by name.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+IMG_DIR = REPO / "docs" / "img"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+DAEMONS = ("events", "router", "gateway", "init", "run", "eval")
+
+
+# ---- statistics -------------------------------------------------------------------------
+def median(xs) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
+
+
+def percentile(xs, q: float) -> float:
+    """Linear-interpolated percentile, q in 0..100."""
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def steady_rate(times: list[float], lo: float = 0.1, hi: float = 0.9) -> float:
+    """Completions per second between the ``lo`` and ``hi`` quantiles of completion times
+    (leaves out the pipeline's fill and drain)."""
+    ts = sorted(times)
+    n = len(ts)
+    if n < 10:
+        return float("nan")
+    a, b = int(lo * (n - 1)), int(hi * (n - 1))
+    dt = ts[b] - ts[a]
+    return (b - a) / dt if dt > 0 else float("nan")
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+# ---- CPU accounting ---------------------------------------------------------------------
+_HZ = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """user+system CPU seconds of every thread of ``pid`` (0 when it is gone)."""
+    try:
+        s = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    f = s[s.rindex(")") + 2:].split()
+    return (int(f[11]) + int(f[12])) / _HZ
+
+
+class CpuMeter:
+    """CPU seconds used by a set of processes between ``start()`` and ``stop()``."""
+
+    def __init__(self, pids: dict[str, int]):
+        self.pids = pids
+        self.t0 = self.c0 = None
+        self.result: dict[str, float] = {}
+        self.wall = 0.0
+
+    def start(self):
+        self.c0 = {n: cpu_seconds(p) for n, p in self.pids.items()}
+        self.t0 = time.monotonic()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        self.wall = time.monotonic() - self.t0
+        self.result = {n: cpu_seconds(p) - self.c0[n] for n, p in self.pids.items()}
+        return self.result
+
+    def utilisation(self) -> dict[str, float]:
+        """Fraction of one core per process."""
+        return {n: c / self.wall for n, c in self.result.items()} if self.wall else {}
+
+
+# ---- a private rolloutd up ---------------------------------------------------------------
+def short_tmpdir(prefix: str = "rb-") -> Path:
+    # ipc paths must fit in sockaddr_un (108 bytes)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(d.name))
+    return out
+
+
+class Rolloutd:
+    """``rolloutd up`` in a private runtime directory, from the source tree ``root``
+    (default: this repository; pass a scratch copy to A/B a patch)."""
+
+    def __init__(self, sets: dict | None = None, root: Path | str = REPO, log_level: str = "warning"):
+        self.root = Path(root)
+        self.sets = {"logging.level": log_level, **(sets or {})}
+        self.tmp = short_tmpdir()
+        self.runtime_dir = self.tmp / "run"
+        self.gateway = f"ipc://{self.runtime_dir}/gateway.sock"
+        self.log_path = self.tmp / "up.log"
+        self.proc: subprocess.Popen | None = None
+        self.pids: dict[str, int] = {}
+
+    def start(self, timeout_s: float = 60.0) -> "Rolloutd":
+        from daemons.supervisor import wait_ready
+
+        cmd = [sys.executable, "-m", "daemons.cli", "up", "--runtime-dir", str(self.runtime_dir)]
+        for k, v in self.sets.items():
+            cmd += ["--set", f"{k}={v}"]
+        env = dict(os.environ, PYTHONPATH=str(self.root), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
+        try:
+            wait_ready(self.gateway, timeout_s)
+        except Exception:
+            self.stop()
+            raise RuntimeError(f"rolloutd up did not become ready; log:\n{self.log()[-3000:]}") from None
+        for pid in _children_of(self.proc.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"daemons.cli" in argv:
+                name = argv[argv.index(b"daemons.cli") + 1].decode()
+                self.pids[name] = pid
+        return self
+
+    def client(self, **kw):
+        from gateway.client import RolloutClient
+
+        return RolloutClient(self.gateway, **kw)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 30.0):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            # The supervisor stops its children one after the other (about 0.5 s each); once it
+            # is stopping (no restarts), signal them all at once: a benchmark needs no ordered drain.
+            time.sleep(0.3)
+            for pid in self.pids.values():
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except OSError:
+                    pass
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        for pid in self.pids.values():  # PDEATHSIG should have taken them; make sure
+            try:
+                os.kill(pid, 0)
+            except OSError:
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+# ---- py-spy ------------------------------------------------------------------------------
+def pyspy_path() -> str | None:
+    cand = Path(sys.executable).parent / "py-spy"
+    if cand.exists():
+        return str(cand)
+    return shutil.which("py-spy")
+
+
+def pyspy_start(pids: dict[str, int], seconds: float, out_dir: Path, rate: int = 200) -> list:
+    """Start ``py-spy record`` (raw collapsed stacks) on each pid; returns the Popen list."""
+    exe = pyspy_path()
+    if exe is None:
+        print("  (py-spy not found; skipping profile)")
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for name, pid in pids.items():
+        out = out_dir / f"{name}.txt"
+        procs.append((name, out, subprocess.Popen(
+            [exe, "record", "--pid", str(pid), "-d", str(int(seconds)), "-r", str(rate), "-f", "raw",
+             "-o", str(out), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+    return procs
+
+
+def pyspy_report(procs, top: int = 12) -> dict[str, list[tuple[float, str]]]:
+    """Wait for the recorders and summarise each profile: inclusive share of the project's own
+    functions and self share of every function."""
+    import collections
+
+    out = {}
+    for name, path, p in procs:
+        p.wait()
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            continue
+        selfc, incl, total = collections.Counter(), collections.Counter(), 0
+        for line in lines:
+            stack, _, cnt = line.rpartition(" ")
+            if not stack:
+                continue
+            n = int(cnt)
+            total += n
+            frames = stack.split(";")
+            selfc[frames[-1]] += n
+            for f in set(frames):
+                incl[f] += n
+        if not total:
+            continue
+        own = [(c / total, f) for f, c in incl.most_common()
+               if any(f"({pkg}/" in f for pkg in ("bus", "daemons", "gateway", "handlers"))
+               and "cli.py" not in f and "base.py:85" not in f and "base.py:55" not in f][:top]
+        slf = [(c / total, f) for f, c in selfc.most_common(top)]
+        out[name] = {"samples": total, "inclusive_own": own, "self": slf}
+    return out
+
+
+# ---- plots -------------------------------------------------------------------------------
+def plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+def revision(root) -> str:
+    """``git describe``-like id of the tree the daemons run from (``+dirty`` with local edits)."""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return (head or "?") + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def machine() -> str:
+    import platform
+
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor()
+    return f"{os.cpu_count()} cores, {model}, Python {platform.python_version()}"
