@@ -249,6 +249,7 @@ def latency_open_loop(rd, rate: float, duration: float, tick: float = 0.005) -> 
     lat: list[float] = []
     finished = threading.Event()
     expected = [None]
+    sent = [time.perf_counter()]
 
     def gather():
         got = 0
@@ -256,7 +257,8 @@ def latency_open_loop(rd, rate: float, duration: float, tick: float = 0.005) -> 
             res = gat.poll(wait_s=0.2, max_results=1024)
             now = time.perf_counter()
             for r in res:
-                lat.append(now - submitted[r["job_id"]])
+                # A result can beat its submit reply back to this process: take the batch's send time.
+                lat.append(now - submitted.get(r["job_id"], sent[0]))
             got += len(res)
             if expected[0] is not None and got >= expected[0]:
                 break
@@ -274,7 +276,7 @@ def latency_open_loop(rd, rate: float, duration: float, tick: float = 0.005) -> 
         k = int(owed)
         if k:
             owed -= k
-            t = time.perf_counter()
+            t = sent[0] = time.perf_counter()
             for jid in sub.submit([ZERO], n=k):
                 submitted[jid] = t
             total += k

@@ -35,9 +35,9 @@ DEFAULTS: dict = {
         "retention_s": 86400.0,     # un-acknowledged results of vanished clients are dropped after this
         "router_timeout_s": 5.0,
     },
-    "init": {"pool": 32},
-    "run": {"pool": 512, "llm_timeout_s": 300.0},
-    "eval": {"pool": 32},
+    "init": {"pool": 32, "prefetch": -1},
+    "run": {"pool": 512, "prefetch": -1, "llm_timeout_s": 300.0},
+    "eval": {"pool": 32, "prefetch": -1},
     "router": {"policy": "least_inflight", "health_interval_s": 5.0, "health_failures": 3,
                "lease_ttl_s": 30.0, "node_affinity": 0.1, "max_policy_lag": 0,
                "stale_policy": "finish"},

@@ -33,6 +33,11 @@ class PhaseDaemon(Daemon):
         self.name = self.phase
         super().__init__(cfg)
         self.pool = int(cfg.section(self.phase)["pool"])
+        pf = int(cfg.section(self.phase).get("prefetch", -1))
+        # Jobs accepted beyond the pool wait here for a slot: the next job is already on this side
+        # when a slot frees, instead of one credit round trip (announce, send) later.
+        self.prefetch = max(1, self.pool // 8) if pf < 0 else pf
+        self.backlog: collections.deque = collections.deque()  # Job messages accepted, not yet started
         self.inflight: dict[int, tuple[int, asyncio.Task]] = {}
         self.cancelled: dict[int, None] = {}
         self.why_cancelled: dict[int, str] = {}  # job id -> "cancelled" | "stale" | "requeue"
@@ -57,7 +62,8 @@ class PhaseDaemon(Daemon):
 
     def heartbeat(self):
         return {"phase": self.phase, "pool": self.pool, "inflight": len(self.inflight),
-                "jobs": [[j, a] for j, (a, _) in self.inflight.items()], "counts": dict(self.counts)}
+                "jobs": [[j, a] for j, (a, _) in self.inflight.items()] + [[j.job_id, j.attempt] for j in self.backlog],
+                "counts": dict(self.counts)}
 
     async def serve(self):
         side = [asyncio.create_task(self._control_loop())]
@@ -66,7 +72,7 @@ class PhaseDaemon(Daemon):
         poll_s = float(self.dcfg["poll_s"])
         try:
             while not self.stopping:
-                self.receiver.update(self.pool - len(self.inflight))
+                self.receiver.update(self._free())
                 frames = await recv(self.inbox, poll_s)
                 while frames is not None:
                     self._accept(frames)
@@ -111,8 +117,17 @@ class PhaseDaemon(Daemon):
             self.events.publish("error.malformed", phase=self.phase, error=str(e))
             return
         self.receiver.got()
+        if len(self.inflight) < self.pool:
+            self._start(job, received)
+        else:
+            self.backlog.append(job)
+
+    def _start(self, job, received):
         task = asyncio.create_task(self._process(job, received))
         self.inflight[job.job_id] = (job.attempt, task)
+
+    def _free(self) -> int:
+        return self.pool + self.prefetch - len(self.inflight) - len(self.backlog)
 
     async def _process(self, job: Job, received: float):
         t0 = time.monotonic()
@@ -166,7 +181,9 @@ class PhaseDaemon(Daemon):
             log.error("hand_off_failed", error=f"{type(e).__name__}: {e}")
         finally:
             self.inflight.pop(job.job_id, None)
-            self.receiver.update(self.pool - len(self.inflight))
+            if self.backlog and not self.stopping:
+                self._start(self.backlog.popleft(), time.time())  # its wait in the backlog counts as queue
+            self.receiver.update(self._free())
 
     async def before_phase(self, ctx: JobContext, handler) -> None:
         """Set up per-job services for the phase (the run daemon leases an LLM backend)."""
@@ -268,6 +285,15 @@ class PhaseDaemon(Daemon):
                 held = self.inflight.get(jid)
                 if held is not None:
                     held[1].cancel()
+            if self.backlog and any(j.job_id in self.cancelled for j in self.backlog):
+                # Prefetched jobs do not wait for a slot to learn they were cancelled.
+                keep = collections.deque()
+                for job in self.backlog:
+                    if job.job_id in self.cancelled:
+                        self._start(job, time.time())
+                    else:
+                        keep.append(job)
+                self.backlog = keep
             while len(self.cancelled) > CANCEL_MEMORY:
                 self.cancelled.pop(next(iter(self.cancelled)))
 
@@ -280,7 +306,8 @@ class PhaseDaemon(Daemon):
             self.log.info("draining", inflight=len(self.inflight))
         while self.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        abandoned = [[j, a] for j, (a, _) in self.inflight.items()]
+        abandoned = [[j, a] for j, (a, _) in self.inflight.items()] + [[j.job_id, j.attempt] for j in self.backlog]
+        self.backlog.clear()
         for _, task in list(self.inflight.values()):
             task.cancel()
         if abandoned:
