@@ -93,6 +93,13 @@ class ClientCache:
             c = self.clients[key] = LLMClient(address, api=api, timeout=self.timeout_s)
         return c
 
+    def evict(self, addresses) -> list:
+        """Drop the clients of removed backends (a new backend at the same address gets a fresh
+        client: new connection pool, model name resolved again). Returns them: close them once
+        the jobs that may still hold them are done."""
+        gone = set(addresses)
+        return [self.clients.pop(k) for k in list(self.clients) if k[0] in gone]
+
     async def aclose(self):
         for c in self.clients.values():
             await c.aclose()

@@ -400,6 +400,7 @@ class RunDaemon(PhaseDaemon):
             raise ValueError(f"router.stale_policy must be finish, abort_requeue or drop, not {self.stale_policy!r}")
         self.current_version = 0
         self.control.setsockopt(_SUBSCRIBE, b"backend.added")
+        self.control.setsockopt(_SUBSCRIBE, b"backend.cleared")
 
     async def before_phase(self, ctx, handler):
         if handler.needs_llm:
@@ -424,6 +425,11 @@ class RunDaemon(PhaseDaemon):
             if v > self.current_version:
                 self.current_version = v
                 self._enforce_staleness()
+        elif topic == "backend.cleared":
+            loop = asyncio.get_running_loop()
+            grace = self.llm_clients.timeout_s + 5.0  # a job still leasing the old server may finish
+            for client in self.llm_clients.evict(body.get("backends") or []):
+                loop.call_later(grace, lambda c=client: loop.create_task(c.aclose()))
 
     def _is_stale(self, version: int) -> bool:
         return self.stale_policy != "finish" and self.current_version - version > self.max_lag

@@ -164,6 +164,7 @@ class HFServer:
         self._queue: collections.deque[_Req] = collections.deque()
         self._cv = threading.Condition()
         self._running: list[_Req] = []
+        self._model_lock = threading.Lock()  # held for a whole batch: a reload never splits one
         self._stop = False
         self._sched: threading.Thread | None = None
         self._httpd: ThreadingHTTPServer | None = None
@@ -274,7 +275,8 @@ class HFServer:
             if not batch:
                 continue
             try:
-                self._run_batch(batch)
+                with self._model_lock:
+                    self._run_batch(batch)
             except Exception as e:  # pragma: no cover - model failure
                 log.error("serve_hf_batch_failed", error=f"{type(e).__name__}: {e}", batch=len(batch))
                 for r in batch:
@@ -371,6 +373,21 @@ class HFServer:
             if r.finish is None:
                 r.finish = "abort"
                 r.done.set()
+
+    def reload(self, model_dir: str | Path) -> None:
+        """Load new weights (same architecture and tokenizer) from ``model_dir`` and swap them in
+        between two batches: a checkpoint swap without a process restart."""
+        from transformers import AutoModelForCausalLM
+
+        new = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=self.torch.float32, local_files_only=True
+        ).to(self.device).eval()
+        if int(new.config.vocab_size) != self.vocab_size:
+            raise ValueError(f"vocab size {new.config.vocab_size} != {self.vocab_size}")
+        with self._model_lock:
+            self.model, self.model_dir = new, str(model_dir)
+        self.stats["reloads"] += 1
+        log.info("serve_hf_reloaded", model=self.model_dir)
 
     # -- request parsing -------------------------------------------------------------
     def make_request(self, api: str, body: dict) -> tuple[_Req | None, tuple[int, dict] | None]:
@@ -553,6 +570,15 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         n = int(self.headers.get("content-length") or 0)
         raw = self.rfile.read(n) if n > 0 else b""
+        if path == "/update_weights_from_disk":  # SGLang's name and body: {"model_path": DIR}
+            try:
+                body = json.loads(raw or b"{}")
+                srv.reload(body["model_path"])
+            except Exception as e:  # noqa: BLE001 - the old weights stay in place
+                self._send_json(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
+                return
+            self._send_json(200, {"success": True, "message": f"loaded {srv.model_dir}"})
+            return
         if path not in ("/v1/completions", "/generate"):
             self._send_json(404, _err(f"no route {path}", "NotFoundError", 404))
             return

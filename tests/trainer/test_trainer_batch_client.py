@@ -1,0 +1,132 @@
+"""BatchClient against a real ``rolloutd up`` (synthetic handler: no LLM, no sandbox)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.batch import Batch, BatchClient, GatewayTimeout, collate, group_by_instance
+
+
+def task(iid, run_s=0.0, reward=1.0, **kw):
+    return {"handler": "synthetic", "instance_id": iid,
+            "instance": dict({"run": run_s, "reward": reward, "seed": 1}, **kw)}
+
+
+@pytest.fixture(scope="module")
+def gw(shared_up):
+    return shared_up.gateway
+
+
+def test_results_complete_ordered_and_grouped(gw):
+    with BatchClient(gw, poll_wait_s=0.2) as c:
+        tasks = [task(f"i{k}", run_s=0.05 * (3 - k), reward=k) for k in range(3)]
+        batch = c.submit(tasks, n=4, deadline_s=60)
+        assert len(batch) == 12 and batch.instance_ids == ["i0", "i1", "i2"]
+        seen = list(c.results(batch))
+        assert batch.done and len(seen) == 12 and len({r["job_id"] for r in seen}) == 12
+        assert {r["status"] for r in seen} == {"ok"}
+        groups = group_by_instance(seen)
+        assert {k: len(v) for k, v in groups.items()} == {"i0": 4, "i1": 4, "i2": 4}
+        assert all(r["reward"] == float(r["instance_id"][1:]) for r in seen)
+        # gather: submission order, task by task, sample by sample
+        out = c.run(tasks[:2], n=3, deadline_s=60)
+        assert [(r["instance_id"], r["sample_index"]) for r in out] == [
+            ("i0", 0), ("i0", 1), ("i0", 2), ("i1", 0), ("i1", 1), ("i1", 2)]
+        assert collate(out)["status"].all()
+
+
+def test_per_task_n_and_empty_submit(gw):
+    with BatchClient(gw) as c:
+        b = c.submit([dict(task("a"), n=1), task("b")], n=3)
+        assert b.n == [1, 3] and len(c.gather(b)) == 4
+        with pytest.raises(ValueError):
+            c.submit([])
+
+
+def test_deadline_cancels_and_stands_in(gw):
+    with BatchClient(gw, poll_wait_s=0.2) as c:
+        tasks = [task("fast", run_s=0.0), task("slow", run_s=30.0)]
+        t0 = time.monotonic()
+        res = c.gather(c.submit(tasks, n=2, deadline_s=2.0))
+        took = time.monotonic() - t0
+        assert took < 10, took
+        by = {(r["instance_id"], r["sample_index"]): r for r in res}
+        assert len(res) == 4
+        assert all(by[("fast", k)]["status"] == "ok" for k in range(2))
+        for k in range(2):
+            r = by[("slow", k)]
+            assert r["status"] == "timeout" and r["error"]["type"] == "BatchDeadline" and r["client_side"]
+        # the cancelled jobs' own results arrive later: acknowledged and dropped, never delivered
+        later = c.gather(c.submit([task("next")], n=2, deadline_s=60))
+        assert [r["instance_id"] for r in later] == ["next", "next"]
+        deadline = time.monotonic() + 20
+        while c.dropped_late < 2 and time.monotonic() < deadline:
+            c.gather(c.submit([task("flush")], n=1, deadline_s=60))
+            time.sleep(0.2)
+        assert c.dropped_late == 2
+        arr = collate(res)
+        assert arr["status"].sum() == 2
+
+
+def test_deadline_raise_mode(gw):
+    with BatchClient(gw, poll_wait_s=0.2) as c:
+        b = c.submit([task("slow", run_s=30.0)], n=1, deadline_s=0.5)
+        with pytest.raises(GatewayTimeout):
+            c.gather(b, on_deadline="raise")
+        c.cancel(b.job_ids)
+
+
+def test_interleaved_batches_are_kept_apart(gw):
+    with BatchClient(gw, poll_wait_s=0.2) as c:
+        a = c.submit([task("a", run_s=0.0)], n=4)
+        b = c.submit([task("b", run_s=0.3)], n=4)
+        time.sleep(0.5)
+        rb = c.gather(b)      # a's results arrive while gathering b: kept for a
+        ra = c.gather(a)
+        assert {r["instance_id"] for r in rb} == {"b"} and {r["instance_id"] for r in ra} == {"a"}
+        assert len(rb) == len(ra) == 4
+
+
+def test_lost_jobs_become_failed_placeholders(gw):
+    """A job the gateway does not know (e.g. it restarted without a journal) never hangs a gather."""
+    with BatchClient(gw, poll_wait_s=0.1) as c:
+        fake = 10**9
+        b = Batch(job_ids=[fake], instance_ids=["ghost"], n=[1], handlers=["synthetic"], deadline=None)
+        with c._lock:
+            c._outstanding.add(fake)       # as if submitted: the gateway reports nothing pending for it
+        (r,) = c.gather(b)
+        assert r["status"] == "failed" and r["error"]["type"] == "JobLost" and r["instance_id"] == "ghost"
+        # ids this client never submitted cannot arrive either
+        b = Batch(job_ids=[fake + 1], instance_ids=["other"], n=[1], handlers=["synthetic"], deadline=None)
+        (r,) = c.gather(b)
+        assert r["error"]["type"] == "JobLost"
+
+
+def test_async_gather_and_coalesced_submits(gw):
+    async def main():
+        async with BatchClient(gw, poll_wait_s=0.2) as c:
+            calls = []
+            orig = c._ctl.submit
+
+            def counting(*a, **kw):
+                calls.append(len(a[0]))
+                return orig(*a, **kw)
+
+            c._ctl.submit = counting
+            # many concurrent one-sample rollouts (what veRL's agent loop does) -> few submit requests
+            res = await asyncio.gather(*(c.arollout(task(f"x{i}", run_s=0.01 * (i % 3))) for i in range(24)))
+            assert [r["instance_id"] for r in res] == [f"x{i}" for i in range(24)]
+            assert sum(calls) == 24 and len(calls) <= 3, calls
+            # two batches gathered concurrently, one async generator each
+            b1 = await c.asubmit([task("p", run_s=0.2)], n=3)
+            b2 = await c.asubmit([task("q")], n=5)
+            r1, r2 = await asyncio.gather(c.agather(b1), c.agather(b2))
+            assert [r["instance_id"] for r in r1] == ["p"] * 3 and [r["instance_id"] for r in r2] == ["q"] * 5
+            # deadline in async mode
+            b3 = await c.asubmit([task("slow", run_s=30.0)], n=2, deadline_s=1.0)
+            got = [r async for r in c.aresults(b3)]
+            assert [r["status"] for r in got] == ["timeout", "timeout"]
+
+    asyncio.run(asyncio.wait_for(main(), 90))
