@@ -101,17 +101,9 @@ def short_tmpdir(prefix: str = "rb-") -> Path:
 
 
 def _children_of(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(d.name))
-    return out
+    from sandbox.procs import children_map
+
+    return children_map().get(pid, [])
 
 
 class Rolloutd:

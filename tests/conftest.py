@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from sandbox.procs import children_map, is_running
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -25,26 +27,11 @@ def short_tmpdir(prefix: str = "rd-") -> Path:
 
 
 def children_of(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid:
-            out.append(int(d.name))
-    return out
+    return children_map().get(pid, [])
 
 
 def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return is_running(pid)
 
 
 class Up:
