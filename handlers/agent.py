@@ -85,7 +85,6 @@ class ToolAgentHandler(AgentHandler):
 
     async def run(self, ctx: JobContext):
         from llm.agent_loop import run_agent_loop
-        from llm.client import SamplingParams
         from llm.conversation import Conversation
         from llm.toolparse import get_parser
 
@@ -93,10 +92,7 @@ class ToolAgentHandler(AgentHandler):
         specs = [TOOL_SPECS[t] for t in self.tools]
         conv = Conversation(tok, self.messages(ctx), tools=specs or None,
                             max_context=int(ctx.instance.get("max_context", self.max_context)))
-        sp = ctx.instance.get("sampling") or {}
-        params = SamplingParams(max_tokens=int(sp.get("max_tokens", self.max_tokens)),
-                                temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
-                                top_k=int(sp.get("top_k", -1)), seed=sp.get("seed"))
+        params = sampling_params(ctx.instance, self.max_tokens)
         client = ctx.tools() if ctx.sandbox else None
         allowed = set(self.tools)
 
@@ -127,6 +123,16 @@ class ToolAgentHandler(AgentHandler):
     async def eval(self, ctx: JobContext):
         reward, details = await asyncio.to_thread(self.score, ctx)
         ctx.set_reward(reward, **details)
+
+
+def sampling_params(instance: dict, max_tokens: int):
+    """The instance's ``sampling`` map as SamplingParams (the same keys for every handler)."""
+    from llm.client import SamplingParams
+
+    sp = instance.get("sampling") or {}
+    return SamplingParams(max_tokens=int(sp.get("max_tokens", max_tokens)),
+                          temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
+                          top_k=int(sp.get("top_k", -1)), seed=sp.get("seed"))
 
 
 def observation(r) -> str:

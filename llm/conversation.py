@@ -394,6 +394,7 @@ class Conversation:
         return [
             {
                 "index": t.index,
+                "span": [t.start, t.end],  # the trajectory field every handler reports
                 "start": t.start,
                 "end": t.end,
                 "finish_reason": t.finish_reason,
