@@ -13,7 +13,7 @@ import itertools
 
 from bus import codec
 from bus.messages import BackendFailed, Lease, Release
-from bus.sockets import recv
+from bus.sockets import recv, recv_now
 
 MAX_FAILOVERS = 3
 
@@ -35,6 +35,7 @@ class RouterClient:
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
+        self.orphans_released = 0
 
     def start(self):
         self._reader = asyncio.create_task(self._read())
@@ -46,16 +47,29 @@ class RouterClient:
     async def _read(self):
         while True:
             frames = await recv(self.sock, 1.0)
-            if frames is None:
-                continue
-            rest = frames[1:] if len(frames[0]) == 0 else frames
-            try:
-                header = codec.decode(rest)
-            except codec.CodecError:
-                continue
-            fut = self._waiting.pop(header.get("req_id"), None)
-            if fut is not None and not fut.done():
-                fut.set_result(header)
+            while frames is not None:  # drain what is queued: one wake-up, many replies
+                await self._on_reply(frames)
+                frames = recv_now(self.sock)
+
+    async def _on_reply(self, frames):
+        rest = frames[1:] if len(frames[0]) == 0 else frames
+        try:
+            header = codec.decode(rest)
+        except codec.CodecError:
+            return
+        fut = self._waiting.pop(header.get("req_id"), None)
+        if fut is not None and not fut.done():
+            fut.set_result(header)
+        elif isinstance(header.get("body"), dict) and "lease_id" in header["body"]:
+            # A lease granted after its requester gave up (cancelled, timed out): hand it back
+            # now instead of letting it count as in flight until lease_ttl_s expires it.
+            self.orphans_released += 1
+            await self.send(Release(lease_id=header["body"]["lease_id"]))
+
+    async def send(self, msg):
+        """A request whose reply nobody waits for."""
+        msg.req_id = next(self._ids)
+        await self.sock.send_multipart([b""] + codec.encode(msg.to_wire()), copy=False)
 
     async def request(self, msg, timeout_s: float | None = None) -> dict:
         msg.req_id = next(self._ids)
@@ -163,10 +177,10 @@ class LLMSession:
     async def close(self):
         lease, self.lease = self.lease, None
         if lease is not None:
-            try:
-                await self.router.request(Release(lease_id=lease["lease_id"]))
-            except RouterError:
-                pass  # the lease expires when our heartbeats stop listing it
+            # Fire and forget: the slot frees one router round trip sooner. The router sees this
+            # release before any later lease request of this daemon (same DEALER, in order); a
+            # lost release expires when our heartbeats stop listing the lease.
+            await self.router.send(Release(lease_id=lease["lease_id"]))
 
     def held(self) -> list | None:
         if self.lease is None:

@@ -41,6 +41,7 @@ class PhaseDaemon(Daemon):
         self.inflight: dict[int, tuple[int, asyncio.Task]] = {}
         self.cancelled: dict[int, None] = {}
         self.why_cancelled: dict[int, str] = {}  # job id -> "cancelled" | "stale" | "requeue"
+        self.started: set[int] = set()  # jobs whose _process has begun (a cancel then lands inside its try)
         self.counts = {"done": 0, "failed": 0, "timeout": 0, "cancelled": 0, "forwarded": 0, "malformed": 0}
         self.services = Services(self._make_runtime)
 
@@ -130,6 +131,10 @@ class PhaseDaemon(Daemon):
         return self.pool + self.prefetch - len(self.inflight) - len(self.backlog)
 
     async def _process(self, job: Job, received: float):
+        # No await between here and the try below: once this line ran, a cancel is caught there.
+        # A task cancelled before its first step would die before any try (and keep its slot for
+        # ever), so _control_loop only cancels started tasks; others see self.cancelled below.
+        self.started.add(job.job_id)
         t0 = time.monotonic()
         if job.sent_at:
             job.timing["queue"] = round(job.timing.get("queue", 0.0) + max(0.0, received - job.sent_at), 6)
@@ -168,7 +173,7 @@ class PhaseDaemon(Daemon):
                 ctx.fail(self.phase, e, "timeout" if isinstance(e, PhaseTimeout) else "failed")
             outcome = ctx.trajectory["status"]
         finally:
-            await self.after_phase(ctx)
+            await _to_completion(self.after_phase(ctx))  # a late cancel must not skip the hand-off
             elapsed = time.monotonic() - t0
             job.timing[self.phase] = round(job.timing.get(self.phase, 0.0) + elapsed, 6)
             job.spent_s += elapsed
@@ -180,6 +185,7 @@ class PhaseDaemon(Daemon):
         except Exception as e:  # noqa: BLE001
             log.error("hand_off_failed", error=f"{type(e).__name__}: {e}")
         finally:
+            self.started.discard(job.job_id)
             self.inflight.pop(job.job_id, None)
             if self.backlog and not self.stopping:
                 self._start(self.backlog.popleft(), time.time())  # its wait in the backlog counts as queue
@@ -281,9 +287,11 @@ class PhaseDaemon(Daemon):
                 self.log.warning("malformed_control_dropped", error=str(e))
                 continue
             for jid in ids:
+                if jid in self.cancelled:
+                    continue  # a repeated cancel must not interrupt the clean-up of the first
                 self.cancelled[jid] = None
                 held = self.inflight.get(jid)
-                if held is not None:
+                if held is not None and jid in self.started:
                     held[1].cancel()
             if self.backlog and any(j.job_id in self.cancelled for j in self.backlog):
                 # Prefetched jobs do not wait for a slot to learn they were cancelled.
@@ -314,6 +322,21 @@ class PhaseDaemon(Daemon):
             # The gateway re-dispatches these at once instead of waiting for their lease to lapse.
             self.log.warning("drain_deadline_passed", abandoned=len(abandoned))
             self.events.publish("daemon.abandoned", phase=self.phase, jobs=abandoned, incarnation=self.incarnation)
+
+
+async def _to_completion(aw):
+    """Await ``aw`` to its end even if the awaiting task is cancelled meanwhile (clean-up that
+    must finish: releasing the LLM lease); the cancel is absorbed."""
+    fut = asyncio.ensure_future(aw)
+    while True:
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if fut.done():
+                return fut.result()
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
 
 
 class JobCancelled(Exception):

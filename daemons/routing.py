@@ -70,12 +70,16 @@ class Pool:
         self._ids = itertools.count(1)
         self._rr = 0
         self.lease_prefix = lease_prefix  # unique per router incarnation, so adopted ids never collide
+        self._released: dict[str, None] = {}  # adopted leases released since (bounded), never re-adopted
 
     # -- membership ------------------------------------------------------------------------
     def add(self, address: str, **fields) -> Backend:
         b = self.backends.get(address)
         if b is None:
             b = self.backends[address] = Backend(address=address, **fields)
+            # Leases granted before a clear (a checkpoint swap to the same server) still run
+            # there and will be released against this entry: count them.
+            b.inflight = sum(1 for r in self.leases.values() if r.backend_id == address)
         else:  # re-adding updates its settings (e.g. a new policy_version) and keeps its leases
             for k, v in fields.items():
                 setattr(b, k, v)
@@ -135,18 +139,28 @@ class Pool:
         rec = self.leases.pop(lease_id, None)
         if rec is None:
             return False
+        if not self._minted_here(lease_id):
+            self._released[lease_id] = None
+            while len(self._released) > 65536:
+                self._released.pop(next(iter(self._released)))
         b = self.backends.get(rec.backend_id)
         if b is not None:
             b.inflight = max(0, b.inflight - 1)
         return True
 
     def adopt(self, lease_id: str, backend_id: str, job_id: int, requester: str, policy_version: int):
-        """Re-create a lease a run daemon reports holding (after a router restart)."""
-        if lease_id in self.leases or backend_id not in self.backends:
+        """Re-create a lease a run daemon reports holding (after a router restart). A heartbeat is
+        a snapshot that may arrive after the lease it lists was released: a lease this router
+        granted, or one it adopted and saw released, is never re-created."""
+        if (lease_id in self.leases or backend_id not in self.backends or self._minted_here(lease_id)
+                or lease_id in self._released):
             return
         now = time.monotonic()
         self.leases[lease_id] = LeaseRecord(lease_id, backend_id, job_id, requester, policy_version, now, now)
         self.backends[backend_id].inflight += 1
+
+    def _minted_here(self, lease_id: str) -> bool:
+        return lease_id.startswith(self.lease_prefix) and lease_id[len(self.lease_prefix):].isdigit()
 
     def renew(self, requester: str, lease_ids: set[str]):
         now = time.monotonic()
