@@ -223,6 +223,7 @@ class LLMClient:
             verify=self.base_url.startswith("https"),
         )
         self._path = "/v1/completions" if api == "vllm" else "/generate"
+        self._resolving: asyncio.Future | None = None
         # absolute, pre-parsed: httpx then skips URL parsing and merging on every request
         self._url = httpx.URL(self.base_url + self._path)
 
@@ -242,7 +243,16 @@ class LLMClient:
     # -- generation ------------------------------------------------------------------
     async def _resolve_model(self) -> str:
         if self.model is None:
-            models = await self.models()
+            # One lookup for every request that finds the name missing: after a checkpoint swap a
+            # whole batch arrives at once, and 64 parallel /v1/models calls to a busy server timed out.
+            if self._resolving is None:
+                self._resolving = asyncio.ensure_future(self.models())
+            fut = self._resolving
+            try:
+                models = await asyncio.shield(fut)
+            finally:
+                if fut.done() and self._resolving is fut:
+                    self._resolving = None
             if not models:
                 raise BackendError("backend serves no model", backend=self.base_url)
             self.model = models[0]
