@@ -27,6 +27,7 @@ from ptyprocess import PtyProcess
 
 from .cancel import NEVER, Canceller
 from .output import DEFAULT_MAX_OUTPUT, CappedBuffer, finish_text
+from .session import Session
 from .procs import MANAGED, SPAWN_LOCK, apply_limits, kill_pids, session_members
 
 # Bytes held back from the output in case they are the start of a marker split across reads.
@@ -60,7 +61,7 @@ def _child_setup() -> None:
     termios.tcsetattr(0, termios.TCSANOW, attrs)
 
 
-class BashSession:
+class BashSession(Session):
     def __init__(
         self,
         ctl_dir: str,
@@ -130,20 +131,10 @@ class BashSession:
             pass
         proc.closed = True  # keep ptyprocess.__del__ from sleeping/terminating again
 
-    def restart(self) -> None:
-        self.kill()
-        self.restarts += 1
-        self.start()
-
     # -- one call --------------------------------------------------------------------
     def run(self, command: str, timeout: float, canceller: Canceller = NEVER) -> Dict:
         t0 = time.monotonic()
-        notes = []
-        if not self.alive():
-            if self.proc is not None:
-                notes.append("[the previous shell had exited; a fresh shell was started]")
-            self.kill()
-            self.start()
+        notes = self.revive("[the previous shell had exited; a fresh shell was started]")
         self._drain()
         self.seq += 1
         n = self.seq

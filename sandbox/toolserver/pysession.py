@@ -18,6 +18,7 @@ from typing import Dict, Optional
 
 from .cancel import NEVER, Canceller
 from .output import DEFAULT_MAX_OUTPUT, CappedBuffer, finish_text
+from .session import Session
 from .procs import MANAGED, SPAWN_LOCK, apply_limits
 from .wire import HEADER
 
@@ -45,7 +46,7 @@ class _FrameReader:
         return json.loads(body.decode("utf-8"))
 
 
-class PythonSession:
+class PythonSession(Session):
     def __init__(
         self,
         env: Dict[str, str],
@@ -113,19 +114,9 @@ class PythonSession:
             except OSError:
                 pass
 
-    def restart(self) -> None:
-        self.kill()
-        self.restarts += 1
-        self.start()
-
     def run(self, code: str, timeout: float, canceller: Canceller = NEVER) -> Dict:
         t0 = time.monotonic()
-        notes = []
-        if not self.alive():
-            if self.proc is not None:
-                notes.append("[the previous Python session had died; a fresh one was started, state lost]")
-            self.kill()
-            self.start()
+        notes = self.revive("[the previous Python session had died; a fresh one was started, state lost]")
         buf = CappedBuffer(self.max_output)
         self._drain(buf, discard=True)
         body = json.dumps({"code": code}).encode("utf-8")
