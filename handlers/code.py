@@ -18,10 +18,10 @@ could still forge a pass; the tests are never visible to the agent (written afte
 from __future__ import annotations
 
 import secrets
-from pathlib import Path
 
 from handlers.base import JobContext
-from handlers.tasks import DomainHandler, clean_command, give_to_sandbox, humaneval_problem, workspace_inside
+from handlers.tasks import (DomainHandler, clean_command, eval_sandbox, give_to_sandbox, humaneval_problem,
+                            workspace_inside)
 
 CHECK_TEMPLATE = '''\
 import sys
@@ -82,10 +82,7 @@ class CodeHandler(DomainHandler):
         import asyncio
 
         p = humaneval_problem(ctx.state["task_id"])
-        sb = ctx.sandbox
-        if sb is None:
-            raise RuntimeError("code eval needs the job's sandbox, and it is gone")
-        ws = Path(sb["workspace"])
+        sb, ws = eval_sandbox(ctx, "code")
         details: dict = {"task_id": p["task_id"], "entry_point": p["entry_point"]}
         if not (ws / self.solution_file).is_file():
             details["reason"] = f"no {self.solution_file} in the workspace"

@@ -24,7 +24,7 @@ import secrets
 from pathlib import Path
 
 from handlers.base import JobContext
-from handlers.tasks import (PYTEST_MOUNT, DomainHandler, clean_command, give_to_sandbox, pytest_binds,
+from handlers.tasks import (PYTEST_MOUNT, DomainHandler, clean_command, eval_sandbox, give_to_sandbox, pytest_binds,
                             pytest_link_dir, workspace_inside)
 
 MAX_PATCH_CHARS = 20000
@@ -88,10 +88,7 @@ class SWEHandler(DomainHandler):
         from handlers.swe_tasks import get_task, grade, restore_tests
 
         task = get_task(ctx.state["task_id"])
-        sb = ctx.sandbox
-        if sb is None:
-            raise RuntimeError("swe eval needs the job's sandbox, and it is gone")
-        ws = Path(sb["workspace"])
+        sb, ws = eval_sandbox(ctx, "swe")
         inside = workspace_inside(sb)
         client = ctx.tools()
         log_name = f".rolloutd_tests_{secrets.token_hex(6)}.log"

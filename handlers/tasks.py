@@ -201,6 +201,14 @@ def pytest_link_dir(root: str | os.PathLike | None = None) -> str:
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+def eval_sandbox(ctx: JobContext, domain: str) -> tuple[dict, Path]:
+    """The job's sandbox and its host workspace, for an eval that runs inside it."""
+    sb = ctx.sandbox
+    if sb is None:
+        raise RuntimeError(f"{domain} eval needs the job's sandbox, and it is gone")
+    return sb, Path(sb["workspace"])
+
+
 def workspace_inside(sandbox: dict) -> str:
     """The workspace as the sandbox's own processes see it."""
     if sandbox.get("runtime") == "local":
