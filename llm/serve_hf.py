@@ -208,7 +208,7 @@ class HFServer:
         class Handler(_Handler):
             srv = server
 
-        self._httpd = ThreadingHTTPServer((self.host, self.port), Handler)
+        self._httpd = _HTTPServer((self.host, self.port), Handler)
         self._httpd.daemon_threads = True
         self._httpd.block_on_close = False
         self.port = self._httpd.server_address[1]
@@ -512,6 +512,13 @@ class HFServer:
 
 def _err(message: str, etype: str = "BadRequestError", code: int = 400) -> dict:
     return {"error": {"message": message, "type": etype, "param": None, "code": code}}
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    # The stdlib's listen backlog is 5: a trainer step opens dozens of connections at once, the
+    # accept queue overflows, and the dropped handshakes come back only by TCP retransmission
+    # (0.2, 0.4, 0.8 ... s), which on a busy box grew into 120 s job timeouts. uvicorn uses 2048.
+    request_queue_size = 2048
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import numpy as np
@@ -222,3 +223,23 @@ def test_serve_hf_main(tiny_model_dir, arun, capsys):
     th.join(10)
     assert len(result["g"].token_ids) >= 1
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_accept_queue_holds_a_trainer_steps_burst():
+    """A step opens dozens of connections at once. With the stdlib's listen backlog (5) the
+    handshakes beyond it were dropped and came back only by TCP retransmission, which grew
+    into job timeouts on a loaded box; nothing here accepts, so only the queue holds them."""
+    from http.server import BaseHTTPRequestHandler
+
+    from llm.serve_hf import _HTTPServer
+
+    httpd = _HTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    socks = []
+    try:
+        for _ in range(128):
+            socks.append(socket.create_connection(httpd.server_address, timeout=1.0))
+    finally:
+        for s in socks:
+            s.close()
+        httpd.server_close()
+    assert len(socks) == 128
