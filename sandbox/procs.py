@@ -59,24 +59,14 @@ def wait_gone(pids: Iterable[int], timeout: float = 5.0) -> bool:
         time.sleep(0.002)
 
 
-def ns_inode(pid: int, kind: str = "pid") -> Optional[int]:
-    try:
-        return os.stat("/proc/%d/ns/%s" % (pid, kind)).st_ino
-    except OSError:
-        return None
-
-
-def pids_in_pidns(inode: int) -> List[int]:
-    """Every live process whose pid namespace has this inode (how we count a sandbox's processes)."""
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if os.stat("/proc/%s/ns/pid" % name).st_ino == inode and is_running(int(name)):
-                    out.append(int(name))
-            except OSError:
-                pass
-    return out
+def namespace_pids(init_pid: int, init_start: Optional[int] = None) -> List[int]:
+    """Every live process of the pid namespace whose init is ``init_pid`` (how we count a sandbox's
+    processes). Orphans in a pid namespace are re-parented inside it, so the namespace is its init
+    plus the init's descendants. Read from /proc/PID/stat, which anyone may read: /proc/PID/ns
+    needs ptrace rights, which a root without CAP_SYS_PTRACE (a container) lacks."""
+    if not is_running(init_pid, init_start):
+        return []
+    return [init_pid] + [p for p in descendants(init_pid) if is_running(p)]
 
 
 def children_map() -> Dict[int, List[int]]:

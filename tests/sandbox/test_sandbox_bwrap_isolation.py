@@ -19,7 +19,21 @@ def bash(c, command, timeout=10):
 
 
 def pidns_procs(h):
-    return procs.pids_in_pidns(int(h.extra["pidns"]))
+    return procs.namespace_pids(h.pids[1], h.extra["pid_starts"][1])
+
+
+def named(pids):
+    """(pid, start time) pairs: a pid alone may be reused (a fork bomb churns through them)."""
+    return {(p, procs.start_time(p)) for p in pids} - {(p, None) for p in pids}
+
+
+def still_running(pairs, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = sorted(p for p, st in pairs if procs.is_running(p, st))
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -71,13 +85,17 @@ def test_fork_bomb_is_contained(bwrap_rt):
     c = bwrap_rt.client(h)
     bash(c, ":(){ :|:& };:", timeout=3)
     peak = 0
+    seen = set()
     for _ in range(10):
-        peak = max(peak, len(pidns_procs(h)))
+        now = pidns_procs(h)
+        seen |= named(now)
+        peak = max(peak, len(now))
         time.sleep(0.1)
-    assert peak <= nproc, "fork bomb reached %d processes with nproc=%d" % (peak, nproc)
+    assert 3 <= peak <= nproc, "fork bomb reached %d processes with nproc=%d" % (peak, nproc)
     assert c.ping().output == "pong"  # the tool server still answers
     assert subprocess.run(["true"]).returncode == 0  # the host still forks
     bwrap_rt.rt.destroy(h)
+    assert still_running(seen) == []
     assert pidns_procs(h) == []
 
 
@@ -133,8 +151,10 @@ def test_destroy_kills_double_forked_processes(bwrap_rt):
     deadline = time.monotonic() + 5
     while len(pidns_procs(h)) < 5 and time.monotonic() < deadline:  # bwrap init, server, bash, 2 sleeps
         time.sleep(0.05)
-    assert len(pidns_procs(h)) >= 5, bash(c, "ps -ef || ls /proc").output
+    inside = pidns_procs(h)
+    assert len(inside) >= 5, (inside, bash(c, "ps -ef || ls /proc").output)
     assert bwrap_rt.rt.destroy(h) is True
+    assert still_running(named(inside)) == []
     assert pidns_procs(h) == []
     assert not Path(h.sandbox_dir).exists()
     assert bwrap_rt.rt.destroy(h) is False  # idempotent
