@@ -27,7 +27,7 @@ from ptyprocess import PtyProcess
 
 from .cancel import NEVER, Canceller
 from .output import DEFAULT_MAX_OUTPUT, CappedBuffer, finish_text
-from .session import Session
+from .session import Session, call_result
 from .procs import MANAGED, SPAWN_LOCK, apply_limits, kill_pids, session_members
 
 # Bytes held back from the output in case they are the start of a marker split across reads.
@@ -182,18 +182,7 @@ class BashSession(Session):
         text = finish_text(data)
         if text.startswith(line.rstrip("\n")):  # someone re-enabled echo with stty
             text = text[len(line):]
-        if notes:
-            text = text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(notes)
-        result = {
-            "output": text,
-            "exit_code": rc,
-            "duration": time.monotonic() - t0,
-            "timed_out": timed_out,
-            "error": None,
-            "truncated": truncated,
-        }
-        if cancelled:
-            result["cancelled"] = True
+        result = call_result(text, truncated, notes, rc, t0, timed_out, cancelled)
         if syntax_error:
             result["error"] = "bash syntax error, command not run: " + syntax_error
         return result

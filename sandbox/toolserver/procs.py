@@ -5,7 +5,7 @@ import ctypes
 import os
 import signal
 import threading
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 try:
     import resource
@@ -61,8 +61,9 @@ def apply_limits(pid: int, limits: Dict[str, Optional[float]]) -> List[str]:
     return failed
 
 
-def _children_map() -> Dict[int, List[int]]:
-    kids: Dict[int, List[int]] = {}
+def _stat_rows() -> Iterator[Tuple[int, List[bytes]]]:
+    """(pid, fields from state on) for every process; comm may hold spaces and parens, so the
+    fields are split after its last ')'."""
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -71,9 +72,13 @@ def _children_map() -> Dict[int, List[int]]:
                 stat = f.read()
         except OSError:
             continue
-        # comm may contain spaces and parens: fields after the last ')' are well formed.
-        rest = stat[stat.rfind(b")") + 2:].split()
-        kids.setdefault(int(rest[1]), []).append(int(name))
+        yield int(name), stat[stat.rfind(b")") + 2:].split()
+
+
+def _children_map() -> Dict[int, List[int]]:
+    kids: Dict[int, List[int]] = {}
+    for pid, rest in _stat_rows():
+        kids.setdefault(int(rest[1]), []).append(pid)
     return kids
 
 
@@ -90,19 +95,7 @@ def descendants(root: int) -> List[int]:
 
 def session_members(sid: int) -> List[int]:
     """Processes whose session id is ``sid`` (a dead shell's leftover jobs)."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % name, "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        rest = stat[stat.rfind(b")") + 2:].split()
-        if int(rest[3]) == sid:
-            out.append(int(name))
-    return out
+    return [pid for pid, rest in _stat_rows() if int(rest[3]) == sid]
 
 
 def kill_pids(pids: List[int], sig: int = signal.SIGKILL) -> None:

@@ -18,7 +18,7 @@ from typing import Dict, Optional
 
 from .cancel import NEVER, Canceller
 from .output import DEFAULT_MAX_OUTPUT, CappedBuffer, finish_text
-from .session import Session
+from .session import Session, call_result
 from .procs import MANAGED, SPAWN_LOCK, apply_limits
 from .wire import HEADER
 
@@ -154,20 +154,7 @@ class PythonSession(Session):
             exit_code = reply.get("exit_code")
             self._drain(buf)
         data, truncated = buf.getvalue()
-        text = finish_text(data)
-        if notes:
-            text = text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(notes)
-        result = {
-            "output": text,
-            "exit_code": exit_code,
-            "duration": time.monotonic() - t0,
-            "timed_out": timed_out,
-            "error": None,
-            "truncated": truncated,
-        }
-        if cancelled:
-            result["cancelled"] = True
-        return result
+        return call_result(finish_text(data), truncated, notes, exit_code, t0, timed_out, cancelled)
 
     def _drain(self, buf: CappedBuffer, discard: bool = False) -> None:
         while True:

@@ -1,7 +1,8 @@
 """What the bash and python sessions share: a restart, and a fresh start when the last one died."""
 from __future__ import annotations
 
-from typing import List
+import time
+from typing import Any, Dict, List, Optional
 
 
 class Session:
@@ -21,3 +22,21 @@ class Session:
             self.kill()
             self.start()
         return notes
+
+
+def call_result(text: str, truncated: bool, notes: List[str], exit_code: Optional[int], t0: float,
+                timed_out: bool, cancelled: bool) -> Dict[str, Any]:
+    """The reply to one call: its output, then the session's notes (restarts, deaths) after it."""
+    if notes:
+        text = text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(notes)
+    result = {
+        "output": text,
+        "exit_code": exit_code,
+        "duration": time.monotonic() - t0,
+        "timed_out": timed_out,
+        "error": None,
+        "truncated": truncated,
+    }
+    if cancelled:
+        result["cancelled"] = True
+    return result
