@@ -27,6 +27,17 @@ def named(pids):
     return {(p, procs.start_time(p)) for p in pids} - {(p, None) for p in pids}
 
 
+def commands(pids):
+    """Each live pid's command name (/proc/PID/comm is world-readable)."""
+    out = []
+    for p in pids:
+        try:
+            out.append(Path("/proc/%d/comm" % p).read_text().strip())
+        except OSError:
+            pass
+    return out
+
+
 def still_running(pairs, timeout=5.0):
     deadline = time.monotonic() + timeout
     while True:
@@ -148,11 +159,13 @@ def test_destroy_kills_double_forked_processes(bwrap_rt):
     c = bwrap_rt.client(h)
     r = bash(c, "setsid nohup sleep 1000 >/dev/null 2>&1 & (sleep 1000 &) ; true")
     assert r.exit_code == 0, r
+    # Wait for both sleeps themselves: setsid's and the subshell's short-lived forks can make the
+    # count reach 5 before the second sleep runs.
     deadline = time.monotonic() + 5
-    while len(pidns_procs(h)) < 5 and time.monotonic() < deadline:  # bwrap init, server, bash, 2 sleeps
+    while commands(pidns_procs(h)).count("sleep") < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     inside = pidns_procs(h)
-    assert len(inside) >= 5, (inside, bash(c, "ps -ef || ls /proc").output)
+    assert commands(inside).count("sleep") == 2 and len(inside) >= 5, (inside, bash(c, "ps -ef").output)
     assert bwrap_rt.rt.destroy(h) is True
     assert still_running(named(inside)) == []
     assert pidns_procs(h) == []
