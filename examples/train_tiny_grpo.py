@@ -36,9 +36,9 @@ It prints one ``STEP {json}`` line per step and a final ``SUMMARY {json}`` line,
 Exit status: 0 on success, 1 when a check failed (logprob mismatch, wrong policy version,
 no ok trajectories).
 
-The ``toy`` handler must be registered as a ``rolloutd.handlers`` entry point (see
-ENTRY_POINTS_TRAINER.txt). If it is not installed, this script registers it for the
-``rolloutd up`` it starts only, through a throw-away ``*.dist-info`` on PYTHONPATH, and says so.
+The ``toy`` handler is a ``rolloutd.handlers`` entry point of the rolloutd distribution. Run
+from a source tree that is not installed, this script registers it for the ``rolloutd up`` it
+starts only, through a throw-away ``*.dist-info`` on PYTHONPATH, and says so.
 """
 from __future__ import annotations
 
@@ -276,7 +276,7 @@ def train(args) -> dict:
         env, shimmed = toy_entry_point_env(out)
         if shimmed:
             log("note: the 'toy' handler is not an installed entry point; registered it for this run only "
-                "(add ENTRY_POINTS_TRAINER.txt to pyproject.toml)")
+                "(pip install -e . registers it for good)")
         up, gateway = start_rolloutd(out, args.batch * args.n, env)
         children.append(up)
         runtime_dir = str(up.runtime_root)

@@ -502,6 +502,19 @@ def group_advantages(trajs: Sequence[dict], *, key: str = "instance_id", normali
     return adv
 
 
+def token_arrays(traj: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A trajectory's ``prompt_ids``, ``response_ids``, ``loss_mask`` (int64) and ``logprobs``
+    (float32) as flat arrays; a response whose mask or logprobs differ in length is a ValueError."""
+    prompt = np.asarray(traj.get("prompt_ids", ()), dtype=np.int64).reshape(-1)
+    resp = np.asarray(traj.get("response_ids", ()), dtype=np.int64).reshape(-1)
+    mask = np.asarray(traj.get("loss_mask", ()), dtype=np.int64).reshape(-1)
+    lps = np.asarray(traj.get("logprobs", ()), dtype=np.float32).reshape(-1)
+    if len(mask) != len(resp) or len(lps) != len(resp):
+        raise ValueError(f"trajectory {traj.get('job_id')}: response_ids ({len(resp)}), loss_mask ({len(mask)}) and "
+                         f"logprobs ({len(lps)}) differ in length")
+    return prompt, resp, mask, lps
+
+
 def collate(trajs: Sequence[dict], *, pad_id: int = 0, prompt_length: int | None = None,
             response_length: int | None = None, truncate: bool = False,
             pad_to_multiple_of: int = 1) -> dict[str, np.ndarray]:
@@ -550,15 +563,14 @@ def collate(trajs: Sequence[dict], *, pad_id: int = 0, prompt_length: int | None
     the model with ``status`` (or ``filter_ok`` before collating).
     """
     B = len(trajs)
-    prompts_in = [np.asarray(t.get("prompt_ids", ()), dtype=np.int64).reshape(-1) for t in trajs]
-    resp_in = [np.asarray(t.get("response_ids", ()), dtype=np.int64).reshape(-1) for t in trajs]
+    arrays_in = [token_arrays(t) for t in trajs]
     mult = max(1, int(pad_to_multiple_of))
 
     def _round(x: int) -> int:
         return -(-x // mult) * mult
 
-    P = int(prompt_length) if prompt_length is not None else _round(max((len(p) for p in prompts_in), default=0))
-    R = int(response_length) if response_length is not None else _round(max((len(r) for r in resp_in), default=0))
+    P = int(prompt_length) if prompt_length is not None else _round(max((len(a[0]) for a in arrays_in), default=0))
+    R = int(response_length) if response_length is not None else _round(max((len(a[1]) for a in arrays_in), default=0))
     prompts = np.full((B, P), pad_id, np.int64)
     responses = np.full((B, R), pad_id, np.int64)
     pmask = np.zeros((B, P), np.int64)
@@ -578,12 +590,7 @@ def collate(trajs: Sequence[dict], *, pad_id: int = 0, prompt_length: int | None
     sample_index = np.zeros(B, np.int64)
     instance_ids = np.empty(B, dtype=object)
     for i, t in enumerate(trajs):
-        p, r = prompts_in[i], resp_in[i]
-        lm = np.asarray(t.get("loss_mask", ()), dtype=np.int64).reshape(-1)
-        lp = np.asarray(t.get("logprobs", ()), dtype=np.float32).reshape(-1)
-        if len(lm) != len(r) or len(lp) != len(r):
-            raise ValueError(f"trajectory {t.get('job_id')}: response_ids ({len(r)}), loss_mask ({len(lm)}) and "
-                             f"logprobs ({len(lp)}) differ in length")
+        p, r, lm, lp = arrays_in[i]
         if len(p) > P:
             if not truncate:
                 raise ValueError(f"trajectory {t.get('job_id')}: prompt of {len(p)} tokens > prompt_length {P}")
@@ -678,12 +685,7 @@ def to_message_log(traj: dict, *, as_torch: bool = False, observation_role: str 
     ``token_loss_mask`` rule (assistant messages only) reproduces ``loss_mask``. ``content`` is
     left empty: the token ids are the truth. Failed trajectories should be kept out of the loss
     with NeMo RL's per-sample ``loss_multiplier`` (0 where ``status != "ok"``)."""
-    prompt = np.asarray(traj.get("prompt_ids", ()), dtype=np.int64).reshape(-1)
-    resp = np.asarray(traj.get("response_ids", ()), dtype=np.int64).reshape(-1)
-    mask = np.asarray(traj.get("loss_mask", ()), dtype=np.int64).reshape(-1)
-    lps = np.asarray(traj.get("logprobs", ()), dtype=np.float32).reshape(-1)
-    if not (len(resp) == len(mask) == len(lps)):
-        raise ValueError(f"trajectory {traj.get('job_id')}: response_ids/loss_mask/logprobs lengths differ")
+    prompt, resp, mask, lps = token_arrays(traj)
     if as_torch:
         import torch
 

@@ -71,6 +71,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from gateway.batch import BatchClient, token_arrays
+
 try:  # the real interface
     from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
@@ -167,8 +169,6 @@ def _plain(x):
 def shared_client(address: str | None = None, **kw):
     """One :class:`~gateway.batch.BatchClient` per gateway address and process: veRL makes a new
     agent-loop object per sample, and they all share it (and its submit coalescing)."""
-    from gateway.batch import BatchClient
-
     address = address or os.environ.get("ROLLOUTD_GATEWAY")
     if address is None:
         from daemons.config import Config
@@ -286,12 +286,7 @@ class RolloutdAgentLoop(AgentLoopBase):
     # -- trajectory -> AgentLoopOutput -----------------------------------------------------
     def to_output(self, traj: dict) -> AgentLoopOutput:
         ok = traj.get("status") == "ok"
-        prompt = np.asarray(traj.get("prompt_ids", ()), dtype=np.int64).reshape(-1)
-        resp = np.asarray(traj.get("response_ids", ()), dtype=np.int64).reshape(-1)
-        mask = np.asarray(traj.get("loss_mask", ()), dtype=np.int64).reshape(-1)
-        lps = np.asarray(traj.get("logprobs", ()), dtype=np.float32).reshape(-1)
-        if not (len(mask) == len(lps) == len(resp)):
-            raise ValueError(f"job {traj.get('job_id')}: response_ids/loss_mask/logprobs lengths differ")
+        prompt, resp, mask, lps = token_arrays(traj)
         if self.response_length:
             resp, mask, lps = resp[: self.response_length], mask[: self.response_length], lps[: self.response_length]
         if not ok:

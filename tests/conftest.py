@@ -141,6 +141,21 @@ def synthetic(i: int, **instance) -> dict:
 
 
 @pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory):
+    """The tiny model's tokenizer and chat template as a directory (no weights)."""
+    from llm.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_tok"), tokenizer_only=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_tokenizer_dir):
+    from llm.tokenizer_utils import load_tokenizer
+
+    return load_tokenizer(tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     from llm.tiny_model import build_tiny_tokenizer
 

@@ -42,20 +42,6 @@ def qwen_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def tiny_tokenizer_dir(tmp_path_factory):
-    from llm.tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_tok"), tokenizer_only=True)
-
-
-@pytest.fixture(scope="session")
-def tiny_tokenizer(tiny_tokenizer_dir):
-    from llm.tokenizer_utils import load_tokenizer
-
-    return load_tokenizer(tiny_tokenizer_dir)
-
-
-@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     pytest.importorskip("torch", reason="torch is not installed (pip install rolloutd[torch])")
     from llm.tiny_model import make_tiny_model

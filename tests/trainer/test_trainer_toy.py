@@ -68,13 +68,13 @@ def test_toy_phases_in_process():
     assert params.seed == 12  # seed + sample index: the n samples of an instance differ
 
 
-def test_toy_renders_messages_with_the_chat_template(tiny_tok_dir, tiny_tok):
+def test_toy_renders_messages_with_the_chat_template(tiny_tokenizer_dir, tiny_tokenizer):
     llm = FakeLLM([5], [-1.0])
     msgs = [{"role": "user", "content": "Reply with digits only: 42"}]
-    ctx = run_phases(ToyHandler(), {"messages": msgs, "tokenizer": str(tiny_tok_dir), "target_ids": [5]}, llm=llm)
+    ctx = run_phases(ToyHandler(), {"messages": msgs, "tokenizer": str(tiny_tokenizer_dir), "target_ids": [5]}, llm=llm)
     from llm.conversation import get_renderer
 
-    assert ctx.trajectory["prompt_ids"].tolist() == list(get_renderer(tiny_tok).render_prompt(msgs))
+    assert ctx.trajectory["prompt_ids"].tolist() == list(get_renderer(tiny_tokenizer).render_prompt(msgs))
     assert ctx.trajectory["reward"] == 1.0
 
 
@@ -83,10 +83,13 @@ def test_toy_without_prompt_fails_cleanly():
         run_phases(ToyHandler(), {"target_ids": [1]}, llm=FakeLLM([1], [0.0]))
 
 
-def test_toy_through_rolloutd(toy_registered, up_factory, backends, tokenizer):
-    """The toy handler in real daemons (entry point or shim), against a scripted backend that
-    always answers "ok": reward 1 when the target is the token of "ok", 0 otherwise."""
+def test_toy_through_rolloutd(up_factory, backends, tokenizer):
+    """The toy handler in real daemons (found through its entry point), against a scripted backend
+    that always answers "ok": reward 1 when the target is the token of "ok", 0 otherwise."""
     from gateway.batch import BatchClient
+    from handlers.registry import handler_names
+
+    assert "toy" in handler_names(), "toy is an entry point of rolloutd: reinstall it (pip install -e .)"
 
     up = up_factory()
     b = backends()

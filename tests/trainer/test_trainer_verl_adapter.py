@@ -120,8 +120,8 @@ def multi_turn_traj(status="ok"):
             "eval_details": {"passed": 3}}
 
 
-def test_to_output_multi_turn(tiny_tok):
-    out = make_loop(tiny_tok, handler="h").to_output(multi_turn_traj())
+def test_to_output_multi_turn(tiny_tokenizer):
+    out = make_loop(tiny_tokenizer, handler="h").to_output(multi_turn_traj())
     assert out.prompt_ids == list(range(1, 11))
     assert out.response_ids == [20, 21, 22, 30, 31, 32, 23, 24]
     assert out.response_mask == [1, 1, 1, 0, 0, 0, 1, 1]
@@ -136,8 +136,8 @@ def test_to_output_multi_turn(tiny_tok):
     assert ef["reward_extra_info"] == {"rolloutd_ok": 1.0} and ef["rolloutd_eval_details"] == {"passed": 3}
 
 
-def test_to_output_failures_are_masked_not_rewarded(tiny_tok):
-    loop = make_loop(tiny_tok, handler="h")
+def test_to_output_failures_are_masked_not_rewarded(tiny_tokenizer):
+    loop = make_loop(tiny_tokenizer, handler="h")
     out = loop.to_output(multi_turn_traj(status="timeout"))
     assert out.response_mask == [0] * 8 and out.reward_score == 0.0 and out.response_logprobs == [0.0] * 8
     assert out.extra_fields["rolloutd_ok"] is False
@@ -146,21 +146,21 @@ def test_to_output_failures_are_masked_not_rewarded(tiny_tok):
              "loss_mask": np.zeros(0, np.int8), "logprobs": np.zeros(0, np.float32), "turns": [],
              "policy_version": None}
     out = loop.to_output(empty)
-    assert out.response_ids == [tiny_tok.pad_token_id] and out.response_mask == [0] and out.prompt_ids == []
+    assert out.response_ids == [tiny_tokenizer.pad_token_id] and out.response_mask == [0] and out.prompt_ids == []
     assert "min_global_steps" not in out.extra_fields
 
 
-def test_to_output_cuts_to_response_length(tiny_tok):
+def test_to_output_cuts_to_response_length(tiny_tokenizer):
     t = multi_turn_traj()
     t["response_ids"] = np.arange(40, dtype=np.int32)
     t["loss_mask"] = np.ones(40, np.int8)
     t["logprobs"] = np.full(40, -1.0, np.float32)
-    out = make_loop(tiny_tok, handler="h").to_output(t)
+    out = make_loop(tiny_tokenizer, handler="h").to_output(t)
     assert len(out.response_ids) == len(out.response_mask) == len(out.response_logprobs) == R_LEN
 
 
-def test_build_task(tiny_tok):
-    loop = make_loop(tiny_tok, handler="math", task_timeout_s=60)
+def test_build_task(tiny_tokenizer):
+    loop = make_loop(tiny_tokenizer, handler="math", task_timeout_s=60)
     msgs = np.array([{"role": "user", "content": "1+1?"}], dtype=object)
     t = loop.build_task({"temperature": 0.9, "top_p": 1.0, "top_k": -1, "logprobs": True},
                         raw_prompt=msgs, reward_model={"ground_truth": "2"}, data_source="gsm",
@@ -178,7 +178,7 @@ def test_build_task(tiny_tok):
     assert t["handler"] == "toy" and t["instance_id"] == "abc" and t["timeout_s"] == 5
     assert t["instance"]["sampling"] == {"max_tokens": 4, "temperature": 1.0}  # the row's own values win
     with pytest.raises(ValueError, match="no handler"):
-        make_loop(tiny_tok).build_task({}, raw_prompt=msgs)
+        make_loop(tiny_tokenizer).build_task({}, raw_prompt=msgs)
 
 
 # -- end to end through rolloutd ----------------------------------------------------------------
@@ -189,11 +189,11 @@ def synthetic_row(i, calls=2, **inst):
                                                      "instance": dict({"llm_calls": calls, "max_tokens": 3}, **inst)}}}
 
 
-def test_run_through_rolloutd(up, backends, tiny_tok):
+def test_run_through_rolloutd(up, backends, tiny_tokenizer):
     b = backends()
     with up.client() as c:
         c.add_backend(b.url, policy_version=5)
-    loop = make_loop(tiny_tok, gateway=up.gateway, deadline_s=60, handler="synthetic_llm")
+    loop = make_loop(tiny_tokenizer, gateway=up.gateway, deadline_s=60, handler="synthetic_llm")
     submitted = []
 
     async def main():
@@ -205,7 +205,7 @@ def test_run_through_rolloutd(up, backends, tiny_tok):
 
         loop.client._ctl.submit = counting
         outs = await asyncio.gather(*(loop.run({"temperature": 1.0}, **synthetic_row(i)) for i in range(6)))
-        failing = make_loop(tiny_tok, gateway=up.gateway, deadline_s=60, resubmit_failed=1)
+        failing = make_loop(tiny_tokenizer, gateway=up.gateway, deadline_s=60, resubmit_failed=1)
         bad = await failing.run({}, **synthetic_row(99, fail={"run": 1.0}))
         return outs, bad
 
