@@ -244,7 +244,7 @@ class LLMClient:
     async def _resolve_model(self) -> str:
         if self.model is None:
             # One lookup for every request that finds the name missing: after a checkpoint swap a
-            # whole batch arrives at once, and 64 parallel /v1/models calls to a busy server timed out.
+            # whole batch arrives at once, and each parallel /v1/models call would need a connection.
             if self._resolving is None:
                 self._resolving = asyncio.ensure_future(self.models())
             fut = self._resolving
