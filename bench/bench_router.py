@@ -10,7 +10,7 @@ Two ``rolloutd up`` (``--set router.policy=round_robin`` and ``=least_inflight``
 ``run.pool=64`` and ``router.lease_ttl_s=3``) run side by side for the whole benchmark and take
 turns (the order alternates every rep), so machine noise hits both alike; each experiment is
 repeated ``--reps`` times (fresh draws per rep, the same draws for both policies within a rep)
-and medians are quoted. Eight in-process scripted vLLM-API backends (``llm.scripted``) serve
+and medians are quoted. Eight in-process scripted vLLM-API backends (``rolloutd.llm.scripted``) serve
 the LLM calls.
 
 The experiment (one "tick" = ``--tick-ms`` of wall time, default 20 ms):
@@ -90,7 +90,7 @@ def recording_policy():
     job's first call (its lease was just granted) and any other its second and last (it is about
     to release): per backend, first calls minus last calls is the number of jobs really running
     there, whatever the router believes, and the first calls give the order jobs started in."""
-    from llm.policies import Policy
+    from rolloutd.llm.policies import Policy
 
     class Recording(Policy):
         name = "recording"
@@ -112,8 +112,8 @@ class Fleet:
     def __init__(self, tick_s: float):
         import structlog
 
-        from llm.scripted import ScriptedBackend
-        from llm.tiny_model import build_tiny_tokenizer
+        from rolloutd.llm.scripted import ScriptedBackend
+        from rolloutd.llm.tiny_model import build_tiny_tokenizer
 
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
         tok = build_tiny_tokenizer()
@@ -157,7 +157,7 @@ class Recorder:
     """Reads ``backend.load`` events of one rolloutd in a thread: (ts, backend, inflight)."""
 
     def __init__(self, rd: Rolloutd):
-        from bus.events import Subscriber
+        from rolloutd.bus.events import Subscriber
 
         self.sub = Subscriber(f"ipc://{rd.runtime_dir}/events_out.sock", ["backend."])
         self.lock = threading.Lock()

@@ -36,7 +36,7 @@ import structlog  # noqa: E402
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings only
 
-from sandbox import AsyncToolClient, SandboxSpec, ToolClient, get_runtime, procs  # noqa: E402
+from rolloutd.sandbox import AsyncToolClient, SandboxSpec, ToolClient, get_runtime, procs  # noqa: E402
 
 COMMANDS = {"true": "true", "ls": "ls -la /usr/bin | head"}
 

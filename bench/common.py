@@ -101,7 +101,7 @@ def short_tmpdir(prefix: str = "rb-") -> Path:
 
 
 def _children_of(pid: int) -> list[int]:
-    from sandbox.procs import children_map
+    from rolloutd.sandbox.procs import children_map
 
     return children_map().get(pid, [])
 
@@ -121,9 +121,9 @@ class Rolloutd:
         self.pids: dict[str, int] = {}
 
     def start(self, timeout_s: float = 60.0) -> "Rolloutd":
-        from daemons.supervisor import wait_ready
+        from rolloutd.daemons.supervisor import wait_ready
 
-        cmd = [sys.executable, "-m", "daemons.cli", "up", "--runtime-dir", str(self.runtime_dir)]
+        cmd = [sys.executable, "-m", "rolloutd.daemons.cli", "up", "--runtime-dir", str(self.runtime_dir)]
         for k, v in self.sets.items():
             cmd += ["--set", f"{k}={v}"]
         env = dict(os.environ, PYTHONPATH=str(self.root), PYTHONUNBUFFERED="1")
@@ -139,13 +139,13 @@ class Rolloutd:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"daemons.cli" in argv:
-                name = argv[argv.index(b"daemons.cli") + 1].decode()
+            if b"rolloutd.daemons.cli" in argv:
+                name = argv[argv.index(b"rolloutd.daemons.cli") + 1].decode()
                 self.pids[name] = pid
         return self
 
     def client(self, **kw):
-        from gateway.client import RolloutClient
+        from rolloutd.gateway.client import RolloutClient
 
         return RolloutClient(self.gateway, **kw)
 

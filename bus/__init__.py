@@ -3,6 +3,6 @@
 Endpoints, the socket helper, the codec, typed message definitions with the protocol
 version, and the events stream.
 """
-from bus.messages import PROTOCOL_VERSION
+from rolloutd.bus.messages import PROTOCOL_VERSION
 
 __all__ = ["PROTOCOL_VERSION"]

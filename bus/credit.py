@@ -13,8 +13,8 @@ import time
 
 import zmq
 
-from bus import codec
-from bus.messages import PROTOCOL_VERSION
+from rolloutd.bus import codec
+from rolloutd.bus.messages import PROTOCOL_VERSION
 
 READY = b"ready"
 

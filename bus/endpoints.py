@@ -10,7 +10,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-# Who binds each endpoint. Job hand-offs are credit-based (bus.credit): the sender binds a
+# Who binds each endpoint. Job hand-offs are credit-based (rolloutd.bus.credit): the sender binds a
 # ROUTER and each receiver connects a DEALER and announces its free slots, so the names
 # still say who receives there, but the sender binds.
 BINDER = {

@@ -12,8 +12,8 @@ import time
 
 import zmq
 
-from bus import codec
-from bus.sockets import Sockets
+from rolloutd.bus import codec
+from rolloutd.bus.sockets import Sockets
 
 EVENTS_HWM = 10000
 

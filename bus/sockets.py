@@ -12,7 +12,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from bus.endpoints import Endpoints
+from rolloutd.bus.endpoints import Endpoints
 
 # Small HWMs keep work from piling up in pipes, so backpressure reaches the gateway.
 DEFAULT_HWM = 16

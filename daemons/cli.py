@@ -7,25 +7,25 @@ import sys
 
 
 def _daemon(name: str, args) -> int:
-    from daemons.supervisor import config_from_args
+    from rolloutd.daemons.supervisor import config_from_args
 
     cfg = config_from_args(args.config, args.runtime_dir, args.set)
     if name == "gateway":
-        from gateway.daemon import Gateway as cls
+        from rolloutd.gateway.daemon import Gateway as cls
     elif name == "router":
-        from daemons.router import Router as cls
+        from rolloutd.daemons.router import Router as cls
     elif name == "events":
-        from daemons.events import EventsDaemon as cls
+        from rolloutd.daemons.events import EventsDaemon as cls
     else:
-        from daemons import phase
+        from rolloutd.daemons import phase
 
         cls = {"init": phase.InitDaemon, "run": phase.RunDaemon, "eval": phase.EvalDaemon}[name]
     return cls(cfg).main()
 
 
 def cmd_up(args) -> int:
-    from daemons import logs
-    from daemons.supervisor import Supervisor, config_from_args
+    from rolloutd.bus import logs
+    from rolloutd.daemons.supervisor import Supervisor, config_from_args
 
     cfg = config_from_args(args.config, args.runtime_dir, args.set)
     lc = cfg.section("logging")
@@ -34,8 +34,8 @@ def cmd_up(args) -> int:
 
 
 def _client(args):
-    from daemons.supervisor import config_from_args
-    from gateway.client import RolloutClient
+    from rolloutd.daemons.supervisor import config_from_args
+    from rolloutd.gateway.client import RolloutClient
 
     cfg = config_from_args(args.config, args.runtime_dir, [])
     address = args.gateway or cfg.endpoints.gateway
@@ -45,7 +45,7 @@ def _client(args):
 def cmd_submit(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from gateway.records import to_jsonable
+    from rolloutd.gateway.records import to_jsonable
 
     tasks = []
     with open(args.tasks) as f:
@@ -103,14 +103,14 @@ def cmd_backend(args) -> int:
 
 # Commands owned by other packages: ``rolloutd NAME ARGS...`` calls ``module.main(ARGS)``.
 TOOLS = {
-    "doctor": ("sandbox.doctor", "preflight: which sandbox runtimes really work on this node"),
-    "serve-hf": ("llm.serve_hf", "serve a local transformers model behind vLLM's /v1/completions (CPU reference backend)"),
-    "make-tiny-model": ("llm.tiny_model", "build a tiny random Qwen2-architecture model with a local BPE and ChatML template"),
-    "scripted-backend": ("llm.scripted", "a scripted stand-in for vLLM/SGLang, for tests and benchmarks"),
-    "monitor": ("daemons.monitor", "live terminal view of the events stream"),
-    "exporter": ("daemons.exporter", "Prometheus exporter fed by the events stream"),
-    "keys": ("daemons.keys", "CURVE keys for tcp deployments"),
-    "demo": ("daemons.demo", "the whole system on the embedded default, with a mixed batch of tasks"),
+    "doctor": ("rolloutd.sandbox.doctor", "preflight: which sandbox runtimes really work on this node"),
+    "serve-hf": ("rolloutd.llm.serve_hf", "serve a local transformers model behind vLLM's /v1/completions (CPU reference backend)"),
+    "make-tiny-model": ("rolloutd.llm.tiny_model", "build a tiny random Qwen2-architecture model with a local BPE and ChatML template"),
+    "scripted-backend": ("rolloutd.llm.scripted", "a scripted stand-in for vLLM/SGLang, for tests and benchmarks"),
+    "monitor": ("rolloutd.daemons.monitor", "live terminal view of the events stream"),
+    "exporter": ("rolloutd.daemons.exporter", "Prometheus exporter fed by the events stream"),
+    "keys": ("rolloutd.daemons.keys", "CURVE keys for tcp deployments"),
+    "demo": ("rolloutd.daemons.demo", "the whole system on the embedded default, with a mixed batch of tasks"),
 }
 
 
@@ -126,8 +126,16 @@ def _tool(name: str, argv: list[str]) -> int:
     return mod.main(argv) or 0
 
 
+def version_line() -> str:
+    from rolloutd import __version__
+    from rolloutd.bus.messages import PROTOCOL_VERSION
+
+    return f"rolloutd {__version__} (wire protocol {PROTOCOL_VERSION})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rolloutd", description="rollout-as-a-service for multi-turn agent RL")
+    p.add_argument("--version", action="version", version=version_line())
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp):
@@ -186,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from daemons.config import ConfigError
+    from rolloutd.bus.config import ConfigError
 
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in TOOLS:  # pass everything, --help included, to the tool itself

@@ -2,7 +2,7 @@
 
 One command on a fresh machine:
 
-1. builds the tiny model (``llm.tiny_model``) into the cache if it is absent; its tokenizer is
+1. builds the tiny model (``rolloutd.llm.tiny_model``) into the cache if it is absent; its tokenizer is
    the one the backend and the handlers share;
 2. builds the swe task repositories if the cache lacks them (downloads pinned sdists once);
 3. starts ``rolloutd up`` as a child process in a private runtime directory, with the sandbox
@@ -45,7 +45,7 @@ class DemoError(RuntimeError):
 # -- set-up steps ----------------------------------------------------------------------------------
 def tiny_model_dir(cache: Path, need_model: bool, console) -> Path:
     """The tiny model (or at least its tokenizer) in the cache, built if absent."""
-    from llm.tiny_model import make_tiny_model
+    from rolloutd.llm.tiny_model import make_tiny_model
 
     d = cache / "tiny-model"
     full = (d / "rolloutd_tiny.json").exists()
@@ -79,7 +79,7 @@ def tiny_model_dir(cache: Path, need_model: bool, console) -> Path:
 
 
 def choose_runtime(want: str, console) -> str:
-    from sandbox import bwrap_works
+    from rolloutd.sandbox import bwrap_works
 
     if want != "auto":
         if want == "local":
@@ -99,7 +99,7 @@ def build_tasks(per_domain: int, domains: list[str], hf: bool) -> list[dict]:
     limits = {"max_turns": 3, "max_context": 4096, "sampling": {"max_tokens": 96}} if hf else {}
     swe_ids: list[str] = []
     if "swe" in domains:
-        from handlers.swe_tasks import task_ids
+        from rolloutd.handlers.swe_tasks import task_ids
 
         swe_ids = sorted(task_ids())
     for i in range(per_domain):
@@ -161,7 +161,7 @@ def _die_with_parent():
 
 
 def start_up(run_dir: Path, sets: list[str], log_path: Path, env: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "daemons.cli", "up", "--runtime-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "rolloutd.daemons.cli", "up", "--runtime-dir", str(run_dir)]
     for s in sets:
         cmd += ["--set", s]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
@@ -169,7 +169,7 @@ def start_up(run_dir: Path, sets: list[str], log_path: Path, env: dict) -> subpr
 
 
 def wait_up(proc: subprocess.Popen, gateway: str, log_path: Path, timeout_s: float = 60.0):
-    from daemons.supervisor import wait_ready
+    from rolloutd.daemons.supervisor import wait_ready
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -184,7 +184,7 @@ def wait_up(proc: subprocess.Popen, gateway: str, log_path: Path, timeout_s: flo
 
 
 def start_hf(model_dir: Path, log_path: Path, env: dict, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "daemons.cli", "serve-hf", str(model_dir), "--port", "0", "--max-batch-size", "16"]
+    cmd = [sys.executable, "-m", "rolloutd.daemons.cli", "serve-hf", str(model_dir), "--port", "0", "--max-batch-size", "16"]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=open(log_path, "ab"),
                             env=env, start_new_session=True, preexec_fn=_die_with_parent, text=True)
     port: list[int] = []
@@ -325,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, console, domains: list[str], children: Children, workdir: Path) -> int:
-    from daemons import logs
-    from llm.tokenizer_utils import cache_dir as default_cache
+    from rolloutd.bus import logs
+    from rolloutd.llm.tokenizer_utils import cache_dir as default_cache
 
     t_start = time.monotonic()
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache()
@@ -343,7 +343,7 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
     hf = args.backend == "hf"
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    from handlers.tasks import entry_point_shim, missing_entry_points
+    from rolloutd.handlers.tasks import entry_point_shim, missing_entry_points
 
     missing = missing_entry_points()
     if missing.get("rolloutd.handlers"):
@@ -356,7 +356,7 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
     model_dir = tiny_model_dir(cache, need_model=hf, console=console)
     runtime = choose_runtime(args.runtime, console)
     if "swe" in domains:
-        from handlers.swe_tasks import build_all, task_ids
+        from rolloutd.handlers.swe_tasks import build_all, task_ids
 
         wanted = sorted(task_ids())[:min(args.per_domain, 12)]
         try:
@@ -372,7 +372,7 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
     run_dir = workdir / "run"
     hcfg = {d: {"tokenizer": str(model_dir)} for d in DOMAINS}
     # Sandboxes in the demo's own work dir: nothing of them outlives the demo.
-    sets = [f"sandbox.runtime={runtime}", f"sandbox.root_dir={workdir / 'sb'}", "handlers=" + json.dumps(hcfg),
+    sets = [f"rolloutd.sandbox.runtime={runtime}", f"sandbox.root_dir={workdir / 'sb'}", "handlers=" + json.dumps(hcfg),
             "logging.format=json"]
     console.print(f"starting [bold]rolloutd up[/] (sandbox runtime: [bold]{runtime}[/]; log: {up_log}) ...")
     up = children.add("rolloutd up", start_up(run_dir, sets, up_log, env))
@@ -384,8 +384,8 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
         children.add("serve-hf", hf_proc)
         backend_desc = f"tiny random model via serve-hf at {url}"
     else:
-        from handlers.oracles import Oracle
-        from llm.scripted import ScriptedBackend
+        from rolloutd.handlers.oracles import Oracle
+        from rolloutd.llm.scripted import ScriptedBackend
 
         policy = Oracle(wrong_every=args.wrong_every)
         policy.warm()
@@ -396,8 +396,8 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
     wait_up(up, gateway, up_log)
     t_ready = time.monotonic()
 
-    from gateway.client import RolloutClient
-    from gateway.records import to_jsonable
+    from rolloutd.gateway.client import RolloutClient
+    from rolloutd.gateway.records import to_jsonable
 
     tasks = build_tasks(args.per_domain, domains, hf)
     results: list[dict] = []
@@ -435,7 +435,7 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
 def _collect(client, ids, dom_of, domains, results, out_path, args, console, to_jsonable):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from gateway.client import GatewayTimeout
+    from rolloutd.gateway.client import GatewayTimeout
 
     stats = {d: {"done": 0, "reward": 0.0, "failed": 0} for d in domains}
     with open(out_path, "w") as out, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -1,9 +1,9 @@
 """The events daemon: the XSUB/XPUB proxy every daemon publishes through."""
 from __future__ import annotations
 
-from bus.events import Proxy
-from bus.sockets import Sockets
-from daemons.base import Daemon
+from rolloutd.bus.events import Proxy
+from rolloutd.bus.sockets import Sockets
+from rolloutd.bus.daemon import Daemon
 
 
 class EventsDaemon(Daemon):

@@ -2,7 +2,7 @@
 
     rolloutd exporter --port P [--addr 127.0.0.1] [--events ADDR] [--config FILE] [--set S.K=V]
 
-A SUB socket folds events into ``daemons.monitor.State`` (the monitor's model); a custom
+A SUB socket folds events into ``rolloutd.daemons.monitor.State`` (the monitor's model); a custom
 collector turns the state into metric families at scrape time, so a scrape never waits on
 the stream and the stream never waits on a scrape. Metric names and their sources are listed
 in docs/OPERATIONS.md. Counters that come from heartbeats (phase outcomes) survive daemon
@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from daemons.monitor import OUTCOMES, PHASES, STATUSES, TIMING_KEYS, State, open_stream, stream_args
+from rolloutd.daemons.monitor import OUTCOMES, PHASES, STATUSES, TIMING_KEYS, State, open_stream, stream_args
 
 
 class StateCollector:
@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from daemons import logs
-    from daemons.config import ConfigError
+    from rolloutd.bus import logs
+    from rolloutd.bus.config import ConfigError
 
     try:
         sub, address, cfg = open_stream(a, "exporter")

@@ -4,7 +4,7 @@
     rolloutd keys bundle DIR OUT --role head|worker|client [--names ...]
     rolloutd keys show DIR
 
-``generate`` makes, with ``bus.sockets.generate_keys``, the ``server`` key pair and one pair
+``generate`` makes, with ``rolloutd.bus.sockets.generate_keys``, the ``server`` key pair and one pair
 per name, and copies every public key into ``DIR/authorized/`` (the set of keys the head's
 sockets accept). A daemon loads ``DIR/<its name>.key_secret`` and ``DIR/server.key``.
 
@@ -50,7 +50,7 @@ def _names(raw: str | None) -> list[str]:
 
 def generate(keys_dir: str | Path, names: list[str] | None = None, force: bool = False) -> list[Path]:
     """Create the server pair and a pair per name; head names share the server pair."""
-    from bus.sockets import generate_keys
+    from rolloutd.bus.sockets import generate_keys
 
     d = Path(keys_dir)
     names = list(DEFAULT_NAMES) if names is None else list(names)

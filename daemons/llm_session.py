@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from bus import codec
-from bus.messages import BackendFailed, Lease, Release
-from bus.sockets import recv, recv_now
+from rolloutd.bus import codec
+from rolloutd.bus.messages import BackendFailed, Lease, Release
+from rolloutd.bus.sockets import recv, recv_now
 
 MAX_FAILOVERS = 3
 
@@ -102,7 +102,7 @@ class ClientCache:
         key = (address, api)
         c = self.clients.get(key)
         if c is None:
-            from llm.client import LLMClient
+            from rolloutd.llm.client import LLMClient
 
             c = self.clients[key] = LLMClient(address, api=api, timeout=self.timeout_s)
         return c
@@ -154,7 +154,7 @@ class LLMSession:
         raise StaleLease(-1)
 
     async def __call__(self, prompt_ids, params):
-        from llm.client import BackendError
+        from rolloutd.llm.client import BackendError
 
         for _ in range(MAX_FAILOVERS + 1):
             lease = await self.acquire()

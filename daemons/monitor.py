@@ -426,8 +426,8 @@ def stream_args(p: argparse.ArgumentParser):
 
 def open_stream(a, key_name: str):
     """(Subscriber, address) for parsed ``stream_args``."""
-    from bus.events import Subscriber
-    from daemons.supervisor import config_from_args
+    from rolloutd.bus.events import Subscriber
+    from rolloutd.daemons.supervisor import config_from_args
 
     cfg = config_from_args(a.config, a.runtime_dir, a.set)
     address = a.events or cfg.endpoints.events_out
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
-    from daemons.config import ConfigError
+    from rolloutd.bus.config import ConfigError
 
     try:
         sub, address, _ = open_stream(a, "monitor")

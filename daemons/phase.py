@@ -12,14 +12,14 @@ import collections
 import inspect
 import time
 
-from bus import codec
-from bus.messages import Job, MessageError, Result, from_wire
-from bus.credit import CreditReceiver, CreditSender
-from bus.sockets import SUBSCRIBE as _SUBSCRIBE, recv, recv_now
-from daemons.base import Daemon
-from daemons.llm_session import StaleLease
-from handlers.base import JobContext, PhaseTimeout, Services
-from handlers.registry import UnknownHandler, get_handler
+from rolloutd.bus import codec
+from rolloutd.bus.messages import Job, MessageError, Result, from_wire
+from rolloutd.bus.credit import CreditReceiver, CreditSender
+from rolloutd.bus.sockets import SUBSCRIBE as _SUBSCRIBE, recv, recv_now
+from rolloutd.bus.daemon import Daemon
+from rolloutd.daemons.llm_session import StaleLease
+from rolloutd.handlers.base import JobContext, PhaseTimeout, Services
+from rolloutd.handlers.registry import UnknownHandler, get_handler
 
 NEXT = {"init": "run", "run": "eval", "eval": None}
 _timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
@@ -46,7 +46,7 @@ class PhaseDaemon(Daemon):
         self.services = Services(self._make_runtime)
 
     def _make_runtime(self):
-        from sandbox import get_runtime
+        from rolloutd.sandbox import get_runtime
 
         return get_runtime(self.cfg.section("sandbox")["runtime"], root_dir=self.cfg.sandbox_root())
 
@@ -263,7 +263,7 @@ class PhaseDaemon(Daemon):
         handle = job.sandbox
         job.sandbox = None
         try:
-            from sandbox import SandboxHandle
+            from rolloutd.sandbox import SandboxHandle
 
             rt = self.services.runtime()
             await asyncio.to_thread(rt.destroy, SandboxHandle.from_dict(handle))
@@ -410,7 +410,7 @@ class RunDaemon(PhaseDaemon):
 
     async def setup(self):
         await super().setup()
-        from daemons.llm_session import ClientCache, RouterClient
+        from rolloutd.daemons.llm_session import ClientCache, RouterClient
 
         rcfg = self.cfg.section("router")
         self.router = RouterClient(self.sockets, requester=f"run@{self.node}", node=self.node)
@@ -427,7 +427,7 @@ class RunDaemon(PhaseDaemon):
 
     async def before_phase(self, ctx, handler):
         if handler.needs_llm:
-            from daemons.llm_session import LLMSession
+            from rolloutd.daemons.llm_session import LLMSession
 
             ctx.llm = self.sessions[ctx.job_id] = LLMSession(self.router, self.llm_clients, ctx.job_id,
                                                              is_stale=self._is_stale)

@@ -13,11 +13,11 @@ import time
 
 import httpx
 
-from bus import codec, events
-from bus.messages import Error, MessageError, Reply, from_wire
-from bus.sockets import POLLIN, poller, recv_now
-from daemons.base import Daemon
-from daemons.routing import NoBackend, Pool
+from rolloutd.bus import codec, events
+from rolloutd.bus.messages import Error, MessageError, Reply, from_wire
+from rolloutd.bus.sockets import POLLIN, poller, recv_now
+from rolloutd.bus.daemon import Daemon
+from rolloutd.daemons.routing import NoBackend, Pool
 
 KINDS = ("lease", "release", "backend_failed", "add_llm_server", "clear_llm_server", "list_llm_servers")
 

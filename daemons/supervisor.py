@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from daemons import logs
-from daemons.config import Config, dump_toml
+from rolloutd.bus import logs
+from rolloutd.bus.config import Config, dump_toml
 
 START_ORDER = ["events", "router", "gateway", "eval", "run", "init"]
 STOP_ORDER = ["init", "run", "eval", "gateway", "router", "events"]
@@ -53,7 +53,7 @@ class Supervisor:
         self.config_path.write_text(dump_toml(data))
 
     def spawn(self, name: str):
-        cmd = [sys.executable, "-m", "daemons.cli", name, "--config", str(self.config_path)]
+        cmd = [sys.executable, "-m", "rolloutd.daemons.cli", name, "--config", str(self.config_path)]
         self.procs[name] = subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
         self.started[name] = time.monotonic()
         self.log.info("daemon_spawned", child=name, pid=self.procs[name].pid)
@@ -138,7 +138,7 @@ class Supervisor:
 
 def wait_ready(address: str, timeout_s: float = 30.0) -> dict:
     """Block until the gateway answers a status request (used by the CLI and tests)."""
-    from gateway.client import GatewayTimeout, RolloutClient
+    from rolloutd.gateway.client import GatewayTimeout, RolloutClient
 
     deadline = time.monotonic() + timeout_s
     with RolloutClient(address, timeout_s=1.0, retries=0) as c:
@@ -167,7 +167,7 @@ def config_from_args(path: str | None, runtime_dir: str | None, sets: list[str])
             data[section] = _parse(raw)
             continue
         node = data.setdefault(section, {})
-        for p in path[:-1]:  # handlers.math.tokenizer=X nests
+        for p in path[:-1]:  # rolloutd.handlers.math.tokenizer=X nests
             node = node.setdefault(p, {})
         node[path[-1]] = _parse(raw)
     return Config({k: v for k, v in data.items()}, cfg.path)

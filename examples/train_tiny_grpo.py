@@ -72,7 +72,7 @@ def log(msg: str):
 
 # -- child processes ------------------------------------------------------------------------
 def _die_with_parent():
-    from daemons.supervisor import _die_with_parent as f
+    from rolloutd.daemons.supervisor import _die_with_parent as f
 
     f()
 
@@ -130,7 +130,7 @@ class Child:
 
 def toy_entry_point_env(workdir: Path) -> tuple[dict, bool]:
     """The environment for ``rolloutd up``; registers ``toy`` via a dist-info shim if it is not installed."""
-    from handlers.registry import handler_names
+    from rolloutd.handlers.registry import handler_names
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if "toy" in handler_names():
@@ -139,20 +139,20 @@ def toy_entry_point_env(workdir: Path) -> tuple[dict, bool]:
     di = shim / "rolloutd_trainer_toy-0.0.0.dist-info"
     di.mkdir(parents=True, exist_ok=True)
     (di / "METADATA").write_text("Metadata-Version: 2.1\nName: rolloutd-trainer-toy\nVersion: 0.0.0\n")
-    (di / "entry_points.txt").write_text('[rolloutd.handlers]\ntoy = handlers.toy:ToyHandler\n')
+    (di / "entry_points.txt").write_text('[rolloutd.handlers]\ntoy = rolloutd.handlers.toy:ToyHandler\n')
     env["PYTHONPATH"] = os.pathsep.join([str(shim), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env, True
 
 
 def start_rolloutd(workdir: Path, run_pool: int, env: dict) -> tuple[Child, str]:
     rd = Path(tempfile.mkdtemp(prefix="rd-grpo-", dir="/tmp"))  # ipc paths must stay short
-    cmd = [sys.executable, "-m", "daemons.cli", "up", "--runtime-dir", str(rd / "run"),
+    cmd = [sys.executable, "-m", "rolloutd.daemons.cli", "up", "--runtime-dir", str(rd / "run"),
            "--set", f"run.pool={run_pool}", "--set", "init.pool=64", "--set", "eval.pool=64",
            "--set", "router.max_policy_lag=0", "--set", "logging.level=warning"]
     up = Child("rolloutd up", cmd, workdir / "rolloutd_up.log", env=env)
     up.runtime_root = rd
     gateway = f"ipc://{rd}/run/gateway.sock"
-    from daemons.supervisor import wait_ready
+    from rolloutd.daemons.supervisor import wait_ready
 
     try:
         st = wait_ready(gateway, 60.0)
@@ -172,7 +172,7 @@ def start_rolloutd(workdir: Path, run_pool: int, env: dict) -> tuple[Child, str]
 
 
 def start_server(model_dir: Path, workdir: Path, version: int, threads: int) -> tuple[Child, str]:
-    cmd = [sys.executable, "-m", "daemons.cli", "serve-hf", str(model_dir), "--port", "0",
+    cmd = [sys.executable, "-m", "rolloutd.daemons.cli", "serve-hf", str(model_dir), "--port", "0",
            "--served-model-name", "tiny-policy", "--max-batch-size", "64", "--threads", str(threads)]
     srv = Child(f"serve-hf v{version}", cmd, workdir / f"serve_hf_v{version}.log", capture=True)
     try:
@@ -240,9 +240,9 @@ def train(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gateway.batch import BatchClient, collate, filter_ok, group_advantages, status_counts, to_torch
-    from llm.conversation import get_renderer
-    from llm.tiny_model import make_tiny_model
+    from rolloutd.gateway.batch import BatchClient, collate, filter_ok, group_advantages, status_counts, to_torch
+    from rolloutd.llm.conversation import get_renderer
+    from rolloutd.llm.tiny_model import make_tiny_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

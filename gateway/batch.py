@@ -1,6 +1,6 @@
 """Batch helpers for trainers: submit a batch, gather it as it completes, pad it for training.
 
-``BatchClient`` sits on top of :class:`gateway.client.RolloutClient` (the REQ-envelope DEALER
+``BatchClient`` sits on top of :class:`rolloutd.gateway.client.RolloutClient` (the REQ-envelope DEALER
 shim) and adds what a training loop needs:
 
 * ``submit(tasks, n)`` returns a :class:`Batch` (job ids, instance ids, a per-batch deadline);
@@ -12,7 +12,7 @@ shim) and adds what a training loop needs:
   placeholder trajectories with ``status == "timeout"`` and ``error.type == "BatchDeadline"``,
   so a batch always comes back complete (``len(tasks) * n`` results) and never stalls a step;
   their late results, if any, are acknowledged and dropped. (``on_deadline="raise"`` raises
-  :class:`~gateway.client.GatewayTimeout` instead and leaves the jobs running.)
+  :class:`~rolloutd.gateway.client.GatewayTimeout` instead and leaves the jobs running.)
 * a job the gateway no longer knows (e.g. a gateway restarted without a journal) comes back as
   a placeholder with ``status == "failed"`` and ``error.type == "JobLost"``.
 
@@ -41,7 +41,7 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from gateway.client import GatewayError, GatewayTimeout, RolloutClient
+from rolloutd.gateway.client import GatewayError, GatewayTimeout, RolloutClient
 
 __all__ = [
     "Batch", "BatchClient", "collate", "to_torch", "group_by_instance", "group_advantages", "filter_ok",
@@ -55,7 +55,7 @@ LOST_AFTER_IDLE_POLLS = 2     # consecutive "nothing pending, nothing ready" pol
 def placeholder(job_id: int, instance_id: str, sample_index: int, status: str, error_type: str, message: str,
                 handler: str = "") -> dict:
     """A trajectory the client makes itself for a job whose result will not come (deadline, lost)."""
-    from bus.messages import empty_trajectory
+    from rolloutd.bus.messages import empty_trajectory
 
     t = empty_trajectory(job_id, instance_id, sample_index)
     t.update(handler=handler, status=status, error={"type": error_type, "message": message}, client_side=True)
@@ -248,7 +248,7 @@ class BatchClient:
                 expecting = set(self._outstanding)
             if not expecting:
                 return 0
-            from bus.messages import Poll
+            from rolloutd.bus.messages import Poll
 
             p = self._poller
             body = p.request(Poll(client_id=self.client_id, after=p.after, max_results=self.max_results,

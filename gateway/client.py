@@ -13,10 +13,10 @@ import time
 import uuid
 from typing import Iterable, Iterator
 
-from bus import codec
-from bus.messages import (PROTOCOL_VERSION, AddLLMServer, Cancel, ClearLLMServer, ListLLMServers, Poll, Start, Status,
+from rolloutd.bus import codec
+from rolloutd.bus.messages import (PROTOCOL_VERSION, AddLLMServer, Cancel, ClearLLMServer, ListLLMServers, Poll, Start, Status,
                           Stop, Submit)
-from bus.sockets import Sockets
+from rolloutd.bus.sockets import Sockets
 
 
 class GatewayError(RuntimeError):
@@ -36,7 +36,7 @@ class RolloutClient:
     def __init__(self, address: str | None = None, *, timeout_s: float = 10.0, retries: int = 3,
                  client_id: str | None = None, curve=None):
         if address is None:
-            from daemons.config import Config
+            from rolloutd.bus.config import Config
 
             address = Config.load(None).endpoints.gateway
         self.address = address

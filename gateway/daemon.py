@@ -11,16 +11,16 @@ import asyncio
 import os
 import time
 
-from bus import codec
-from bus.messages import (CLIENT_REQUESTS, Error, Job, MessageError, Reply, Result, empty_trajectory,
+from rolloutd.bus import codec
+from rolloutd.bus.messages import (CLIENT_REQUESTS, Error, Job, MessageError, Reply, Result, empty_trajectory,
                           from_wire)
-from bus import events
-from bus.credit import CreditSender
-from bus.sockets import POLLIN, poller, recv_now, send_now
-from daemons.base import Daemon
-from gateway.jobs import JobRecord, JobTable
-from gateway.journal import Journal
-from handlers.registry import handler_names
+from rolloutd.bus import events
+from rolloutd.bus.credit import CreditSender
+from rolloutd.bus.sockets import POLLIN, poller, recv_now, send_now
+from rolloutd.bus.daemon import Daemon
+from rolloutd.gateway.jobs import JobRecord, JobTable
+from rolloutd.gateway.journal import Journal
+from rolloutd.handlers.registry import handler_names
 
 ROUTER_OPS = ("add_llm_server", "clear_llm_server", "list_llm_servers")
 DRAIN_BATCH = 512

@@ -12,7 +12,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from bus import codec
+from rolloutd.bus import codec
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (

@@ -41,7 +41,7 @@ each weight sync. See docs/TRAINERS.md.
 Configuration: the extra keys of the agent-loop YAML entry (``examples/verl/agent_loop.yaml``)::
 
     - name: rolloutd
-      _target_: gateway.verl_adapter.RolloutdAgentLoop
+      _target_: rolloutd.gateway.verl_adapter.RolloutdAgentLoop
       gateway: tcp://head:5550        # or ipc://...; default: $ROLLOUTD_GATEWAY, then the config file's
       handler: swe                    # default handler (a sample may name its own)
       deadline_s: 1800                # per-sample client deadline (placeholder "timeout" after it)
@@ -71,7 +71,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from gateway.batch import BatchClient, token_arrays
+from rolloutd.gateway.batch import BatchClient, token_arrays
 
 try:  # the real interface
     from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
@@ -167,11 +167,11 @@ def _plain(x):
 
 
 def shared_client(address: str | None = None, **kw):
-    """One :class:`~gateway.batch.BatchClient` per gateway address and process: veRL makes a new
+    """One :class:`~rolloutd.gateway.batch.BatchClient` per gateway address and process: veRL makes a new
     agent-loop object per sample, and they all share it (and its submit coalescing)."""
     address = address or os.environ.get("ROLLOUTD_GATEWAY")
     if address is None:
-        from daemons.config import Config
+        from rolloutd.bus.config import Config
 
         address = Config.load(None).endpoints.gateway
     with _clients_lock:

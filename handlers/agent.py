@@ -2,7 +2,7 @@
 
 Task domains subclass ``ToolAgentHandler`` and supply the task (``setup_task``), the
 opening messages (``messages``) and the score (``score``). The loop itself lives in
-``llm.agent_loop``; tools run in the job's sandbox through its tool server.
+``rolloutd.llm.agent_loop``; tools run in the job's sandbox through its tool server.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import asyncio
 import functools
 import os
 
-from handlers.base import AgentHandler, JobContext
+from rolloutd.handlers.base import AgentHandler, JobContext
 
 TOOL_SPECS = {
     "bash": {"type": "function", "function": {
@@ -34,7 +34,7 @@ OBSERVATION_CHARS = 8000  # what one tool result may add to the context
 
 @functools.lru_cache(maxsize=8)
 def tokenizer_at(path: str):
-    from llm.tokenizer_utils import load_tokenizer
+    from rolloutd.llm.tokenizer_utils import load_tokenizer
 
     return load_tokenizer(path)
 
@@ -55,7 +55,7 @@ class ToolAgentHandler(AgentHandler):
         """Fill ``ctx.state`` with the task (runs in the init daemon, in a thread)."""
 
     def sandbox_spec(self, ctx: JobContext):
-        from sandbox import Limits, SandboxSpec
+        from rolloutd.sandbox import Limits, SandboxSpec
 
         return SandboxSpec(limits=Limits(memory_mb=2048, nproc=256, cpu_seconds=600, file_size_mb=256,
                                          wall_seconds=1800))
@@ -84,9 +84,9 @@ class ToolAgentHandler(AgentHandler):
             await asyncio.to_thread(self.prepare_sandbox, ctx)
 
     async def run(self, ctx: JobContext):
-        from llm.agent_loop import run_agent_loop
-        from llm.conversation import Conversation
-        from llm.toolparse import get_parser
+        from rolloutd.llm.agent_loop import run_agent_loop
+        from rolloutd.llm.conversation import Conversation
+        from rolloutd.llm.toolparse import get_parser
 
         tok = self.tokenizer(ctx)
         specs = [TOOL_SPECS[t] for t in self.tools]
@@ -127,7 +127,7 @@ class ToolAgentHandler(AgentHandler):
 
 def sampling_params(instance: dict, max_tokens: int):
     """The instance's ``sampling`` map as SamplingParams (the same keys for every handler)."""
-    from llm.client import SamplingParams
+    from rolloutd.llm.client import SamplingParams
 
     sp = instance.get("sampling") or {}
     return SamplingParams(max_tokens=int(sp.get("max_tokens", max_tokens)),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from bus.messages import Job, empty_trajectory
+from rolloutd.bus.messages import Job, empty_trajectory
 
 
 class PhaseTimeout(Exception):
@@ -71,7 +71,7 @@ class JobContext:
         """An asyncio client for the tool server of this job's sandbox."""
         if self.job.sandbox is None:
             raise RuntimeError("this job has no sandbox; create one in init")
-        from sandbox import AsyncToolClient
+        from rolloutd.sandbox import AsyncToolClient
 
         return AsyncToolClient(self.job.sandbox["tool_socket"])
 

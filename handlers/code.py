@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import secrets
 
-from handlers.base import JobContext
-from handlers.tasks import (DomainHandler, clean_command, eval_sandbox, give_to_sandbox, humaneval_problem,
+from rolloutd.handlers.base import JobContext
+from rolloutd.handlers.tasks import (DomainHandler, clean_command, eval_sandbox, give_to_sandbox, humaneval_problem,
                             workspace_inside)
 
 CHECK_TEMPLATE = '''\
@@ -65,7 +65,7 @@ class CodeHandler(DomainHandler):
             raise ValueError("solution_file must be a plain file name")
 
     def sandbox_spec(self, ctx: JobContext):
-        from sandbox import Limits, SandboxSpec
+        from rolloutd.sandbox import Limits, SandboxSpec
 
         return SandboxSpec(limits=Limits(memory_mb=1024, nproc=128, cpu_seconds=300, file_size_mb=64,
                                          wall_seconds=1200))

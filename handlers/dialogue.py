@@ -11,8 +11,8 @@ Instance fields::
 """
 from __future__ import annotations
 
-from handlers.agent import ToolAgentHandler, sampling_params
-from handlers.base import JobContext
+from rolloutd.handlers.agent import ToolAgentHandler, sampling_params
+from rolloutd.handlers.base import JobContext
 
 
 class DialogueHandler(ToolAgentHandler):
@@ -21,7 +21,7 @@ class DialogueHandler(ToolAgentHandler):
     tools = ()
 
     async def run(self, ctx: JobContext):
-        from llm.conversation import Conversation
+        from rolloutd.llm.conversation import Conversation
 
         tok = self.tokenizer(ctx)
         conv = Conversation(tok, list(ctx.instance["messages"]),

@@ -26,8 +26,8 @@ import re
 import threading
 from typing import Any
 
-from handlers.base import JobContext
-from handlers.tasks import DomainHandler, math_problem, question_key
+from rolloutd.handlers.base import JobContext
+from rolloutd.handlers.tasks import DomainHandler, math_problem, question_key
 
 MAX_ANSWER_CHARS = 1000
 
@@ -192,7 +192,7 @@ class MathHandler(DomainHandler):
                                  float(self.config.get("grade_timeout_s", 20.0)))
 
     def sandbox_spec(self, ctx: JobContext):
-        from sandbox import Limits, SandboxSpec
+        from rolloutd.sandbox import Limits, SandboxSpec
 
         return SandboxSpec(limits=Limits(memory_mb=1024, nproc=64, cpu_seconds=120, file_size_mb=64,
                                          wall_seconds=900))

@@ -34,8 +34,8 @@ import re
 import shlex
 from typing import Any
 
-from llm.policies import Policy, PolicyRequest
-from handlers.tasks import find_task_tag, humaneval_problem, math_problem, question_key, read_jsonl
+from rolloutd.llm.policies import Policy, PolicyRequest
+from rolloutd.handlers.tasks import find_task_tag, humaneval_problem, math_problem, question_key, read_jsonl
 
 __all__ = ["Oracle", "MathOracle", "CodeOracle", "SWEOracle", "assistant_turns", "last_observation"]
 
@@ -171,7 +171,7 @@ class Oracle(Policy):
 
     # -- swe -----------------------------------------------------------------------------------
     def _swe(self, parts: list[str], step: int, obs: str | None) -> str:
-        from handlers.swe_tasks import get_task, task_ids
+        from rolloutd.handlers.swe_tasks import get_task, task_ids
 
         task = get_task(parts[0])
         key = sorted(task_ids()).index(task["task_id"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from importlib.metadata import entry_points
 
-from handlers.base import AgentHandler
+from rolloutd.handlers.base import AgentHandler
 
 GROUP = "rolloutd.handlers"
 

@@ -1,6 +1,6 @@
-"""``swe``: the software-engineering tasks of :mod:`handlers.swe_tasks`, graded SWE-bench style.
+"""``swe``: the software-engineering tasks of :mod:`rolloutd.handlers.swe_tasks`, graded SWE-bench style.
 
-Instance: ``{"task_id": "semver-bump-build-separator"}`` (``python -m handlers.swe_tasks.build
+Instance: ``{"task_id": "semver-bump-build-separator"}`` (``python -m rolloutd.handlers.swe_tasks
 --list`` lists the 12 tasks).
 
 init builds the task's buggy repository if the cache lacks it (``$ROLLOUTD_SWE_CACHE``, see
@@ -23,8 +23,8 @@ import asyncio
 import secrets
 from pathlib import Path
 
-from handlers.base import JobContext
-from handlers.tasks import (PYTEST_MOUNT, DomainHandler, clean_command, eval_sandbox, give_to_sandbox, pytest_binds,
+from rolloutd.handlers.base import JobContext
+from rolloutd.handlers.tasks import (PYTEST_MOUNT, DomainHandler, clean_command, eval_sandbox, give_to_sandbox, pytest_binds,
                             pytest_link_dir, workspace_inside)
 
 MAX_PATCH_CHARS = 20000
@@ -52,7 +52,7 @@ class SWEHandler(DomainHandler):
 
     # -- init ----------------------------------------------------------------------------------
     def setup_task(self, ctx: JobContext) -> None:
-        from handlers.swe_tasks import build_task, get_task
+        from rolloutd.handlers.swe_tasks import build_task, get_task
 
         task_id = ctx.instance.get("task_id")
         if not isinstance(task_id, str):
@@ -64,7 +64,7 @@ class SWEHandler(DomainHandler):
                                         "issue": task["issue"].strip()})
 
     def sandbox_spec(self, ctx: JobContext):
-        from sandbox import Limits, SandboxSpec
+        from rolloutd.sandbox import Limits, SandboxSpec
 
         limits = Limits(memory_mb=2048, nproc=256, cpu_seconds=900, file_size_mb=256, wall_seconds=3600)
         if ctx.services.runtime().name == "local":
@@ -74,7 +74,7 @@ class SWEHandler(DomainHandler):
                            env={"PYTHONPATH": PYTEST_MOUNT, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
 
     def prepare_sandbox(self, ctx: JobContext) -> None:
-        from handlers.swe_tasks import copy_repo
+        from rolloutd.handlers.swe_tasks import copy_repo
 
         ws = Path(ctx.sandbox["workspace"])
         copy_repo(ctx.state["task_id"], ws, self.cache_dir)
@@ -85,7 +85,7 @@ class SWEHandler(DomainHandler):
         return pytest_link_dir() if sb.get("runtime") == "local" else PYTEST_MOUNT
 
     async def evaluate(self, ctx: JobContext) -> tuple[float, dict]:
-        from handlers.swe_tasks import get_task, grade, restore_tests
+        from rolloutd.handlers.swe_tasks import get_task, grade, restore_tests
 
         task = get_task(ctx.state["task_id"])
         sb, ws = eval_sandbox(ctx, "swe")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from handlers.base import AgentHandler, JobContext
+from rolloutd.handlers.base import AgentHandler, JobContext
 
 
 class SyntheticFailure(RuntimeError):
@@ -89,7 +89,7 @@ class SyntheticLLMHandler(SyntheticHandler):
     async def run(self, ctx):
         import numpy as np
 
-        from llm.client import SamplingParams
+        from rolloutd.llm.client import SamplingParams
 
         rng = self._rng(ctx, "run")
         calls = int(ctx.instance.get("llm_calls", 1))

@@ -28,8 +28,8 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable
 
-from handlers.agent import ToolAgentHandler
-from handlers.base import JobContext
+from rolloutd.handlers.agent import ToolAgentHandler
+from rolloutd.handlers.base import JobContext
 
 DOMAINS = ("math", "code", "swe")
 TAG_RE = re.compile(r"\[task (math|code|swe):([^\]\s]+)\]")
@@ -249,15 +249,15 @@ def clean_command(argv: list[str], *, cwd: str, env: dict[str, str] | None = Non
 # -- registration before the lead's pyproject lands ------------------------------------------
 ENTRY_POINTS = {
     "rolloutd.handlers": {
-        "math": "handlers.math:MathHandler",
-        "code": "handlers.code:CodeHandler",
-        "swe": "handlers.swe:SWEHandler",
+        "math": "rolloutd.handlers.math:MathHandler",
+        "code": "rolloutd.handlers.code:CodeHandler",
+        "swe": "rolloutd.handlers.swe:SWEHandler",
     },
     "rolloutd.policies": {
-        "oracle": "handlers.oracles:Oracle",
-        "math_oracle": "handlers.oracles:MathOracle",
-        "code_oracle": "handlers.oracles:CodeOracle",
-        "swe_oracle": "handlers.oracles:SWEOracle",
+        "oracle": "rolloutd.handlers.oracles:Oracle",
+        "math_oracle": "rolloutd.handlers.oracles:MathOracle",
+        "code_oracle": "rolloutd.handlers.oracles:CodeOracle",
+        "swe_oracle": "rolloutd.handlers.oracles:SWEOracle",
     },
 }
 
@@ -301,7 +301,7 @@ class InjectedFault(RuntimeError):
 
 
 class DomainHandler(ToolAgentHandler):
-    """What math, code and swe share on top of :class:`~handlers.agent.ToolAgentHandler`:
+    """What math, code and swe share on top of :class:`~rolloutd.handlers.agent.ToolAgentHandler`:
 
     * ``[handlers.<name>]`` config may override ``max_turns``, ``max_tokens``,
       ``max_context``, ``tool_timeout_s``, ``system_prompt``, ``parser`` and ``task_tag``;
@@ -407,11 +407,11 @@ async def run_local(handler, instance: dict, *, backend_url: str | None = None, 
     import inspect
     import time
 
-    from bus.messages import Job
-    from handlers.base import Services
+    from rolloutd.bus.messages import Job
+    from rolloutd.handlers.base import Services
 
     def make_runtime():
-        from sandbox import get_runtime
+        from rolloutd.sandbox import get_runtime
 
         return get_runtime(runtime, root_dir=root_dir)
 
@@ -420,7 +420,7 @@ async def run_local(handler, instance: dict, *, backend_url: str | None = None, 
               instance_id=instance_id)
     client = None
     if generate is None and backend_url:
-        from llm.client import LLMClient, simple_generate
+        from rolloutd.llm.client import LLMClient, simple_generate
 
         client = LLMClient(backend_url, api=api)
         generate = simple_generate(client)
@@ -428,7 +428,7 @@ async def run_local(handler, instance: dict, *, backend_url: str | None = None, 
 
     async def free_sandbox():
         if job.sandbox:
-            from sandbox import SandboxHandle
+            from rolloutd.sandbox import SandboxHandle
 
             handle, job.sandbox = job.sandbox, None
             await asyncio.to_thread(services.runtime().destroy, SandboxHandle.from_dict(handle))

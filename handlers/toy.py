@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from handlers.base import AgentHandler, JobContext
+from rolloutd.handlers.base import AgentHandler, JobContext
 
 
 class ToyHandler(AgentHandler):
@@ -49,8 +49,8 @@ class ToyHandler(AgentHandler):
         if inst.get("prompt_ids") is not None:
             ids = np.asarray(inst["prompt_ids"], dtype=np.int32).reshape(-1)
         elif inst.get("messages") is not None:
-            from handlers.agent import tokenizer_at
-            from llm.conversation import get_renderer
+            from rolloutd.handlers.agent import tokenizer_at
+            from rolloutd.llm.conversation import get_renderer
 
             path = inst.get("tokenizer") or self.config.get("tokenizer")
             if not path:
@@ -63,7 +63,7 @@ class ToyHandler(AgentHandler):
         return ids
 
     def sampling(self, ctx: JobContext):
-        from llm.client import SamplingParams
+        from rolloutd.llm.client import SamplingParams
 
         sp = ctx.instance.get("sampling") or {}
         seed = sp.get("seed")

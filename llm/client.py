@@ -25,7 +25,7 @@ a context-length rejection raises :class:`ContextOverflow`; other 4xx raise
 :class:`RequestError`. Cancelling the awaiting task closes the HTTP connection,
 which is how vLLM and SGLang abort a request.
 
-Transport: plain ``http://`` backends go through :class:`llm.http_transport.FastTransport`
+Transport: plain ``http://`` backends go through :class:`rolloutd.llm.http_transport.FastTransport`
 (a lean keep-alive pool plugged into ``httpx.AsyncClient``; httpx's default pool is
 quadratic in the number of connections, see that module); ``https://`` uses httpx's
 default. Pass ``transport=`` to override.

@@ -14,7 +14,7 @@ How the delimiters are found (:class:`ChatRenderer`): the template is rendered f
 fixed probe conversation ``[system, user, assistant=MARKER]`` and for the same probe
 plus the new messages with ``add_generation_prompt=True``. The second rendering
 must start with the first (checked: a template that rewrites history cannot be
-rendered incrementally and raises :class:`~llm.errors.TemplateError`); the extra text
+rendered incrementally and raises :class:`~rolloutd.llm.errors.TemplateError`); the extra text
 is the new messages plus the next generation prompt. The text after ``MARKER`` in
 the probe is how the template closes an assistant turn (``<|im_end|>\\n`` for
 ChatML). If the sampled ids already end with that end-of-turn token only the rest of

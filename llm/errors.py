@@ -1,4 +1,4 @@
-"""Exceptions of the LLM side. Re-exported by :mod:`llm.client`."""
+"""Exceptions of the LLM side. Re-exported by :mod:`rolloutd.llm.client`."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ transformers causal LM (torch, CPU or one GPU).
 HTTP (stdlib ``ThreadingHTTPServer``, HTTP/1.1 keep-alive):
 
 * ``POST /v1/completions``: the subset of vLLM's OpenAI completions API used by
-  :class:`llm.client.LLMClient`: ``prompt`` as a list of token ids, ``max_tokens``,
+  :class:`rolloutd.llm.client.LLMClient`: ``prompt`` as a list of token ids, ``max_tokens``,
   ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_token_ids``, ``ignore_eos``,
   ``logprobs`` (0: the sampled token's logprob), ``return_token_ids``,
   ``return_tokens_as_token_ids``. Reply shaped like vLLM's (``choices[0].token_ids``,

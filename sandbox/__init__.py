@@ -1,6 +1,6 @@
 """Isolation and execution: rootless sandboxes and the in-sandbox tool server.
 
-    from sandbox import get_runtime, SandboxSpec, Limits, ToolClient
+    from rolloutd.sandbox import get_runtime, SandboxSpec, Limits, ToolClient
     rt = get_runtime("auto", root_dir="/var/tmp/rolloutd")
     h = rt.create("job-1", SandboxSpec(limits=Limits(memory_mb=512, wall_seconds=600)))
     with ToolClient(h.tool_socket) as c:

@@ -19,7 +19,7 @@ one host can run several independent deployments side by side:
 Each unit reads ``/etc/rolloutd/<instance>.toml`` (``ROLLOUTD_CONFIG``), optionally
 ``/etc/rolloutd/<instance>.env`` (``ROLLOUTD_CONFIG=...``, ``ROLLOUTD_ARGS=...``), and
 puts its ipc sockets in ``/run/rolloutd/<instance>``. The files name
-``/usr/local/bin/rolloutd``; ``python -m systemd install`` writes copies whose ExecStart
+``/usr/local/bin/rolloutd``; ``python -m rolloutd.systemd install`` writes copies whose ExecStart
 names the ``rolloutd`` actually installed (a virtualenv, say). See docs/OPERATIONS.md.
 """
 from __future__ import annotations

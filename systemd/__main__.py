@@ -1,10 +1,10 @@
-"""``python -m systemd COMMAND``: install the rolloutd units, check them, find the Slurm scripts.
+"""``python -m rolloutd.systemd COMMAND``: install the rolloutd units, check them, find the Slurm scripts.
 
-    python -m systemd install [--dest /etc/systemd/system] [--bin PATH] [--instance main] [--head HOST]
-    python -m systemd render OUTDIR [--bin PATH]
-    python -m systemd verify [--bin PATH] [--instance main]
-    python -m systemd example-config [--instance main] [--head HOST]
-    python -m systemd slurm-path | sbatch-path
+    python -m rolloutd.systemd install [--dest /etc/systemd/system] [--bin PATH] [--instance main] [--head HOST]
+    python -m rolloutd.systemd render OUTDIR [--bin PATH]
+    python -m rolloutd.systemd verify [--bin PATH] [--instance main]
+    python -m rolloutd.systemd example-config [--instance main] [--head HOST]
+    python -m rolloutd.systemd slurm-path | sbatch-path
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import systemd as units
+from rolloutd import systemd as units
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m systemd", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m rolloutd.systemd", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("install", help="write the units (and an example config if none) and reload systemd")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.procs import children_map, is_running
+from rolloutd.sandbox.procs import children_map, is_running
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,7 +40,7 @@ class Up:
     def __init__(self, runtime_dir: Path, sets: list[str], log: Path):
         self.runtime_dir = runtime_dir
         self.log_path = log
-        cmd = [sys.executable, "-m", "daemons.cli", "up", "--runtime-dir", str(runtime_dir)]
+        cmd = [sys.executable, "-m", "rolloutd.daemons.cli", "up", "--runtime-dir", str(runtime_dir)]
         for s in sets:
             cmd += ["--set", s]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -50,14 +50,14 @@ class Up:
         self.children: list[int] = []
 
     def wait_ready(self, timeout_s: float = 30.0):
-        from daemons.supervisor import wait_ready
+        from rolloutd.daemons.supervisor import wait_ready
 
         st = wait_ready(self.gateway, timeout_s)
         self.children = children_of(self.proc.pid)
         return st
 
     def client(self, **kw):
-        from gateway.client import RolloutClient
+        from rolloutd.gateway.client import RolloutClient
 
         return RolloutClient(self.gateway, **kw)
 
@@ -67,7 +67,7 @@ class Up:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"daemons.cli" in cmd and name.encode() in cmd:
+            if b"rolloutd.daemons.cli" in cmd and name.encode() in cmd:
                 return pid
         raise LookupError(name)
 
@@ -143,28 +143,28 @@ def synthetic(i: int, **instance) -> dict:
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
     """The tiny model's tokenizer and chat template as a directory (no weights)."""
-    from llm.tiny_model import make_tiny_model
+    from rolloutd.llm.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_tok"), tokenizer_only=True)
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_tokenizer_dir):
-    from llm.tokenizer_utils import load_tokenizer
+    from rolloutd.llm.tokenizer_utils import load_tokenizer
 
     return load_tokenizer(tiny_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from llm.tiny_model import build_tiny_tokenizer
+    from rolloutd.llm.tiny_model import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 
 
 @pytest.fixture
 def backends(tokenizer):
-    from llm.scripted import ScriptedBackend
+    from rolloutd.llm.scripted import ScriptedBackend
 
     made = []
 

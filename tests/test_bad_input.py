@@ -5,8 +5,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from bus import codec
-from bus.sockets import Sockets
+from rolloutd.bus import codec
+from rolloutd.bus.sockets import Sockets
 from tests.conftest import synthetic
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bus import codec
-from bus.messages import Job, MessageError, Submit, from_wire
+from rolloutd.bus import codec
+from rolloutd.bus.messages import Job, MessageError, Submit, from_wire
 
 
 def test_arrays_travel_as_separate_frames_and_survive_reencoding():

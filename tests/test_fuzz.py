@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bus import codec
-from bus.messages import Status, Submit
-from bus.sockets import Sockets
+from rolloutd.bus import codec
+from rolloutd.bus.messages import Status, Submit
+from rolloutd.bus.sockets import Sockets
 
 VALID = [
     codec.encode(Submit(tasks=[{"handler": "synthetic", "instance": {"reward": 1.0}}], client_id="fuzz").to_wire()),

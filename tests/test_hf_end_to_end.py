@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from llm.tiny_model import make_tiny_model
+    from rolloutd.llm.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
 
@@ -18,12 +18,12 @@ def tiny_model_dir(tmp_path_factory):
 def test_multi_turn_trajectories_match_a_forward_pass(up_factory, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from llm.serve_hf import HFServer
+    from rolloutd.llm.serve_hf import HFServer
 
     srv = HFServer(tiny_model_dir, max_batch_size=4, served_model_name="tiny", threads=1)
     srv.start()
     try:
-        up = up_factory(f"handlers.dialogue.tokenizer={tiny_model_dir}")
+        up = up_factory(f"rolloutd.handlers.dialogue.tokenizer={tiny_model_dir}")
         tasks = [{"handler": "dialogue", "instance_id": f"d{i}",
                   "instance": {"messages": [{"role": "user", "content": f"Count to {i + 3}."}],
                                "user_turns": ["Go on.", "And now backwards?"],

@@ -7,12 +7,12 @@ import pytest
 
 
 def test_orphan_sandbox_is_reaped(up_factory):
-    from sandbox import bwrap_works, get_runtime
+    from rolloutd.sandbox import bwrap_works, get_runtime
 
     ok, why = bwrap_works()
     runtime = "bwrap" if ok else "local"
-    up = up_factory(f"sandbox.runtime={runtime}", "sandbox.janitor_interval_s=0.5", "sandbox.janitor_grace_s=1")
-    from daemons.supervisor import config_from_args
+    up = up_factory(f"rolloutd.sandbox.runtime={runtime}", "sandbox.janitor_interval_s=0.5", "sandbox.janitor_grace_s=1")
+    from rolloutd.daemons.supervisor import config_from_args
 
     rt = get_runtime(runtime, root_dir=config_from_args(None, str(up.runtime_dir), []).sandbox_root())
     orphan = rt.create("424242.1")  # as if its job's daemon had died with it

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bus.messages import STATUSES, empty_trajectory
+from rolloutd.bus.messages import STATUSES, empty_trajectory
 from tests.conftest import synthetic
 
 SHAPE = set(empty_trajectory())
@@ -65,7 +65,7 @@ def test_n_samples_per_instance_and_rollout(up):
 def test_results_are_delivered_once_and_poll_is_idempotent(up):
     import time
 
-    from bus.messages import Poll
+    from rolloutd.bus.messages import Poll
 
     with up.client() as c:
         ids = c.submit([synthetic(i) for i in range(20)])

@@ -134,7 +134,7 @@ def test_router_restart_rebuilds_backends_and_leases(up_factory, backends):
 
 
 def _try(fn):
-    from gateway.client import GatewayError
+    from rolloutd.gateway.client import GatewayError
 
     try:
         return fn()

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from daemons.routing import NoBackend, Pool
+from rolloutd.daemons.routing import NoBackend, Pool
 
 
 def pool_of(n, policy="least_inflight", **kw):

@@ -3,7 +3,7 @@
 # dependencies installed): the hydra overrides that matter for rolloutd are marked.
 # veRL keeps training and serving (its vLLM replicas); rolloutd runs the episodes (sandboxes,
 # tools, reward) and calls veRL's replicas, which the trainer registers with the gateway after
-# every weight sync (gateway.verl_adapter.register_verl_servers, see docs/TRAINERS.md).
+# every weight sync (rolloutd.gateway.verl_adapter.register_verl_servers, see docs/TRAINERS.md).
 set -euo pipefail
 : "${ROLLOUTD_GATEWAY:?set ROLLOUTD_GATEWAY, e.g. tcp://head:5550}"
 HERE="$(cd "$(dirname "$0")" && pwd)"

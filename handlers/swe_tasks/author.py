@@ -1,6 +1,6 @@
 """Authoring helper: turn a hand-written task JSON into a complete task.
 
-    python -m handlers.swe_tasks.author TASK_ID [--runner PYTHON[:PYTHONPATH]] ... [--runs 2]
+    python -m rolloutd.handlers.swe_tasks.author TASK_ID [--runner PYTHON[:PYTHONPATH]] ... [--runs 2]
 
 Reads ``tasks/TASK_ID.json`` as written by hand (library, version, sdist_subdir, issue,
 test_cmd, test_files, oracle_fix, wrong_fix, timeout_s; ``sdist``/``sdist_sha256`` may be
@@ -16,7 +16,7 @@ empty and are then filled in from a fresh ``pip download``), and:
    run. Use a second runner with only pytest importable (``--runner /venv/bin/python:/dir/with/pytest``
    on a bare venv) so PASS_TO_PASS holds no test that needs an optional dependency.
 
-Then run ``python -m handlers.swe_tasks.build --task TASK_ID --verify``.
+Then run ``python -m rolloutd.handlers.swe_tasks --task TASK_ID --verify``.
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from handlers.swe_tasks.build import _pip_download, pristine_tree, resolve_cache_dir
-from handlers.swe_tasks.grading import parse_test_output, run_tests
-from handlers.swe_tasks.patching import apply_unified_diff, make_unified_diff
-from handlers.swe_tasks.taskdefs import PATCHES_DIR, TASKS_DIR, validate_task
+from rolloutd.handlers.swe_tasks.build import _pip_download, pristine_tree, resolve_cache_dir
+from rolloutd.handlers.swe_tasks.grading import parse_test_output, run_tests
+from rolloutd.handlers.swe_tasks.patching import apply_unified_diff, make_unified_diff
+from rolloutd.handlers.swe_tasks.taskdefs import PATCHES_DIR, TASKS_DIR, validate_task
 
 
 def _fill_sdist(task: dict) -> None:
@@ -73,7 +73,7 @@ def _runners(specs: list[str] | None) -> list[tuple[str, dict]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m handlers.swe_tasks.author")
+    ap = argparse.ArgumentParser(prog="python -m rolloutd.handlers.swe_tasks.author")
     ap.add_argument("task_id")
     ap.add_argument("--runner", action="append", help="PYTHON[:PYTHONPATH] to run the tests with (repeatable)")
     ap.add_argument("--runs", type=int, default=2, help="runs per tree and runner (flakiness filter)")

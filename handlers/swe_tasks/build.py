@@ -17,11 +17,10 @@ Cache dir: argument > env ROLLOUTD_SWE_CACHE > $XDG_CACHE_HOME/rolloutd/swe_task
 (default ~/.cache/rolloutd/swe_tasks). Env ROLLOUTD_SWE_SDISTS may name a directory of
 already-downloaded sdists (an offline mirror) that is looked in before the network.
 
-CLI: ``python -m handlers.swe_tasks.build [--cache DIR] [--task ID ...] [--verify]``.
+CLI: ``python -m rolloutd.handlers.swe_tasks [--cache DIR] [--task ID ...] [--verify]``.
 """
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import contextlib
 import errno
@@ -41,8 +40,8 @@ from typing import Iterable, Iterator
 
 import structlog
 
-from handlers.swe_tasks.patching import PatchError, apply_unified_diff
-from handlers.swe_tasks.taskdefs import build_hash, get_task, load_tasks, read_patch
+from rolloutd.handlers.swe_tasks.patching import PatchError, apply_unified_diff
+from rolloutd.handlers.swe_tasks.taskdefs import build_hash, get_task, load_tasks, read_patch
 
 log = structlog.get_logger("rolloutd.swe_tasks")
 
@@ -383,59 +382,3 @@ def restore_tests(task_id: str, repo_dir: str | os.PathLike, cache_dir: str | os
             raise BuildError(f"{task_id}: test path {rel!r} is not in the built repository")
         restored.append(rel)
     return restored
-
-
-# ----------------------------------------------------------------------------- CLI
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m handlers.swe_tasks.build",
-                                 description="Build (and optionally verify) the swe task repositories.")
-    ap.add_argument("--cache", default=None, help=f"cache dir (default: ${ENV_CACHE} or ~/.cache/rolloutd/swe_tasks)")
-    ap.add_argument("--task", action="append", dest="tasks", metavar="ID", help="only this task (repeatable)")
-    ap.add_argument("--force", action="store_true", help="rebuild even if the cache is current")
-    ap.add_argument("--no-git", action="store_true", help="do not git-init the built repositories")
-    ap.add_argument("--verify", action="store_true",
-                    help="run each task's tests: buggy (F2P fail, P2P pass), oracle fix (resolved), "
-                         "wrong fix (not resolved)")
-    ap.add_argument("--python", default=sys.executable, help="interpreter for --verify (needs pytest)")
-    ap.add_argument("--jobs", type=int, default=2, help="tasks verified in parallel")
-    ap.add_argument("--list", action="store_true", help="list the tasks and exit")
-    args = ap.parse_args(argv)
-
-    if args.list:
-        for t in load_tasks():
-            print(f"{t['task_id']:40s} {t['library']}=={t['version']}  F2P={len(t['FAIL_TO_PASS'])} "
-                  f"P2P={len(t['PASS_TO_PASS'])}")
-        return 0
-    try:
-        repos = build_all(args.cache, task_ids=args.tasks, git=not args.no_git, force=args.force)
-    except DownloadError as exc:
-        print(f"error: could not fetch sdists: {exc}", file=sys.stderr)
-        return 2
-    except BuildError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    for tid, path in repos.items():
-        print(f"{tid:40s} {path}")
-    if not args.verify:
-        return 0
-    from handlers.swe_tasks.verify import verify_all
-
-    reports = verify_all(args.cache, task_ids=args.tasks, python=args.python, jobs=args.jobs)
-    bad = 0
-    for r in reports:
-        status = "ok" if r["ok"] else "FAIL"
-        bad += not r["ok"]
-        print(f"{status:4s} {r['task_id']:40s} buggy: F2P failing {r['buggy']['f2p_failing']}/{r['f2p_total']}, "
-              f"P2P passing {r['buggy']['p2p_passing']}/{r['p2p_total']}; oracle resolved={r['oracle_resolved']}; "
-              f"wrong resolved={r['wrong_resolved']}; {r['seconds']:.1f}s")
-        for problem in r["problems"]:
-            print(f"     - {problem}")
-    print(f"{len(reports) - bad} of {len(reports)} tasks verified")
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    from handlers.swe_tasks.build import main as _main  # the importable module, not this __main__ copy
-
-    sys.exit(_main())

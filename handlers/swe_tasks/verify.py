@@ -17,10 +17,10 @@ from typing import Iterable
 
 import structlog
 
-from handlers.swe_tasks.build import build_all, copy_repo, pristine_tree
-from handlers.swe_tasks.grading import apply_edits, grade, run_tests
-from handlers.swe_tasks.taskdefs import get_task
-from handlers.swe_tasks.taskdefs import task_ids as all_task_ids
+from rolloutd.handlers.swe_tasks.build import build_all, copy_repo, pristine_tree
+from rolloutd.handlers.swe_tasks.grading import apply_edits, grade, run_tests
+from rolloutd.handlers.swe_tasks.taskdefs import get_task
+from rolloutd.handlers.swe_tasks.taskdefs import task_ids as all_task_ids
 
 log = structlog.get_logger("rolloutd.swe_tasks")
 

@@ -15,8 +15,8 @@ def domain_entry_points():
     """Register the domain handlers/policies if the installed metadata predates them (the
     daemons inherit PYTHONPATH, so they see the shim too). Module scope: tests outside this
     folder never see it."""
-    from handlers import registry
-    from handlers.tasks import entry_point_shim, missing_entry_points
+    from rolloutd.handlers import registry
+    from rolloutd.handlers.tasks import entry_point_shim, missing_entry_points
 
     if not missing_entry_points():
         yield None
@@ -40,14 +40,14 @@ def domain_entry_points():
 
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory):
-    from llm.tiny_model import make_tiny_model
+    from rolloutd.llm.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tok"), tokenizer_only=True))
 
 
 @pytest.fixture(scope="session")
 def need_bwrap():
-    from sandbox import bwrap_works
+    from rolloutd.sandbox import bwrap_works
 
     ok, detail = bwrap_works()
     if not ok:
@@ -56,7 +56,7 @@ def need_bwrap():
 
 @pytest.fixture(scope="session")
 def swe_built():
-    from handlers.swe_tasks import build_all
+    from rolloutd.handlers.swe_tasks import build_all
 
     try:
         return build_all()
@@ -83,8 +83,8 @@ def math_jsonl(tmp_path_factory):
 @pytest.fixture(scope="module")
 def oracle_backend(tok_dir, math_jsonl):
     """The oracle on an in-process scripted vLLM-API backend: odd keys wrong."""
-    from handlers.oracles import Oracle
-    from llm.scripted import ScriptedBackend
+    from rolloutd.handlers.oracles import Oracle
+    from rolloutd.llm.scripted import ScriptedBackend
 
     pol = Oracle(wrong_every=2, jsonl=math_jsonl)
     pol.warm()
@@ -96,7 +96,7 @@ def oracle_backend(tok_dir, math_jsonl):
 
 def _domain_sets(tok_dir: str, sandbox_root: str, runtime: str = "bwrap") -> list[str]:
     hcfg = {name: {"tokenizer": tok_dir} for name in ("math", "code", "swe")}
-    return [f"sandbox.runtime={runtime}", f"sandbox.root_dir={sandbox_root}", "handlers=" + json.dumps(hcfg)]
+    return [f"rolloutd.sandbox.runtime={runtime}", f"sandbox.root_dir={sandbox_root}", "handlers=" + json.dumps(hcfg)]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def test_code_and_swe_on_the_local_runtime(up_factory, domain_sets, oracle_backend, swe_built):
     """No binds there: pytest reaches the sandbox through a directory of symlinks."""
-    from handlers.swe_tasks import task_ids
+    from rolloutd.handlers.swe_tasks import task_ids
 
     up = up_factory(*domain_sets("local"))
     swe = sorted(task_ids())
@@ -38,7 +38,7 @@ def test_demo_runs_the_mixed_batch_in_under_three_minutes(tmp_path, domain_entry
     out = tmp_path / "traj.jsonl"
     before = _demo_pids()
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "daemons.cli", "demo", "--per-domain", "2", "--no-progress",
+    p = subprocess.run([sys.executable, "-m", "rolloutd.daemons.cli", "demo", "--per-domain", "2", "--no-progress",
                         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=240,
                        env=dict(os.environ, COLUMNS="160"))
     elapsed = time.monotonic() - t0

@@ -18,7 +18,7 @@ TRAJ_KEYS = {"job_id", "instance_id", "sample_index", "handler", "status", "fail
 
 
 def _swe_ids():
-    from handlers.swe_tasks import task_ids
+    from rolloutd.handlers.swe_tasks import task_ids
 
     return sorted(task_ids())
 
@@ -43,7 +43,7 @@ def _gather(up, tasks, timeout_s=150):
 
 
 def test_right_and_wrong_in_every_domain(domains_up, swe_built, jsonl_rows):
-    from handlers.tasks import question_key
+    from rolloutd.handlers.tasks import question_key
 
     swe = _swe_ids()
     tasks = [

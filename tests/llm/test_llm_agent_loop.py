@@ -7,11 +7,11 @@ import asyncio
 import numpy as np
 import pytest
 
-from llm.agent_loop import run_agent_loop
-from llm.client import BackendError, Generation, LLMClient, SamplingParams, simple_generate
-from llm.conversation import Conversation
-from llm.policies import Policy
-from llm.toolparse import get_parser
+from rolloutd.llm.agent_loop import run_agent_loop
+from rolloutd.llm.client import BackendError, Generation, LLMClient, SamplingParams, simple_generate
+from rolloutd.llm.conversation import Conversation
+from rolloutd.llm.policies import Policy
+from rolloutd.llm.toolparse import get_parser
 
 
 class Script(Policy):

@@ -12,8 +12,8 @@ import httpx
 import numpy as np
 import pytest
 
-from llm.agent_loop import run_agent_loop
-from llm.client import (
+from rolloutd.llm.agent_loop import run_agent_loop
+from rolloutd.llm.client import (
     BackendError,
     ContextOverflow,
     LLMClient,
@@ -24,10 +24,10 @@ from llm.client import (
     parse_prometheus,
     simple_generate,
 )
-from llm.conversation import Conversation
-from llm.policies import Policy, PolicyReply, get_policy, parse_policy_spec
-from llm.scripted import Latency
-from llm.toolparse import get_parser
+from rolloutd.llm.conversation import Conversation
+from rolloutd.llm.policies import Policy, PolicyReply, get_policy, parse_policy_spec
+from rolloutd.llm.scripted import Latency
+from rolloutd.llm.toolparse import get_parser
 
 APIS = ["vllm", "sglang"]
 
@@ -333,7 +333,7 @@ def test_custom_policy_reply_with_explicit_ids(qwen_tokenizer, scripted, arun):
 
 def test_scripted_backend_cli_process(tiny_tokenizer_dir, arun):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llm.scripted", "--port", "0", "--tokenizer", str(tiny_tokenizer_dir),
+        [sys.executable, "-m", "rolloutd.llm.scripted", "--port", "0", "--tokenizer", str(tiny_tokenizer_dir),
          "--policy", "tool_then_answer", "--latency", "constant:0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -375,7 +375,7 @@ def test_scripted_backend_cli_process(tiny_tokenizer_dir, arun):
 
 
 def test_registered_policy_and_policy_failure(qwen_tokenizer, scripted, arun):
-    from llm.policies import available_policies, register_policy
+    from rolloutd.llm.policies import available_policies, register_policy
 
     @register_policy("test_upper")
     class Upper(Policy):

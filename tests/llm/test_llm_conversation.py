@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from llm.client import ContextOverflow
-from llm.conversation import Conversation
-from llm.tokenizer_utils import QWEN25_ADDED_TOKENS, QWEN25_FIRST_ADDED_ID
+from rolloutd.llm.client import ContextOverflow
+from rolloutd.llm.conversation import Conversation
+from rolloutd.llm.tokenizer_utils import QWEN25_ADDED_TOKENS, QWEN25_FIRST_ADDED_ID
 
 
 @dataclass

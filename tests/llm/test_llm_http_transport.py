@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from llm.http_transport import FastTransport
+from rolloutd.llm.http_transport import FastTransport
 
 
 class RawServer:

@@ -16,12 +16,12 @@ def test_llm_works_with_torch_blocked(tiny_tokenizer_dir, tmp_path):
         import sys
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
         import asyncio
-        import llm, llm.client, llm.conversation, llm.toolparse, llm.agent_loop, llm.policies
-        import llm.scripted, llm.serve_hf, llm.tiny_model, llm.http_transport, llm.tokenizer_utils
-        from llm import Conversation, LLMClient, SamplingParams, get_parser, run_agent_loop
-        from llm.scripted import ScriptedBackend
-        from llm.tokenizer_utils import load_tokenizer
-        from llm.client import simple_generate
+        import rolloutd.llm, rolloutd.llm.client, rolloutd.llm.conversation, rolloutd.llm.toolparse, rolloutd.llm.agent_loop, rolloutd.llm.policies
+        import rolloutd.llm.scripted, rolloutd.llm.serve_hf, rolloutd.llm.tiny_model, rolloutd.llm.http_transport, rolloutd.llm.tokenizer_utils
+        from rolloutd.llm import Conversation, LLMClient, SamplingParams, get_parser, run_agent_loop
+        from rolloutd.llm.scripted import ScriptedBackend
+        from rolloutd.llm.tokenizer_utils import load_tokenizer
+        from rolloutd.llm.client import simple_generate
 
         tok = load_tokenizer({str(tiny_tokenizer_dir)!r})
         be = ScriptedBackend(tok, "tool_then_answer")
@@ -42,7 +42,7 @@ def test_llm_works_with_torch_blocked(tiny_tokenizer_dir, tmp_path):
             be.stop()
         assert res.stop_reason == "no_tool_call", res.stop_reason
         try:
-            llm.tiny_model.make_tiny_model({str(tmp_path / "model")!r}, tokenizer_only=False)
+            rolloutd.llm.tiny_model.make_tiny_model({str(tmp_path / "model")!r}, tokenizer_only=False)
         except ImportError:
             pass
         else:
@@ -52,7 +52,7 @@ def test_llm_works_with_torch_blocked(tiny_tokenizer_dir, tmp_path):
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=str(ROOT), capture_output=True, text=True, timeout=120,
-        env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert not (tmp_path / "model").exists()

@@ -11,11 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install rolloutd[torch])")
 
-from llm.agent_loop import run_agent_loop  # noqa: E402
-from llm.client import ContextOverflow, LLMClient, SamplingParams, simple_generate  # noqa: E402
-from llm.conversation import Conversation  # noqa: E402
-from llm.http_transport import FastTransport  # noqa: E402
-from llm.toolparse import ParseResult, ToolCall, ToolParser  # noqa: E402
+from rolloutd.llm.agent_loop import run_agent_loop  # noqa: E402
+from rolloutd.llm.client import ContextOverflow, LLMClient, SamplingParams, simple_generate  # noqa: E402
+from rolloutd.llm.conversation import Conversation  # noqa: E402
+from rolloutd.llm.http_transport import FastTransport  # noqa: E402
+from rolloutd.llm.toolparse import ParseResult, ToolCall, ToolParser  # noqa: E402
 
 
 class AlwaysCall(ToolParser):
@@ -28,7 +28,7 @@ class AlwaysCall(ToolParser):
 
 @pytest.fixture(scope="module")
 def hf_server(tiny_model_dir):
-    from llm.serve_hf import HFServer
+    from rolloutd.llm.serve_hf import HFServer
 
     srv = HFServer(tiny_model_dir, max_batch_size=4, served_model_name="tiny", threads=1)
     srv.start()
@@ -45,7 +45,7 @@ def ref_model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def tiny_tok(tiny_model_dir):
-    from llm.tokenizer_utils import load_tokenizer
+    from rolloutd.llm.tokenizer_utils import load_tokenizer
 
     return load_tokenizer(tiny_model_dir)
 
@@ -193,7 +193,7 @@ def test_serve_hf_main(tiny_model_dir, arun, capsys):
     import signal
     import threading
 
-    from llm import serve_hf
+    from rolloutd.llm import serve_hf
 
     result = {}
 
@@ -231,7 +231,7 @@ def test_accept_queue_holds_a_trainer_steps_burst():
     into job timeouts on a loaded box; nothing here accepts, so only the queue holds them."""
     from http.server import BaseHTTPRequestHandler
 
-    from llm.serve_hf import _HTTPServer
+    from rolloutd.llm.serve_hf import _HTTPServer
 
     httpd = _HTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
     socks = []

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from llm.tiny_model import main as tiny_main
-from llm.tokenizer_utils import load_tokenizer
+from rolloutd.llm.tiny_model import main as tiny_main
+from rolloutd.llm.tokenizer_utils import load_tokenizer
 
 
 def test_tokenizer_only_cli_is_deterministic(tmp_path):

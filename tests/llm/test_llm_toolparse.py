@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm.toolparse import FencedBashParser, HermesParser, ToolCall, available_parsers, get_parser
+from rolloutd.llm.toolparse import FencedBashParser, HermesParser, ToolCall, available_parsers, get_parser
 
 
 def test_hermes_well_formed():

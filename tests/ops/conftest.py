@@ -33,7 +33,7 @@ def session_procs():
 @pytest.fixture(scope="session")
 def local_up(session_procs):
     """A one-machine deployment (`rolloutd up` over ipc://) shared by the monitor and exporter tests."""
-    from daemons.supervisor import wait_ready
+    from rolloutd.daemons.supervisor import wait_ready
 
     d = Path(tempfile.mkdtemp(prefix="rtd-ops-"))
     rt = d / "rt"

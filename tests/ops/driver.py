@@ -28,11 +28,11 @@ def main(argv=None) -> int:
     p.add_argument("--status-only", action="store_true")
     a = p.parse_args(argv)
 
-    from gateway.client import GatewayTimeout, RolloutClient
+    from rolloutd.gateway.client import GatewayTimeout, RolloutClient
 
     curve = None
     if a.keys_dir:
-        from bus.sockets import Curve
+        from rolloutd.bus.sockets import Curve
 
         curve = Curve.from_dir(a.keys_dir, a.key_name)
     with RolloutClient(a.gateway, timeout_s=a.request_timeout, retries=1, curve=curve) as c:

@@ -41,7 +41,7 @@ def test_every_exported_metric_is_documented():
 
 
 def test_unit_names_in_operations_doc_exist():
-    import systemd as units
+    from rolloutd import systemd as units
 
     doc = (ROOT / "docs" / "OPERATIONS.md").read_text()
     shipped = {p.name.replace("@.", "@main.") for p in units.unit_files()}

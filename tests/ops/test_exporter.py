@@ -28,7 +28,7 @@ def series(m, name) -> dict[tuple, float]:
 
 
 def test_exporter_counts_jobs_and_exposes_gauges(local_up, procs):
-    from gateway.client import RolloutClient
+    from rolloutd.gateway.client import RolloutClient
 
     port = free_port()
     exp = procs.start([rolloutd_bin(), "exporter", "--port", str(port), "--events", local_up["events"]],

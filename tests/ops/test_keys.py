@@ -62,8 +62,8 @@ CLIENT = textwrap.dedent("""
     import json, sys, shutil, tempfile
     from pathlib import Path
     import zmq.auth
-    from bus.sockets import Curve
-    from gateway.client import RolloutClient, GatewayTimeout
+    from rolloutd.bus.sockets import Curve
+    from rolloutd.gateway.client import RolloutClient, GatewayTimeout
     addr, keys = sys.argv[1], Path(sys.argv[2])
     def attempt(curve, timeout=1.5):
         with RolloutClient(addr, timeout_s=timeout, retries=0, curve=curve) as c:
@@ -133,7 +133,7 @@ def test_keys_help_and_errors():
     assert r.returncode == 0 and "generate" in r.stdout
     r = keys("generate", "/tmp/x", "--names", "server")
     assert r.returncode == 2
-    r = subprocess.run([sys.executable, "-m", "daemons.cli", "keys", "bundle", "/nonexistent", "/tmp/y", "--role", "head"],
+    r = subprocess.run([sys.executable, "-m", "rolloutd.daemons.cli", "keys", "bundle", "/nonexistent", "/tmp/y", "--role", "head"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "server.key" in r.stderr
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from daemons.monitor import State, render
+from rolloutd.daemons.monitor import State, render
 
 from .helpers import rolloutd_bin
 
@@ -147,7 +147,7 @@ def test_render_shows_every_panel():
 
 
 def submit_and_gather(gateway: str, n: int, instance: dict) -> list[dict]:
-    from gateway.client import RolloutClient
+    from rolloutd.gateway.client import RolloutClient
 
     with RolloutClient(gateway, timeout_s=5.0) as c:
         ids = c.submit([{"handler": "synthetic", "instance": instance}], n=n)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import systemd as units
+from rolloutd import systemd as units
 
 from .helpers import (DRIVER, PY, SlurmCluster, free_port, isolated_net, rolloutd_bin, run, slurm_unavailable_reason,
                       wait_for)

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-import systemd as units
-from daemons.config import DEFAULTS
+from rolloutd import systemd as units
+from rolloutd.bus.config import DEFAULTS
 
 from .helpers import rolloutd_bin
 
@@ -79,8 +79,8 @@ def test_exec_start_is_accepted_by_the_cli(name, tmp_path):
     """ExecStart, with systemd's specifiers and variables filled in, parses into a valid config."""
     import shlex
 
-    from daemons.cli import build_parser
-    from daemons.supervisor import config_from_args
+    from rolloutd.daemons.cli import build_parser
+    from rolloutd.daemons.supervisor import config_from_args
 
     cfg = tmp_path / "main.toml"
     cfg.write_text(units.EXAMPLE_CONFIG.format(instance="main", head="10.1.2.3").replace(
@@ -91,7 +91,7 @@ def test_exec_start_is_accepted_by_the_cli(name, tmp_path):
     if argv[0] == "exporter":   # the exporter's own parser: the stream options plus --port/--addr
         import argparse
 
-        from daemons.monitor import stream_args
+        from rolloutd.daemons.monitor import stream_args
 
         p = argparse.ArgumentParser()
         stream_args(p)
@@ -149,7 +149,7 @@ def test_module_cli_install_render_and_paths(tmp_path):
     # the example config is valid for the daemons and the CLI tools
     import tomllib
 
-    from daemons.config import Config
+    from rolloutd.bus.config import Config
 
     c = Config(tomllib.loads(cfg))
     assert c.endpoints.gateway == "tcp://10.0.0.1:5550" and c.endpoints.run == "ipc:///run/rolloutd/main/run.sock"

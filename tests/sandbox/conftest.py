@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # until the project is pip-installed
     sys.path.insert(0, str(ROOT))
 
-from sandbox import SandboxSpec, ToolClient, bwrap_works  # noqa: E402
-from sandbox import procs  # noqa: E402
+from rolloutd.sandbox import SandboxSpec, ToolClient, bwrap_works  # noqa: E402
+from rolloutd.sandbox import procs  # noqa: E402
 
 # Short timeouts everywhere: a stuck test should fail, not hang.
 FAST = dict(ready_timeout=20.0, interrupt_grace=0.5, default_timeout=20.0)
@@ -75,7 +75,7 @@ class Tracker:
 
 
 def _make(kind, root, **kw):
-    from sandbox import get_runtime
+    from rolloutd.sandbox import get_runtime
 
     opts = dict(FAST)
     opts.update(kw)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import SandboxSpec, ToolClient, get_runtime
-from sandbox.apptainer import exec_argv, instance_start_argv, instance_stop_argv
-from sandbox.errors import RuntimeUnavailable, SandboxSpecError
-from sandbox.images import ImageBuilder, ImageSpec, build_argv, render_definition
+from rolloutd.sandbox import SandboxSpec, ToolClient, get_runtime
+from rolloutd.sandbox.apptainer import exec_argv, instance_start_argv, instance_stop_argv
+from rolloutd.sandbox.errors import RuntimeUnavailable, SandboxSpecError
+from rolloutd.sandbox.images import ImageBuilder, ImageSpec, build_argv, render_definition
 
 SWE = ImageSpec(
     name="swe-py311", base="python:3.11-slim",

@@ -191,7 +191,7 @@ def test_garbage_frame_does_not_kill_server(tool_env):
     s.connect(h.tool_socket)
     body = b"this is not json"
     s.sendall(struct.pack("!I", len(body)) + body)
-    from sandbox.toolserver.wire import recv_frame
+    from rolloutd.sandbox.toolserver.wire import recv_frame
 
     resp = recv_frame(s)
     assert resp and "bad frame" in resp["error"]

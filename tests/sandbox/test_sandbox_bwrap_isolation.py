@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import Limits, SandboxHandle, SandboxSpec, SandboxStartError, ToolClient, get_runtime, procs
+from rolloutd.sandbox import Limits, SandboxHandle, SandboxSpec, SandboxStartError, ToolClient, get_runtime, procs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -246,7 +246,7 @@ def test_rootfs_image_and_user_binds(bwrap_rt, short_root):
 
 
 def test_sif_image_is_rejected_with_advice(bwrap_rt):
-    from sandbox import SandboxSpecError
+    from rolloutd.sandbox import SandboxSpecError
 
     with pytest.raises(SandboxSpecError, match="apptainer"):
         bwrap_rt.rt.create("sif", SandboxSpec(image="/nonexistent/x.sif"))

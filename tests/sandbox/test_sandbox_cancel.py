@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from sandbox import AsyncToolClient, ToolClient, ToolTransportError
+from rolloutd.sandbox import AsyncToolClient, ToolClient, ToolTransportError
 
 COUNT_SLEEPS = "n=0; for p in /proc/[0-9]*; do [ \"$(cat $p/comm 2>/dev/null)\" = sleep ] && n=$((n+1)); done; echo $n"
 

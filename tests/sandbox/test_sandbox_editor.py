@@ -1,7 +1,7 @@
 """The editor tool: unit tests on the Editor class, plus the same through the server."""
 import pytest
 
-from sandbox.toolserver.editor import Editor, EditorError
+from rolloutd.sandbox.toolserver.editor import Editor, EditorError
 
 
 @pytest.fixture

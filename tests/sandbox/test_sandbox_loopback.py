@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from sandbox.loopback import LoopbackAllocator, LoopbackExhausted
+from rolloutd.sandbox.loopback import LoopbackAllocator, LoopbackExhausted
 
 
 def test_unique_under_threads(tmp_path):

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from sandbox import Limits, SandboxSpec, SandboxSpecError, get_runtime, procs
-from sandbox.bwrap import build_argv, host_system_ops, resolve_run_as, rootfs_ops
+from rolloutd.sandbox import Limits, SandboxSpec, SandboxSpecError, get_runtime, procs
+from rolloutd.sandbox.bwrap import build_argv, host_system_ops, resolve_run_as, rootfs_ops
 
 
 def test_bwrap_argv_golden():
@@ -116,7 +116,7 @@ def restore_structlog():
 
 
 def test_doctor_checks_and_cli(short_root, capsys, restore_structlog):
-    from sandbox import doctor
+    from rolloutd.sandbox import doctor
 
     checks = doctor.check(short_root, deep=False)
     names = [c.name for c in checks]
@@ -133,7 +133,7 @@ def test_doctor_checks_and_cli(short_root, capsys, restore_structlog):
 
 
 def test_doctor_deep_check_really_starts_a_sandbox(short_root):
-    from sandbox import bwrap_works, doctor
+    from rolloutd.sandbox import bwrap_works, doctor
 
     if not bwrap_works()[0]:
         pytest.skip("bubblewrap unusable here")
@@ -164,12 +164,12 @@ OLD_PY = _old_python()
 @pytest.mark.skipif(OLD_PY is None, reason="no working python3.8 (set ROLLOUTD_TEST_OLD_PYTHON): images may ship "
                                            "an old python3, the tool server supports >= 3.8")
 def test_tool_server_runs_on_python38(local_rt, short_root):
-    from sandbox import get_runtime
+    from rolloutd.sandbox import get_runtime
 
     rt = get_runtime("local", root_dir=short_root / "py38", python=OLD_PY, interrupt_grace=0.5)
     h = rt.create("py38")
     try:
-        from sandbox import ToolClient
+        from rolloutd.sandbox import ToolClient
 
         with ToolClient(h.tool_socket) as c:
             assert c.ping().info["python"].startswith("3.8")

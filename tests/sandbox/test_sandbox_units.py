@@ -5,10 +5,10 @@ import socket
 import msgpack
 import pytest
 
-from sandbox import Limits, SandboxHandle, SandboxSpec, SandboxSpecError, ToolResult
-from sandbox.cgroups import CgroupV2
-from sandbox.toolserver.output import CappedBuffer, finish_text, strip_ansi
-from sandbox.toolserver.wire import FrameError, encode, recv_frame, send_frame
+from rolloutd.sandbox import Limits, SandboxHandle, SandboxSpec, SandboxSpecError, ToolResult
+from rolloutd.sandbox.cgroups import CgroupV2
+from rolloutd.sandbox.toolserver.output import CappedBuffer, finish_text, strip_ansi
+from rolloutd.sandbox.toolserver.wire import FrameError, encode, recv_frame, send_frame
 
 
 def test_wire_roundtrip_and_errors():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from handlers.swe_tasks import DownloadError, build_all, default_cache_dir
+from rolloutd.handlers.swe_tasks import DownloadError, build_all, default_cache_dir
 
 
 @pytest.fixture(scope="session")

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from handlers.swe_tasks import build_task, copy_repo, get_task, load_tasks, repo_path, restore_tests
-from handlers.swe_tasks.build import DownloadError, ensure_sdists
-from handlers.swe_tasks.build import main as build_main
-from handlers.swe_tasks.taskdefs import build_hash
+from rolloutd.handlers.swe_tasks import build_task, copy_repo, get_task, load_tasks, repo_path, restore_tests
+from rolloutd.handlers.swe_tasks.build import DownloadError, ensure_sdists
+from rolloutd.handlers.swe_tasks.build import main as build_main
+from rolloutd.handlers.swe_tasks.taskdefs import build_hash
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = "inflection-ordinal-teens"  # smallest sdist
@@ -68,7 +68,7 @@ def test_fresh_cache_from_mirror_and_rebuild_on_change(tmp_path, swe_sdist_mirro
 def test_concurrent_builders_are_serialized(tmp_path, swe_sdist_mirror):
     cache = tmp_path / "cache"
     env = dict(os.environ, ROLLOUTD_SWE_SDISTS=str(swe_sdist_mirror), ROLLOUTD_SWE_CACHE=str(cache))
-    code = ("import sys; from handlers.swe_tasks import build_all;"
+    code = ("import sys; from rolloutd.handlers.swe_tasks import build_all;"
             "print(sorted(build_all(task_ids=sys.argv[1:])))")
     ids = [SMALL, "toolz-get-in-default", "boltons-parse-int-list-range"]
     procs = [subprocess.Popen([sys.executable, "-c", code, *ids], cwd=REPO, env=env,
@@ -101,7 +101,7 @@ def test_hash_mismatch_is_a_download_error(tmp_path, swe_sdist_mirror, monkeypat
     (cache / "sdists").mkdir(parents=True)
     # a corrupt cached sdist is not trusted; with the network blocked the build must fail clearly
     (cache / "sdists" / task["sdist"]).write_bytes(b"corrupt")
-    monkeypatch.setattr("handlers.swe_tasks.build._pip_download",
+    monkeypatch.setattr("rolloutd.handlers.swe_tasks.build._pip_download",
                         lambda specs, dest: (_ for _ in ()).throw(DownloadError("offline")))
     with pytest.raises(DownloadError, match="offline"):
         ensure_sdists([task], cache)

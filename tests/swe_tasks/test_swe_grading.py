@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from handlers.swe_tasks.grading import EditError, apply_edits, grade, parse_test_output
+from rolloutd.handlers.swe_tasks.grading import EditError, apply_edits, grade, parse_test_output
 
 TASK = {
     "task_id": "demo-task",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from handlers.swe_tasks.patching import PatchError, apply_unified_diff, make_unified_diff, parse_unified_diff
+from rolloutd.handlers.swe_tasks.patching import PatchError, apply_unified_diff, make_unified_diff, parse_unified_diff
 
 BEFORE = "".join(f"line {i}\n" for i in range(1, 21))
 

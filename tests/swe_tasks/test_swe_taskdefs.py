@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from handlers.swe_tasks import get_task, load_tasks, task_ids
-from handlers.swe_tasks.patching import parse_unified_diff
-from handlers.swe_tasks.taskdefs import (
+from rolloutd.handlers.swe_tasks import get_task, load_tasks, task_ids
+from rolloutd.handlers.swe_tasks.patching import parse_unified_diff
+from rolloutd.handlers.swe_tasks.taskdefs import (
     PATCHES_DIR,
     TASKS_DIR,
     TaskDefinitionError,

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from handlers.swe_tasks import copy_repo, get_task, grade, run_tests, task_ids
-from handlers.swe_tasks.verify import verify_all
+from rolloutd.handlers.swe_tasks import copy_repo, get_task, grade, run_tests, task_ids
+from rolloutd.handlers.swe_tasks.verify import verify_all
 
 IDS = task_ids()
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from gateway.batch import Batch, BatchClient, GatewayTimeout, collate, group_by_instance
+from rolloutd.gateway.batch import Batch, BatchClient, GatewayTimeout, collate, group_by_instance
 
 
 def task(iid, run_s=0.0, reward=1.0, **kw):

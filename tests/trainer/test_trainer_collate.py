@@ -1,10 +1,10 @@
-"""Padding, grouping and advantages (gateway.batch pure helpers): no sockets, no processes."""
+"""Padding, grouping and advantages (rolloutd.gateway.batch pure helpers): no sockets, no processes."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gateway.batch import collate, filter_ok, group_advantages, group_by_instance, placeholder, status_counts, to_torch
+from rolloutd.gateway.batch import collate, filter_ok, group_advantages, group_by_instance, placeholder, status_counts, to_torch
 
 
 def traj(jid, iid, k, prompt, response, mask=None, lps=None, reward=0.0, status="ok", version=0, turns=None):
@@ -143,7 +143,7 @@ def test_collate_matches_a_model_forward():
 
 
 def test_to_message_log_for_nemo_rl():
-    from gateway.batch import to_message_log
+    from rolloutd.gateway.batch import to_message_log
 
     t = traj(1, "i", 0, [1, 2, 3], [20, 21, 30, 31, 32, 22], mask=[1, 1, 0, 0, 0, 1],
              lps=[-1, -2, 0, 0, 0, -3])

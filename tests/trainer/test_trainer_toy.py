@@ -6,9 +6,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from bus.messages import Job
-from handlers.base import JobContext
-from handlers.toy import ToyHandler, score
+from rolloutd.bus.messages import Job
+from rolloutd.handlers.base import JobContext
+from rolloutd.handlers.toy import ToyHandler, score
 
 
 def test_score_modes():
@@ -32,7 +32,7 @@ class FakeLLM:
         self.ids, self.lps = ids, lps
 
     async def __call__(self, prompt_ids, params):
-        from llm.client import Generation
+        from rolloutd.llm.client import Generation
 
         self.calls.append((np.asarray(prompt_ids).tolist(), params))
         return Generation(token_ids=np.asarray(self.ids, np.int32), logprobs=np.asarray(self.lps, np.float32),
@@ -72,7 +72,7 @@ def test_toy_renders_messages_with_the_chat_template(tiny_tokenizer_dir, tiny_to
     llm = FakeLLM([5], [-1.0])
     msgs = [{"role": "user", "content": "Reply with digits only: 42"}]
     ctx = run_phases(ToyHandler(), {"messages": msgs, "tokenizer": str(tiny_tokenizer_dir), "target_ids": [5]}, llm=llm)
-    from llm.conversation import get_renderer
+    from rolloutd.llm.conversation import get_renderer
 
     assert ctx.trajectory["prompt_ids"].tolist() == list(get_renderer(tiny_tokenizer).render_prompt(msgs))
     assert ctx.trajectory["reward"] == 1.0
@@ -86,8 +86,8 @@ def test_toy_without_prompt_fails_cleanly():
 def test_toy_through_rolloutd(up_factory, backends, tokenizer):
     """The toy handler in real daemons (found through its entry point), against a scripted backend
     that always answers "ok": reward 1 when the target is the token of "ok", 0 otherwise."""
-    from gateway.batch import BatchClient
-    from handlers.registry import handler_names
+    from rolloutd.gateway.batch import BatchClient
+    from rolloutd.handlers.registry import handler_names
 
     assert "toy" in handler_names(), "toy is an entry point of rolloutd: reinstall it (pip install -e .)"
 

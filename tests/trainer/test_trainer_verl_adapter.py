@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gateway import verl_adapter as va
-from gateway.batch import collate
+from rolloutd.gateway import verl_adapter as va
+from rolloutd.gateway.batch import collate
 
 P_LEN, R_LEN = 96, 16
 
@@ -76,7 +76,7 @@ def test_adapter_fits_the_agent_loop_interface():
         from verl.experimental.agent_loop import agent_loop as real
 
         assert va.AgentLoopBase is real.AgentLoopBase and va.AgentLoopOutput is real.AgentLoopOutput
-        assert real._agent_loop_registry[va.AGENT_NAME] == {"_target_": "gateway.verl_adapter.RolloutdAgentLoop"}
+        assert real._agent_loop_registry[va.AGENT_NAME] == {"_target_": "rolloutd.gateway.verl_adapter.RolloutdAgentLoop"}
 
 
 def _verl_source() -> Path | None:
@@ -227,12 +227,12 @@ def test_run_through_rolloutd(up, backends, tiny_tokenizer):
 def test_verl_agent_loop_worker_drives_the_adapter(up, backends, tmp_path, monkeypatch):
     """veRL's own AgentLoopWorker (no Ray actor: the plain class), configured with the shipped
     examples/verl/agent_loop.yaml, runs the adapter for a batch and pads it; the result equals
-    gateway.batch.collate of the same trajectories."""
+    rolloutd.gateway.batch.collate of the same trajectories."""
     torch = pytest.importorskip("torch")
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
     from verl.protocol import DataProto
 
-    from llm.tiny_model import make_tiny_model
+    from rolloutd.llm.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "model")
     yaml = Path(__file__).resolve().parents[2] / "examples" / "verl" / "agent_loop.yaml"

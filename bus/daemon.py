@@ -13,10 +13,10 @@ import signal
 import time
 import traceback
 
-from bus.events import Publisher
-from bus.sockets import Sockets
-from daemons import logs
-from daemons.config import Config
+from rolloutd.bus.events import Publisher
+from rolloutd.bus.sockets import Sockets
+from rolloutd.bus import logs
+from rolloutd.bus.config import Config
 
 
 class Daemon:

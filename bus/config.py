@@ -16,11 +16,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from bus.endpoints import EndpointError, Endpoints
+from rolloutd.bus.endpoints import EndpointError, Endpoints
 
 DEFAULTS: dict = {
     "node": "",                # defaults to the host name
-    "endpoints": {},           # see bus.endpoints.Endpoints.from_config
+    "endpoints": {},           # see rolloutd.bus.endpoints.Endpoints.from_config
     "keys_dir": "",            # CURVE keys from `rolloutd keys generate`; empty = no CURVE
     "daemon": {"heartbeat_s": 1.0, "drain_s": 10.0, "poll_s": 0.2},
     "logging": {"format": "auto", "level": "info"},
@@ -109,7 +109,7 @@ class Config:
             return Path(root)
         import hashlib
 
-        from sandbox.runtime import default_root
+        from rolloutd.sandbox.runtime import default_root
 
         tag = hashlib.sha1(str(self.runtime_dir.resolve()).encode()).hexdigest()[:10]
         return default_root() / f"d-{tag}"
@@ -117,7 +117,7 @@ class Config:
     def curve(self, name: str):
         if not self.data["keys_dir"]:
             return None
-        from bus.sockets import Curve
+        from rolloutd.bus.sockets import Curve
 
         return Curve.from_dir(self.data["keys_dir"], name)
 
