@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch is an optional extra; this pin takes the local CPU build (a bare `torch` downloads GBs of CUDA).
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[daemon,test,tasks,torch]"
+	$(BIN)/pip install -q -e ".[daemon,test,tasks,torch,harness,families,trainers]"
 	touch $(STAMP)
 
 venv: $(STAMP)
