@@ -14,7 +14,7 @@ import pytest
 
 from rolloutd.handlers.swe_tasks import build_task, copy_repo, get_task, load_tasks, repo_path, restore_tests
 from rolloutd.handlers.swe_tasks.build import DownloadError, ensure_sdists
-from rolloutd.handlers.swe_tasks.build import main as build_main
+from rolloutd.handlers.swe_tasks.__main__ import main as build_main
 from rolloutd.handlers.swe_tasks.taskdefs import build_hash
 
 REPO = Path(__file__).resolve().parents[2]
