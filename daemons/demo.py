@@ -372,7 +372,7 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
     run_dir = workdir / "run"
     hcfg = {d: {"tokenizer": str(model_dir)} for d in DOMAINS}
     # Sandboxes in the demo's own work dir: nothing of them outlives the demo.
-    sets = [f"rolloutd.sandbox.runtime={runtime}", f"sandbox.root_dir={workdir / 'sb'}", "handlers=" + json.dumps(hcfg),
+    sets = [f"sandbox.runtime={runtime}", f"sandbox.root_dir={workdir / 'sb'}", "handlers=" + json.dumps(hcfg),
             "logging.format=json"]
     console.print(f"starting [bold]rolloutd up[/] (sandbox runtime: [bold]{runtime}[/]; log: {up_log}) ...")
     up = children.add("rolloutd up", start_up(run_dir, sets, up_log, env))

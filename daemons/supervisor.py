@@ -167,7 +167,7 @@ def config_from_args(path: str | None, runtime_dir: str | None, sets: list[str])
             data[section] = _parse(raw)
             continue
         node = data.setdefault(section, {})
-        for p in path[:-1]:  # rolloutd.handlers.math.tokenizer=X nests
+        for p in path[:-1]:  # handlers.math.tokenizer=X nests
             node = node.setdefault(p, {})
         node[path[-1]] = _parse(raw)
     return Config({k: v for k, v in data.items()}, cfg.path)

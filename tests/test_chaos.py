@@ -11,7 +11,7 @@ from tests.conftest import synthetic
 
 
 def test_kill9_each_daemon_during_1000_jobs(up_factory, tmp_path):
-    up = up_factory(f"rolloutd.gateway.journal={tmp_path}/journal.db", "gateway.daemon_dead_s=2", "gateway.lease_timeout_s=6",
+    up = up_factory(f"gateway.journal={tmp_path}/journal.db", "gateway.daemon_dead_s=2", "gateway.lease_timeout_s=6",
                     "gateway.max_attempts=6", "run.pool=32", "init.pool=16", "eval.pool=16", "daemon.heartbeat_s=0.5")
     tasks = [synthetic(i, init={"dist": "uniform", "low": 0, "high": 0.02},
                        run={"dist": "lognormal", "mu": -1.0, "sigma": 0.6},

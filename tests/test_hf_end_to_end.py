@@ -23,7 +23,7 @@ def test_multi_turn_trajectories_match_a_forward_pass(up_factory, tiny_model_dir
     srv = HFServer(tiny_model_dir, max_batch_size=4, served_model_name="tiny", threads=1)
     srv.start()
     try:
-        up = up_factory(f"rolloutd.handlers.dialogue.tokenizer={tiny_model_dir}")
+        up = up_factory(f"handlers.dialogue.tokenizer={tiny_model_dir}")
         tasks = [{"handler": "dialogue", "instance_id": f"d{i}",
                   "instance": {"messages": [{"role": "user", "content": f"Count to {i + 3}."}],
                                "user_turns": ["Go on.", "And now backwards?"],

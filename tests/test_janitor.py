@@ -11,7 +11,7 @@ def test_orphan_sandbox_is_reaped(up_factory):
 
     ok, why = bwrap_works()
     runtime = "bwrap" if ok else "local"
-    up = up_factory(f"rolloutd.sandbox.runtime={runtime}", "sandbox.janitor_interval_s=0.5", "sandbox.janitor_grace_s=1")
+    up = up_factory(f"sandbox.runtime={runtime}", "sandbox.janitor_interval_s=0.5", "sandbox.janitor_grace_s=1")
     from rolloutd.daemons.supervisor import config_from_args
 
     rt = get_runtime(runtime, root_dir=config_from_args(None, str(up.runtime_dir), []).sandbox_root())

@@ -16,7 +16,7 @@ def slow(i, run=1.0, **kw):
 
 
 def test_gateway_kill9_recovers_from_the_journal(up_factory, tmp_path):
-    up = up_factory(f"rolloutd.gateway.journal={tmp_path}/journal.db", "run.pool=8")
+    up = up_factory(f"gateway.journal={tmp_path}/journal.db", "run.pool=8")
     with up.client(timeout_s=3.0, retries=10) as c:
         ids = c.submit([slow(i, run=0.2 + 0.05 * (i % 10)) for i in range(60)])
         got = []

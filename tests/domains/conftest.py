@@ -96,7 +96,7 @@ def oracle_backend(tok_dir, math_jsonl):
 
 def _domain_sets(tok_dir: str, sandbox_root: str, runtime: str = "bwrap") -> list[str]:
     hcfg = {name: {"tokenizer": tok_dir} for name in ("math", "code", "swe")}
-    return [f"rolloutd.sandbox.runtime={runtime}", f"sandbox.root_dir={sandbox_root}", "handlers=" + json.dumps(hcfg)]
+    return [f"sandbox.runtime={runtime}", f"sandbox.root_dir={sandbox_root}", "handlers=" + json.dumps(hcfg)]
 
 
 @pytest.fixture(scope="module")
