@@ -63,6 +63,10 @@ class ToolServer:
         self.tools: Dict[str, Callable[[Dict[str, Any], Canceller], Dict[str, Any]]] = {
             "ping": self.t_ping, "bash": self.t_bash, "python": self.t_python, "editor": self.t_editor,
         }
+        from . import agentproc, relay  # bring-your-own-agent: agent processes, the LLM relay (issue 12)
+
+        self.tools.update(agentproc.tools(self))
+        self.tools.update(relay.tools(self))
         self.calls = 0
         self._tools_ready = threading.Event()
         self._tools_error: Optional[str] = None
