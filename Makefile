@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	# torch is an optional extra; this pin takes the local CPU build (a bare `torch` downloads GBs of CUDA).
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[daemon,test,tasks,torch,harness,families,trainers]"
+	# veRL's own requirements pull a CUDA torch and pin transformers<5.11: install it alone; the
+	# `trainers` extra above holds what importing its agent loops (legacy and V1) needs.
+	$(BIN)/pip install -q --no-deps verl==0.9.1
 	touch $(STAMP)
 
 venv: $(STAMP)
