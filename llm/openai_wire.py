@@ -1,0 +1,350 @@
+"""OpenAI wire shapes for the per-job endpoint: request validation, message normalization,
+response and server-sent-event bodies, error bodies.
+
+Shapes follow OpenAI's Chat Completions and Completions references (the ones the ``openai``
+SDK parses): ``chat.completion`` / ``chat.completion.chunk`` / ``text_completion`` objects and
+``{"error": {"message", "type", "param", "code"}}``. Unknown request fields are tolerated
+(ignored), as vLLM does; fields whose meaning we cannot honour are refused with a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .client import SamplingParams
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+class EndpointError(Exception):
+    """A request the endpoint refuses: ``status`` plus OpenAI's error object.
+
+    400 ``invalid_request_error`` (bad body, ``n > 1``, ``context_length_exceeded``),
+    401 bad API key, 404 unknown route, 413 body too large, 429 ``insufficient_quota``
+    (``max_llm_calls`` spent), 503 (job cancelled, past its deadline, no backend).
+    ``retry=False`` adds ``x-should-retry: false``, which the ``openai`` SDK honours, so an
+    agent does not retry a refusal that cannot change.
+    """
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None, retry: bool | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+        self.retry = retry
+
+    def body(self) -> bytes:
+        return _dumps({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                 "code": self.code}}).encode()
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> EndpointError:
+    return EndpointError(400, message, param=param, code=code)
+
+
+# -- requests ------------------------------------------------------------------------------
+def text_of(content: Any, where: str) -> str:
+    """Message content as text: a string, None, or a list of ``{"type": "text", "text"}`` parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, str):
+                parts.append(p)
+            elif isinstance(p, dict) and p.get("type") in ("text", "input_text", "output_text") \
+                    and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+            elif isinstance(p, dict) and p.get("type") == "refusal":
+                parts.append(str(p.get("refusal") or ""))
+            else:
+                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                raise bad(f"{where}: content part of type {kind!r} is not supported (text only)", "messages")
+        return "".join(parts)
+    raise bad(f"{where}: content must be a string, null or a list of text parts", "messages")
+
+
+def call_arguments(raw: Any, where: str) -> Any:
+    """A tool call's ``arguments`` (a JSON string on the wire) as a Python value."""
+    if isinstance(raw, str):
+        if not raw.strip():
+            return {}
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw  # kept verbatim: rendered as the string it is
+    if raw is None:
+        return {}
+    return raw
+
+
+@dataclass(slots=True)
+class Msg:
+    """One request message, normalized. ``key`` compares messages across requests."""
+
+    role: str
+    content: str
+    name: str | None = None
+    tool_call_id: str | None = None
+    calls: tuple = ()  # ((name, arguments-as-JSON-text), ...)
+    call_ids: tuple = ()
+    reasoning: str | None = None
+
+    @property
+    def key(self) -> tuple:
+        return (self.role, self.content, self.name, self.tool_call_id, self.calls)
+
+    def template_dict(self) -> dict:
+        """What the chat template gets (tool-call arguments as objects, as vLLM passes them)."""
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.calls:
+            d["tool_calls"] = [
+                {"id": cid, "type": "function", "function": {"name": n, "arguments": json.loads(a)}}
+                for (n, a), cid in zip(self.calls, self.call_ids)
+            ]
+        return d
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def canon_args(args: Any) -> str:
+    return json.dumps(args, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def parse_messages(raw: Any) -> list[Msg]:
+    if not isinstance(raw, list) or not raw:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out: list[Msg] = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object", "messages")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad(f"{where}: unknown role {role!r}", "messages")
+        if role == "developer":  # OpenAI's newer name for the system role
+            role = "system"
+        if role == "function":  # the deprecated pre-tools shape
+            role = "tool"
+        calls: list[tuple[str, str]] = []
+        ids: list[str] = []
+        tcs = m.get("tool_calls")
+        if tcs:
+            if role != "assistant" or not isinstance(tcs, list):
+                raise bad(f"{where}: tool_calls must be a list on an assistant message", "messages")
+            for j, tc in enumerate(tcs):
+                fn = tc.get("function") if isinstance(tc, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise bad(f"{where}.tool_calls[{j}] needs function.name", "messages")
+                calls.append((fn["name"], canon_args(call_arguments(fn.get("arguments"), where))))
+                ids.append(str(tc.get("id") or f"call_{i}_{j}"))
+        reasoning = m.get("reasoning_content", m.get("reasoning"))
+        name = m.get("name")
+        tcid = m.get("tool_call_id")
+        out.append(Msg(role=role, content=text_of(m.get("content"), where),
+                       name=name if isinstance(name, str) else None,
+                       tool_call_id=tcid if isinstance(tcid, str) else None,
+                       calls=tuple(calls), call_ids=tuple(ids),
+                       reasoning=reasoning if isinstance(reasoning, str) else None))
+    return out
+
+
+def parse_tools(raw: Any) -> list[dict] | None:
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list):
+        raise bad("'tools' must be a list", "tools")
+    for i, t in enumerate(raw):
+        if not (isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str)):
+            raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
+    return raw
+
+
+def _num(body: dict, key: str, default: Any, cast=float, lo: float | None = None, hi: float | None = None) -> Any:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad(f"'{key}' must be a number", key)
+    v = cast(v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad(f"'{key}' = {v} is out of range [{lo}, {hi}]", key)
+    return v
+
+
+@dataclass(slots=True)
+class Sampling:
+    """The per-request sampling fields, before the context window caps ``max_tokens``."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, stop_token_ids=list(self.stop_token_ids))
+
+
+def parse_sampling(body: dict) -> Sampling:
+    n = _num(body, "n", 1, int)
+    if n != 1:
+        raise bad(f"n = {n} is not supported: one choice per request (send n requests instead)", "n")
+    if body.get("best_of") not in (None, 1):
+        raise bad("best_of is not supported", "best_of")
+    if body.get("echo"):
+        raise bad("echo is not supported", "echo")
+    if body.get("suffix"):
+        raise bad("suffix is not supported", "suffix")
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
+        raise bad(f"response_format {rf.get('type')!r} is not supported (no guided decoding here)", "response_format")
+    mt = body.get("max_completion_tokens")
+    mt = _num(body, "max_tokens", None, int, 1) if mt is None else _num(body, "max_completion_tokens", None, int, 1)
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise bad("'stop' must be a string or a list of strings", "stop")
+    stops = [s for s in stops if s]
+    sti = body.get("stop_token_ids") or []
+    if not isinstance(sti, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in sti):
+        raise bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    return Sampling(max_tokens=mt, temperature=_num(body, "temperature", 1.0, float, 0.0, 2.0),
+                    top_p=_num(body, "top_p", 1.0, float, 0.0, 1.0), top_k=_num(body, "top_k", -1, int),
+                    seed=_num(body, "seed", None, int), stop=stops, stop_token_ids=list(sti))
+
+
+def parse_tool_choice(raw: Any, tools: list[dict] | None) -> bool:
+    """Whether tool calls are parsed out of the reply (``auto``/``required``/a named function)."""
+    if raw is None:
+        return tools is not None
+    if raw == "none":
+        return False
+    if raw in ("auto", "required"):
+        if tools is None:
+            raise bad(f"tool_choice {raw!r} needs 'tools'", "tool_choice")
+        return True
+    if isinstance(raw, dict) and isinstance(raw.get("function"), dict):
+        if tools is None or raw["function"].get("name") not in {t["function"]["name"] for t in tools}:
+            raise bad("tool_choice names a function that is not in 'tools'", "tool_choice")
+        return True
+    raise bad("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}",
+              "tool_choice")
+
+
+# -- responses -----------------------------------------------------------------------------
+@dataclass(slots=True)
+class Reply:
+    """One answered request, ready to be shaped as a response or as stream chunks."""
+
+    id: str
+    model: str
+    content: str | None
+    tool_calls: list[dict]
+    reasoning: str | None
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    token_ids: list[int]
+    logprobs: list[float]
+    token_strs: list[str] | None = None  # filled when the request asked for logprobs
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _logprobs_obj(r: Reply) -> dict | None:
+    if r.token_strs is None:
+        return None
+    return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+                        for s, lp in zip(r.token_strs, r.logprobs)], "refusal": None}
+
+
+def _usage(r: Reply) -> dict:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+            "total_tokens": r.prompt_tokens + r.completion_tokens}
+
+
+def chat_response(r: Reply) -> dict:
+    msg: dict[str, Any] = {"role": "assistant", "content": r.content, "tool_calls": r.tool_calls or None}
+    if r.reasoning is not None:
+        msg["reasoning_content"] = r.reasoning
+    return {
+        "id": r.id, "object": "chat.completion", "created": r.created, "model": r.model,
+        "choices": [{"index": 0, "message": msg, "logprobs": _logprobs_obj(r), "finish_reason": r.finish_reason,
+                     "token_ids": r.token_ids}],  # token_ids: vLLM's return_token_ids extension
+        "usage": _usage(r),
+    }
+
+
+def chat_chunks(r: Reply, include_usage: bool) -> list[bytes]:
+    """The reply as ``data: ...`` server-sent events, ``[DONE]`` last (OpenAI's chunk order)."""
+    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+        c = {"id": r.id, "object": "chat.completion.chunk", "created": r.created, "model": r.model,
+             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    if r.reasoning:
+        out.append(chunk({"reasoning_content": r.reasoning}))
+    if r.content:
+        out.append(chunk({"content": r.content}, logprobs=_logprobs_obj(r)))
+    for i, tc in enumerate(r.tool_calls):
+        out.append(chunk({"tool_calls": [dict(tc, index=i)]}))
+    out.append(chunk({}, r.finish_reason))
+    if include_usage:
+        out.append({"id": r.id, "object": "chat.completion.chunk", "created": r.created, "model": r.model,
+                    "choices": [], "usage": _usage(r)})
+    return [b"data: " + _dumps(c).encode() + b"\n\n" for c in out] + [b"data: [DONE]\n\n"]
+
+
+def completion_response(r: Reply, text: str) -> dict:
+    lp = None
+    if r.token_strs is not None:
+        offs, off = [], 0
+        for s in r.token_strs:
+            offs.append(off)
+            off += len(s)
+        lp = {"tokens": r.token_strs, "token_logprobs": r.logprobs, "top_logprobs": None, "text_offset": offs}
+    return {"id": r.id, "object": "text_completion", "created": r.created, "model": r.model,
+            "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": r.finish_reason,
+                         "token_ids": r.token_ids}],
+            "usage": _usage(r)}
+
+
+def completion_chunks(r: Reply, text: str, include_usage: bool) -> list[bytes]:
+    body = completion_response(r, text)
+    usage = body.pop("usage")
+    if include_usage:
+        body["usage"] = None
+    out = [body]
+    if include_usage:
+        out.append({"id": r.id, "object": "text_completion", "created": r.created, "model": r.model, "choices": [],
+                    "usage": usage})
+    return [b"data: " + _dumps(c).encode() + b"\n\n" for c in out] + [b"data: [DONE]\n\n"]
+
+
+def models_response(model: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "rolloutd"}]}
+
+
+def dumps(obj: Any) -> bytes:
+    return _dumps(obj).encode()
