@@ -12,6 +12,17 @@ Built-in parsers:
 * ``fenced_bash``: SWE-agent style actions, each fenced block ````` ```bash ... ``` ````` is one
   ``bash`` call with ``arguments == {"command": ...}``.
 
+Model-family parsers live in :mod:`rolloutd.llm.parsers` (``qwen3``, ``qwen3_coder``,
+``llama3_json``, ``mistral``, ``harmony``, ``deepseek_v31``; docs/LLM.md, "Model families").
+Besides the calls they split off the reasoning (``ParseResult.reasoning``) and the
+user-visible text (``ParseResult.content``), which is what an OpenAI-compatible
+endpoint returns as ``reasoning_content`` / ``content`` / ``tool_calls``
+(:meth:`ParseResult.to_openai_message`).
+
+A parser whose format uses control tokens (``[TOOL_CALLS]``, ``<|channel|>``) says
+``skip_special_tokens = False``: the agent loop then decodes the sampled ids with the
+special tokens kept before parsing.
+
 More parsers can be added with :func:`register_parser` or through the entry-point
 group ``rolloutd.toolparsers`` (value: a ``ToolParser`` subclass).
 """
@@ -42,6 +53,14 @@ class ToolCall:
     id: str = ""
     raw: str = ""  # the exact text of the call, for logs
 
+    def to_openai(self) -> dict[str, Any]:
+        """OpenAI ``tool_calls`` entry: arguments as a JSON string."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
+        }
+
 
 @dataclass(slots=True)
 class ParseResult:
@@ -49,17 +68,75 @@ class ParseResult:
     errors: list[str] = field(default_factory=list)
     # calls and errors in text order: ("call", ToolCall) | ("error", str)
     items: list[tuple[str, Any]] = field(default_factory=list)
+    # the user-visible text (calls and reasoning removed), None when there is none
+    content: str | None = None
+    # the reasoning text (``<think>`` body, harmony analysis channel), None when there is none
+    reasoning: str | None = None
 
     @property
     def has_actions(self) -> bool:
         return bool(self.calls or self.errors)
 
+    def call(self, c: ToolCall) -> None:
+        self.calls.append(c)
+        self.items.append(("call", c))
+
+    def error(self, msg: str) -> None:
+        self.errors.append(msg)
+        self.items.append(("error", msg))
+
+    def to_openai_message(self) -> dict[str, Any]:
+        """The assistant message an OpenAI chat-completions server returns for this text."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = self.reasoning
+        if self.calls:
+            msg["tool_calls"] = [c.to_openai() for c in self.calls]
+        return msg
+
 
 class ToolParser:
     name = "base"
+    # False: parse() needs the text decoded with special tokens kept
+    skip_special_tokens = True
 
     def parse(self, text: str) -> ParseResult:  # pragma: no cover - interface
         raise NotImplementedError
+
+
+def split_reasoning(text: str, open_tag: str, close_tag: str) -> tuple[str | None, str, bool]:
+    """``(reasoning, rest, closed)`` of a generation that may start with a reasoning block.
+
+    The open tag may be in the generation prompt (DeepSeek's ``<think>``, Qwen3
+    thinking models' ``<think>\\n``) and so absent from the sampled text; the close tag
+    marks the end. Without a close tag, a text that opens a block is all reasoning
+    (``closed`` False: the model ran out of tokens while thinking); a text that does not
+    is all content.
+    """
+    i = text.find(close_tag)
+    if i < 0:
+        j = text.find(open_tag)
+        if j >= 0 and not text[:j].strip():
+            return text[j + len(open_tag) :].strip("\n"), "", False
+        return None, text, True
+    head = text[:i]
+    j = head.find(open_tag)
+    if j >= 0 and not head[:j].strip():
+        head = head[j + len(open_tag) :]
+    return head.strip("\n"), text[i + len(close_tag) :], True
+
+
+def strip_suffixes(text: str, suffixes: tuple[str, ...]) -> str:
+    """Drop trailing end-of-turn token strings (kept when decoding with special tokens)."""
+    changed = True
+    while changed:
+        changed = False
+        t = text.rstrip()
+        for suf in suffixes:
+            if suf and t.endswith(suf):
+                text = t[: -len(suf)]
+                changed = True
+    return text
 
 
 def _snippet(s: str, n: int = 120) -> str:
@@ -83,23 +160,26 @@ class HermesParser(ToolParser):
     def parse(self, text: str) -> ParseResult:
         res = ParseResult()
         if self.open_tag not in text:
+            res.content = text.strip() or None
             return res
         pos = 0
         n = 0
         o, c = self.open_tag, self.close_tag
+        kept: list[str] = []  # text outside the calls
         while True:
             s = text.find(o, pos)
             if s < 0:
                 break
+            kept.append(text[pos:s])
             e = text.find(c, s + len(o))
             nxt = text.find(o, s + len(o))
             if e < 0 or (0 <= nxt < e):
                 end = nxt if nxt >= 0 else len(text)
                 self._error(res, n, f"unterminated {o} (missing {c}): {_snippet(text[s:end])!r}")
                 n += 1
+                pos = end
                 if nxt < 0:
                     break
-                pos = nxt
                 continue
             body = text[s + len(o) : e]
             self._one(res, n, body.strip(), text[s : e + len(c)])
@@ -108,13 +188,14 @@ class HermesParser(ToolParser):
             if n >= self.max_calls:
                 if text.find(o, pos) >= 0:
                     self._error(res, n, f"too many tool calls in one message (max {self.max_calls}); the rest were ignored")
+                    pos = len(text)
                 break
+        kept.append(text[pos:])
+        res.content = "".join(kept).strip() or None
         return res
 
     def _error(self, res: ParseResult, idx: int, msg: str) -> None:
-        full = f"Error: tool call #{idx + 1} is malformed: {msg}. {self.FORMAT_HINT}"
-        res.errors.append(full)
-        res.items.append(("error", full))
+        res.error(f"Error: tool call #{idx + 1} is malformed: {msg}. {self.FORMAT_HINT}")
 
     def _one(self, res: ParseResult, idx: int, body: str, raw: str) -> None:
         if body.startswith("```"):
@@ -149,9 +230,7 @@ class HermesParser(ToolParser):
         if not isinstance(args, dict):
             self._error(res, idx, f'"arguments" must be a JSON object, got {type(args).__name__}')
             return
-        call = ToolCall(name=name.strip(), arguments=args, id=f"call_{idx}", raw=raw)
-        res.calls.append(call)
-        res.items.append(("call", call))
+        res.call(ToolCall(name=name.strip(), arguments=args, id=f"call_{idx}", raw=raw))
 
 
 class FencedBashParser(ToolParser):
@@ -206,6 +285,27 @@ _REGISTRY: dict[str, Callable[..., ToolParser]] = {
     "qwen": HermesParser,
     "fenced_bash": FencedBashParser,
 }
+# Family parsers, imported on first use ("module:Class" under rolloutd.llm.parsers).
+_FAMILY_PARSERS = {
+    "qwen3": "qwen3:Qwen3Parser",
+    "qwen3_coder": "qwen3_coder:Qwen3CoderParser",
+    "llama3_json": "llama3:Llama3JsonParser",
+    "mistral": "mistral:MistralParser",
+    "harmony": "harmony:HarmonyParser",
+    "gpt_oss": "harmony:HarmonyParser",
+    "deepseek_v31": "deepseek:DeepSeekParser",
+    "deepseek_v3": "deepseek:DeepSeekParser",
+}
+
+
+def _family_parser(name: str) -> Callable[..., ToolParser] | None:
+    spec = _FAMILY_PARSERS.get(name)
+    if spec is None:
+        return None
+    import importlib
+
+    mod, _, cls = spec.partition(":")
+    return getattr(importlib.import_module(f"rolloutd.llm.parsers.{mod}"), cls)
 
 
 def register_parser(name: str, factory: Callable[..., ToolParser]) -> None:
@@ -225,7 +325,7 @@ def _entry_point(name: str) -> Callable[..., ToolParser] | None:
 
 
 def available_parsers() -> list[str]:
-    names = set(_REGISTRY)
+    names = set(_REGISTRY) | set(_FAMILY_PARSERS)
     try:
         from importlib.metadata import entry_points
 
@@ -236,7 +336,7 @@ def available_parsers() -> list[str]:
 
 
 def get_parser(name: str, **options: Any) -> ToolParser:
-    factory = _REGISTRY.get(name) or _entry_point(name)
+    factory = _REGISTRY.get(name) or _family_parser(name) or _entry_point(name)
     if factory is None:
         raise KeyError(f"unknown tool-call parser {name!r}; available: {', '.join(available_parsers())}")
     return factory(**options)
