@@ -17,8 +17,12 @@ read-until-close bodies); connections are reused LIFO per (host, port) and cappe
 ``max_connections`` (excess requests wait for a free slot, ``pool`` timeout).
 Idle connections older than ``keepalive_expiry`` (default 4 s, below uvicorn's 5 s
 keep-alive, which vLLM and SGLang use) are dropped, so the server never closes a
-connection we are about to reuse; there is no silent retry: a connection that closes
-before the response is an error (``RemoteProtocolError``), for the caller to fail over.
+connection we are about to reuse, and an idle connection is polled once before reuse (a
+restarted server's FIN may still be unread when the loop was busy). At the cap, a request
+for one host closes the longest-idle connection to another host rather than wait for it.
+There is no silent retry: a connection that closes before the response is an error
+(``RemoteProtocolError``), for the caller to fail over. Request bodies are sent whole with
+a Content-Length (a streamed body is read first); HEAD replies have no body.
 Cancelling the awaiting task, an error
 or a timeout aborts the connection (the server sees the disconnect, which is how
 vLLM/SGLang abort a request). Plain ``http://`` only (LLM backends on a cluster
@@ -29,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import select
+
 import httpx
 
 __all__ = ["FastTransport"]
@@ -43,6 +49,7 @@ class _Stale(Exception):
 class _Conn(asyncio.Protocol):
     __slots__ = (
         "transport",
+        "fd",
         "buf",
         "waiter",
         "closed",
@@ -57,10 +64,12 @@ class _Conn(asyncio.Protocol):
         "_keep",
         "_chunks",
         "_chunk_pos",
+        "_head_only",
     )
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        self.fd = -1
         self.buf = bytearray()
         self.waiter: asyncio.Future | None = None
         self.closed = False
@@ -78,10 +87,13 @@ class _Conn(asyncio.Protocol):
         self._keep = True
         self._chunks: list[bytes] = []
         self._chunk_pos = 0
+        self._head_only = False
 
     # -- asyncio.Protocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        self.fd = sock.fileno() if sock is not None else -1
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -100,7 +112,22 @@ class _Conn(asyncio.Protocol):
                 w.set_exception(httpx.RemoteProtocolError(f"malformed HTTP response: {e}"))
 
     def eof_received(self) -> bool:
+        # the transport calls connection_lost only on the next loop turn; unusable from now
+        self.closed = True
         return False
+
+    def unusable(self) -> bool:
+        """Closed, or readable while idle (the server's FIN or a stray byte not yet seen by the loop).
+
+        A server restart or keep-alive close that arrived while the event loop was busy is still
+        unread in the kernel; one poll(2) of this socket (as httpcore and urllib3 do before reusing
+        a connection) keeps the next request off a dead connection.
+        """
+        if self.closed or self.buf or self.fd < 0:
+            return True
+        p = select.poll()
+        p.register(self.fd, select.POLLIN)
+        return bool(p.poll(0))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -147,7 +174,9 @@ class _Conn(asyncio.Protocol):
                 continue
             self._status, self._reason, self._headers = status, reason, headers
             self._keep = (version == b"HTTP/1.1" and b"close" not in conn_hdr) or b"keep-alive" in conn_hdr
-            if chunked:
+            if self._head_only:  # a HEAD reply announces a length but never has a body
+                self._mode, self._length = "length", 0
+            elif chunked:
                 self._mode = "chunked"
             elif length >= 0:
                 self._mode, self._length = "length", length
@@ -195,7 +224,9 @@ class _Conn(asyncio.Protocol):
             w.set_result((self._status, self._reason, self._headers, body, keep))
 
     # -- request ---------------------------------------------------------------------------
-    async def roundtrip(self, data: bytes, timeout: float | None) -> tuple[int, bytes, list, bytes, bool]:
+    async def roundtrip(
+        self, data: bytes, timeout: float | None, head_only: bool = False
+    ) -> tuple[int, bytes, list, bytes, bool]:
         if self.closed or self.transport is None:
             raise _Stale()
         loop = asyncio.get_running_loop()
@@ -203,6 +234,7 @@ class _Conn(asyncio.Protocol):
         self.waiter = fut
         self.got_bytes = False
         self._reset()
+        self._head_only = head_only
         handle = loop.call_later(timeout, _expire, fut) if timeout is not None else None
         try:
             self.transport.write(data)
@@ -255,11 +287,23 @@ class FastTransport(httpx.AsyncBaseTransport):
         stack = self._idle.get(key)
         while stack:
             c = stack.pop()
-            if c.closed or c.buf or now - c.last_used > self.keepalive_expiry:
+            if now - c.last_used > self.keepalive_expiry or c.unusable():
                 self._discard(c)
                 continue
             return c
         return None
+
+    def _evict_idle(self) -> bool:
+        """Close the longest-idle connection to any host, to free a slot for another host."""
+        oldest: list[_Conn] | None = None
+        for stack in self._idle.values():
+            if stack and (oldest is None or stack[0].last_used < oldest[0].last_used):
+                oldest = stack
+        if oldest is None:
+            return False
+        oldest.pop(0).abort()
+        self._open -= 1  # the slot goes to the caller, not to a waiter
+        return True
 
     async def _connect(self, key: tuple[str, int], timeouts: dict, request: httpx.Request) -> tuple[_Conn, bool]:
         loop = asyncio.get_running_loop()
@@ -267,7 +311,7 @@ class FastTransport(httpx.AsyncBaseTransport):
             c = self._take_idle(key, loop.time())
             if c is not None:
                 return c, True
-            if self._open < self.max_connections:
+            if self._open < self.max_connections or self._evict_idle():
                 break
             w = loop.create_future()
             self._waiters.append(w)
@@ -312,7 +356,10 @@ class FastTransport(httpx.AsyncBaseTransport):
         head = [request.method.encode(), b" ", url.raw_path, b" HTTP/1.1\r\n"]
         has_length = False
         for k, v in request.headers.raw:
-            if k.lower() == b"content-length":
+            kl = k.lower()
+            if kl == b"transfer-encoding":
+                continue  # a streamed body was read whole above: it goes out with a content-length
+            if kl == b"content-length":
                 has_length = True
             head += (k, b": ", v, b"\r\n")
         if not has_length and (body or request.method in ("POST", "PUT", "PATCH")):
@@ -322,7 +369,9 @@ class FastTransport(httpx.AsyncBaseTransport):
         loop = asyncio.get_running_loop()
         conn, _reused = await self._connect(key, timeouts, request)
         try:
-            status, reason, headers, content, keep = await conn.roundtrip(data, timeouts.get("read"))
+            status, reason, headers, content, keep = await conn.roundtrip(
+                data, timeouts.get("read"), request.method == "HEAD"
+            )
         except _Stale:
             self._discard(conn)
             raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request) from None
