@@ -109,8 +109,9 @@ async def run_agent_loop(
             g.finish_reason = "context_overflow"
         conv.add_generation(g, backend, policy_version)
         text = g.text
-        if text is None:
-            text = tokenizer.decode(np.asarray(g.token_ids).tolist(), skip_special_tokens=True)
+        skip = getattr(parser, "skip_special_tokens", True)
+        if text is None or not skip:  # a parser that reads control tokens decodes the ids itself
+            text = tokenizer.decode(np.asarray(g.token_ids).tolist(), skip_special_tokens=skip)
         parts.append(text)
         if g.finish_reason == "abort":
             aborts += 1
@@ -151,7 +152,8 @@ async def run_agent_loop(
                 finally:
                     metrics["tools_s"] += perf() - t1
                 metrics["tool_calls"] += 1
-                msgs.append({"role": "tool", "name": item.name, "content": obs if isinstance(obs, str) else str(obs)})
+                msgs.append({"role": "tool", "name": item.name, "tool_call_id": item.id,
+                             "content": obs if isinstance(obs, str) else str(obs)})
             else:
                 metrics["malformed_tool_calls"] += 1
                 msgs.append({"role": "tool", "content": item})
