@@ -8,12 +8,13 @@ drains every ready socket, commits the journal once, then sends the replies.
 from __future__ import annotations
 
 import asyncio
-import os
+import collections
 import time
 
 from rolloutd.bus import codec
-from rolloutd.bus.messages import (CLIENT_REQUESTS, Error, Job, MessageError, Reply, Result, empty_trajectory,
-                          from_wire)
+from rolloutd import __version__
+from rolloutd.bus.messages import (CLIENT_REQUESTS, PROTOCOL_VERSION, Error, Job, MessageError, Reply, Result,
+                                   empty_trajectory, from_wire)
 from rolloutd.bus import events
 from rolloutd.bus.credit import CreditSender
 from rolloutd.bus.sockets import POLLIN, poller, recv_now, send_now
@@ -40,7 +41,12 @@ class Gateway(Daemon):
         self.router_pending: dict[int, tuple[float, list, int]] = {}
         self.router_seq = 0
         self.daemons: dict[str, dict] = {}   # "name@node" -> last heartbeat
+        self.hb_seen: dict[str, float] = {}  # "name@node" -> monotonic time its last heartbeat arrived
+        self.outgoing: list[tuple[JobRecord, list]] = []  # jobs journalled as dispatched, sent after the commit
+        self.suspects: dict[int, tuple[int, float, str]] = {}  # job id -> (attempt, since, cause): see _suspect_unlisted
+        self.malformed = collections.Counter()  # input dropped or refused as undecodable, by socket
         self.backends: list = []
+        self.backends_from_reply = 0.0       # monotonic time a router reply last updated self.backends
         self.backend_regs: dict[str, dict] = {}  # what trainers registered; replayed to a restarted router
         self.handlers = set(handler_names())
         self.next_job_id = 0
@@ -61,9 +67,9 @@ class Gateway(Daemon):
     def _recover(self):
         # Ids stay unique across restarts: from the journal, or from the clock without one.
         self.next_job_id = max(self.journal.max_job_id(), int(time.time() * 1e6) if not self.journal.durable else 0) + 1
-        for cid, (next_seq, acked) in self.journal.clients().items():
+        for cid, (next_seq, acked, sent) in self.journal.clients().items():
             c = self.table.client(cid)
-            c.next_seq, c.acked = next_seq, acked
+            c.next_seq, c.acked, c.sent = next_seq, acked, max(sent, acked)
         self.table.idem.update(self.journal.idempotency())
         self.backend_regs.update(self.journal.backends())
         n = 0
@@ -85,7 +91,8 @@ class Gateway(Daemon):
             self.log.info("journal_recovered", jobs=n, queued=len(self.table.queue))
 
     def heartbeat(self):
-        return {"paused": self.paused, **self.table.counts(), "clients": len(self.table.clients)}
+        return {"paused": self.paused, **self.table.counts(), "clients": len(self.table.clients),
+                "malformed": dict(self.malformed)}
 
     # -- main loop ------------------------------------------------------------------------
     async def serve(self):
@@ -102,10 +109,13 @@ class Gateway(Daemon):
             self._drain(self.router, self._on_router_reply)
             self._drain(self.watch, self._on_event)
             self._drain(self.to_init.sock, self._on_credit)
-            self.journal.commit()
             self._answer_waiters()
-            self._flush_replies()
             self._dispatch()
+            # Everything this turn decided (jobs, results, acks, what the replies will carry, which
+            # jobs leave as which attempt) is durable before any reply or job goes out.
+            self.journal.commit()
+            self._flush_replies()
+            self._send_dispatched()
             now = time.monotonic()
             if now - last_sweep > 1.0:
                 last_sweep = now
@@ -132,12 +142,14 @@ class Gateway(Daemon):
             rest = rest[1:]
         size = codec.frames_size(rest)
         if size > int(self.gcfg["max_request_bytes"]):
+            self.malformed["requests"] += 1
             self._error(route, codec.peek_req_id(rest), "too_large", f"request of {size} bytes exceeds the limit of {self.gcfg['max_request_bytes']}")
             return
         req_id = codec.peek_req_id(rest)
         try:
             msg = from_wire(codec.decode(rest), expect=CLIENT_REQUESTS)
         except (codec.CodecError, MessageError) as e:
+            self.malformed["requests"] += 1
             self._error(route, req_id, getattr(e, "code", "malformed"), str(e))
             return
         try:
@@ -172,8 +184,12 @@ class Gateway(Daemon):
                                    f"registered: {', '.join(sorted(self.handlers))}")
         job_ids, rows = [], []
         budget = float(self.gcfg["default_budget_s"])
-        for ti, t in enumerate(msg.tasks):
-            iid = str(t.get("instance_id", ti))
+        for t in msg.tasks:
+            # Default: unique per task across submits (job ids never repeat), so GRPO grouping by
+            # instance_id never merges two unrelated tasks. All n samples of the task share it.
+            iid = t.get("instance_id")
+            if iid is None:
+                iid = f"auto-{self.next_job_id}"
             for k in range(t.get("n", 1)):
                 jid = self.next_job_id
                 self.next_job_id += 1
@@ -193,7 +209,12 @@ class Gateway(Daemon):
         self._reply(route, msg.req_id, job_ids=job_ids, duplicate=False)
 
     def _op_poll(self, route, msg):
-        self.table.touch(msg.client_id)
+        c = self.table.touch(msg.client_id)
+        if msg.after > c.sent:
+            # Acknowledging what no reply carried would delete results the client never saw.
+            raise MessageError("invalid", f"poll.after={msg.after} is beyond the last sequence number delivered to "
+                               f"client {msg.client_id!r} ({c.sent}); send the `last` of a poll reply you received "
+                               f"(0 at first)")
         acked = self.table.ack(msg.client_id, msg.after)
         if acked:
             self.journal.ack(msg.client_id, msg.after)
@@ -210,6 +231,9 @@ class Gateway(Daemon):
         results = [r.result if isinstance(r.result, dict) else codec.decode(r.result)["trajectory"] for r in recs]
         c = self.table.client(msg.client_id)
         last = recs[-1].seq if recs else msg.after
+        if last > c.sent:
+            c.sent = last
+            self.journal.set_sent(msg.client_id, last)
         self._reply(route, msg.req_id, results=results, last=last, pending=c.pending,
                     ready=max(0, len(c.ready) - len(recs)))
 
@@ -227,34 +251,48 @@ class Gateway(Daemon):
         self.waiters = keep
 
     def _op_cancel(self, route, msg):
-        out = {}
+        """Idempotent: the answer is the job's outcome, not what this call did, so a retried
+        cancel says the same (or, once the job finished, what it finished as)."""
+        out, outcome = {}, {}
         to_broadcast = []
         for jid in msg.job_ids:
+            key = str(jid)
             rec = self.table.jobs.get(jid)
             if rec is None:
-                out[str(jid)] = "not_found"
-            elif rec.state == "done":
-                out[str(jid)] = "already_finished"
-            elif rec.state == "queued":
+                # Its result was delivered and acknowledged (or dropped unclaimed), or it never existed.
+                known = self.journal.job_state(jid) in ("acked", "dropped")
+                out[key] = "already_finished" if known else "not_found"
+                continue
+            if rec.state == "queued":
                 self.table.queue.remove(jid)
                 self._finish_locally(rec, "cancelled", "queue", "JobCancelled", "cancelled while queued in the gateway")
-                out[str(jid)] = "cancelled"
+            if rec.state == "done":
+                status = self._status_of(rec)
+                out[key] = "cancelled" if status == "cancelled" else "already_finished"
+                outcome[key] = status
             else:
-                rec.cancel_requested = True
+                rec.cancel_requested = True  # a re-broadcast is harmless and covers a dropped first one
                 to_broadcast.append(jid)
-                out[str(jid)] = "cancelling"
+                out[key] = "cancelling"
         if to_broadcast:
             self.events.publish("control.cancel", job_ids=to_broadcast)
-        self._reply(route, msg.req_id, jobs=out)
+        self._reply(route, msg.req_id, jobs=out, outcome=outcome)
+
+    @staticmethod
+    def _status_of(rec: JobRecord) -> str:
+        if not rec.status:  # recovered from the journal: read it from the stored result once
+            traj = rec.result if isinstance(rec.result, dict) else codec.decode(rec.result)["trajectory"]
+            rec.status = traj.get("status", "")
+        return rec.status
 
     def _op_status(self, route, msg):
         now = time.time()
         daemons = [dict(d, age_s=round(now - d.get("ts", now), 3)) for d in self.daemons.values()]
         for d in daemons:
             d.pop("jobs", None)
-        self._reply(route, msg.req_id, paused=self.paused, **self.table.counts(),
-                    totals=dict(self.table.totals), daemons=daemons, backends=self.backends,
-                    journal=self.journal.path or "", handlers=sorted(self.handlers))
+        self._reply(route, msg.req_id, version=__version__, protocol=PROTOCOL_VERSION, paused=self.paused,
+                    **self.table.counts(), totals=dict(self.table.totals), daemons=daemons, backends=self.backends,
+                    journal=self.journal.path or "", handlers=sorted(self.handlers), malformed=dict(self.malformed))
 
     def _op_start(self, route, msg):
         self.paused = False
@@ -275,7 +313,7 @@ class Gateway(Daemon):
             self.journal.set_backend(msg.address or "", None)
         self.router_seq += 1
         rid = self.router_seq
-        self.router_pending[rid] = (time.monotonic() + float(self.gcfg["router_timeout_s"]), route, msg.req_id)
+        self.router_pending[rid] = (time.monotonic() + float(self.gcfg["router_timeout_s"]), route, msg.req_id, msg.KIND)
         wire = msg.to_wire()
         wire["req_id"] = rid
         send_now(self.router, [b""] + codec.encode(wire))
@@ -290,43 +328,79 @@ class Gateway(Daemon):
         pending = self.router_pending.pop(header.get("req_id"), None)
         if pending is None:
             return
-        _, route, client_req = pending
+        _, route, client_req, kind = pending
+        if header.get("kind") == "reply" and isinstance(header.get("body"), dict):
+            self._apply_backends(kind, header["body"])
         header["req_id"] = client_req
         self.replies.append((route, codec.encode(header)))
+
+    def _apply_backends(self, kind: str, body: dict):
+        """``status.backends`` follows the router's answers at once instead of its next heartbeat."""
+        if kind == "list_llm_servers" and isinstance(body.get("backends"), list):
+            self.backends = body["backends"]
+        elif kind == "add_llm_server" and isinstance(body.get("backend"), dict):
+            b = body["backend"]
+            self.backends = [x for x in self.backends if x.get("address") != b.get("address")] + [b]
+        elif kind == "clear_llm_server" and isinstance(body.get("cleared"), list):
+            gone = set(body["cleared"])
+            self.backends = [x for x in self.backends if x.get("address") not in gone]
+        else:
+            return
+        self.backends_from_reply = time.monotonic()
 
     # -- pipeline ----------------------------------------------------------------------------
     def _on_credit(self, frames):
         if not self.to_init.on_message(frames):
+            self.malformed["credits"] += 1
             self.log.warning("malformed_credit_dropped")
 
     def _dispatch(self):
+        """Take as many queued jobs as the init daemons have credit for and journal them as
+        dispatched; ``_send_dispatched`` sends them after the commit. Sent first, a crash before
+        the commit would leave them ``queued`` in the journal and recovery would run the same
+        (job, attempt) a second time; journalled first, recovery finds them in flight and a re-run
+        gets attempt + 1."""
         if self.paused:
             return
         q = self.table.queue
-        now = time.monotonic()
-        while q and self.to_init.credit() > 0:
-            jid = q[0]
+        room = self.to_init.credit()
+        while q and room > 0:
+            jid = q.popleft()
             rec = self.table.jobs.get(jid)
             if rec is None or rec.state != "queued":
-                q.popleft()
                 continue
             s = rec.spec
             job = Job(job_id=jid, attempt=rec.attempt, handler=s["handler"], instance=s["instance"],
                       instance_id=s["instance_id"], sample_index=s["sample_index"], client_id=rec.client_id,
                       budget_s=s.get("budget_s"), phase_limits=s.get("phase_limits") or {}, sent_at=time.time())
-            peer = self.to_init.send(codec.encode(job.to_wire()))
-            if peer is None:
-                break
-            q.popleft()
             rec.state = "dispatched"
+            self.journal.set_state(jid, "dispatched", rec.attempt)
+            self.outgoing.append((rec, codec.encode(job.to_wire())))
+            room -= 1
+
+    def _send_dispatched(self):
+        now = time.monotonic()
+        unsent = []
+        for rec, frames in self.outgoing:
+            if rec.state != "dispatched":
+                continue
+            peer = self.to_init.send(frames) if not unsent else None
+            if peer is None:  # the credit vanished (a receiver went away): it was never sent, queue it again
+                unsent.append(rec)
+                continue
             rec.last_seen = now
             rec.holder = peer.ident.decode(errors="replace")
-            self.journal.set_state(jid, "dispatched", rec.attempt)
+        self.outgoing.clear()
+        for rec in reversed(unsent):
+            rec.state = "queued"
+            self.table.queue.appendleft(rec.job_id)
+            self.journal.set_state(rec.job_id, "queued", rec.attempt)
 
     def _on_result(self, frames):
         try:
             msg = from_wire(codec.decode(frames), expect=("result",))
         except (codec.CodecError, MessageError) as e:
+            self.malformed["results"] += 1
             self.log.warning("malformed_result_dropped", error=str(e))
             return
         rec = self.table.jobs.get(msg.job_id)
@@ -344,7 +418,7 @@ class Gateway(Daemon):
 
     def _complete(self, rec: JobRecord, result, status: str, traj: dict | None = None, msg=None):
         """``result``: the trajectory dict (``msg`` is its Result), or encoded Result frames."""
-        seq = self.table.finish(rec, result)
+        seq = self.table.finish(rec, result, status)
         self.table.totals[status] += 1
         if self.journal.durable:
             self.journal.add_result(rec.job_id, seq, codec.encode(msg.to_wire()) if msg is not None else result)
@@ -371,6 +445,7 @@ class Gateway(Daemon):
     def _on_event(self, frames):
         event = events.parse(frames)
         if event is None:
+            self.malformed["events"] += 1
             self.log.warning("malformed_event_dropped")
             return
         self.last_event_at = time.monotonic()
@@ -381,10 +456,14 @@ class Gateway(Daemon):
             if prev is not None and prev.get("incarnation") != body.get("incarnation"):
                 self._holder_lost(prev, "restarted")
             self.daemons[who] = body
-            if body.get("daemon") == "router":
-                self.backends = body.get("backends", [])
-                self._reconcile_backends()
             now = time.monotonic()
+            self.hb_seen[who] = now
+            if body.get("daemon") == "router":
+                # A heartbeat published before the router answered a backend change can arrive after
+                # the answer: within one heartbeat period of an answer, the answer is the fresher view.
+                if now - self.backends_from_reply > float(self.dcfg["heartbeat_s"]):
+                    self.backends = body.get("backends", [])
+                self._reconcile_backends()
             holder = f"{who}#{body.get('incarnation')}"
             for jid, attempt in body.get("jobs", ()):
                 rec = self.table.jobs.get(jid)
@@ -392,6 +471,7 @@ class Gateway(Daemon):
                     rec.last_seen = now
                     rec.holder = holder
         elif topic in ("daemon.died", "daemon.stopped"):
+            self.hb_seen.pop(who, None)
             prev = self.daemons.pop(who, None)
             if prev is not None:
                 self._holder_lost(prev, topic.split(".")[1])
@@ -408,9 +488,40 @@ class Gateway(Daemon):
                 send_now(self.router, [b""] + codec.encode(dict(wire, req_id=0)))
 
     def _holder_lost(self, hb: dict, why: str):
-        holder = f"{hb.get('daemon')}@{hb.get('node')}#{hb.get('incarnation')}"
+        who = f"{hb.get('daemon')}@{hb.get('node')}"
+        holder = f"{who}#{hb.get('incarnation')}"
         for rec in [r for r in self.table.jobs.values() if r.holder == holder and r.state == "dispatched"]:
             self._redispatch(rec.job_id, rec.attempt, f"{holder} {why}")
+        if "jobs" in hb:
+            self._suspect_unlisted(who, f"{holder} {why}")
+
+    def _suspect_unlisted(self, lost: str, cause: str):
+        """A job holder is gone. Its last heartbeat names only what it held then: jobs handed to it
+        afterwards (or still in its socket) are in nobody's list and would come back only through
+        the lease timeout. Every job in flight that no live holder lists now becomes a suspect;
+        one that is still unlisted after every live holder has reported once more is re-dispatched
+        (the extra round lets a job that was only crossing between two live daemons show up)."""
+        listed = set()
+        for who, hb in self.daemons.items():
+            if who != lost and "jobs" in hb:
+                listed.update(jid for jid, _ in hb["jobs"])
+        now = time.monotonic()
+        for rec in self.table.jobs.values():
+            if rec.state == "dispatched" and rec.job_id not in listed and rec.job_id not in self.suspects:
+                self.suspects[rec.job_id] = (rec.attempt, now, cause)
+
+    def _check_suspects(self):
+        if not self.suspects:
+            return
+        holders = [self.hb_seen.get(who, 0.0) for who, hb in self.daemons.items() if "jobs" in hb]
+        reported = min(holders) if holders else float("inf")  # no live holder: nothing can be placed
+        for jid, (attempt, marked, cause) in list(self.suspects.items()):
+            rec = self.table.jobs.get(jid)
+            if rec is None or rec.state != "dispatched" or rec.attempt != attempt or rec.last_seen > marked:
+                del self.suspects[jid]  # finished, already re-dispatched, or listed by a live holder since
+            elif reported > marked:
+                del self.suspects[jid]
+                self._redispatch(jid, attempt, f"{cause}; unlisted by every live daemon since")
 
     def _redispatch(self, jid: int, attempt: int, cause: str, count: bool = True):
         rec = self.table.jobs.get(jid)
@@ -436,7 +547,7 @@ class Gateway(Daemon):
         dead_s = float(self.gcfg["daemon_dead_s"])
         wall = time.time()
         self._expire_clients(wall)
-        for rid, (deadline, route, client_req) in list(self.router_pending.items()):
+        for rid, (deadline, route, client_req, _) in list(self.router_pending.items()):
             if now > deadline:
                 del self.router_pending[rid]
                 self._error(route, client_req, "unavailable", "the router did not answer in time")
@@ -457,8 +568,10 @@ class Gateway(Daemon):
         for who, hb in list(self.daemons.items()):
             if wall - hb.get("ts", wall) > dead_s:
                 self.daemons.pop(who)
+                self.hb_seen.pop(who, None)
                 self.log.warning("daemon_presumed_dead", daemon=who, silent_s=round(wall - hb.get("ts", wall), 1))
                 self._holder_lost(hb, "went silent")
+        self._check_suspects()
         self.to_init.expire()
         lease = float(self.gcfg["lease_timeout_s"])
         for rec in list(self.table.jobs.values()):

@@ -20,12 +20,14 @@ class JobRecord:
     holder: str = ""              # "daemon@node#incarnation" that last listed it
     cancel_requested: bool = False
     submitted: float = 0.0        # wall clock at submit (0 for jobs recovered from the journal)
+    status: str = ""              # the result's status, once done ("" until known for recovered results)
 
 
 @dataclasses.dataclass
 class ClientStream:
     next_seq: int = 1
     acked: int = 0
+    sent: int = 0                  # highest sequence number a poll reply has carried to this client
     pending: int = 0               # jobs submitted and not yet done
     ready: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)  # seq -> job_id
     seen: float = dataclasses.field(default_factory=time.time)
@@ -58,11 +60,12 @@ class JobTable:
         if rec.state != "done":
             self.client(rec.client_id).pending += 1
 
-    def finish(self, rec: JobRecord, frames: list) -> int:
+    def finish(self, rec: JobRecord, frames, status: str) -> int:
         """Mark done and append to the client's stream; returns the sequence number."""
         c = self.client(rec.client_id)
         rec.state = "done"
         rec.result = frames
+        rec.status = status
         rec.seq = c.next_seq
         c.next_seq += 1
         c.pending = max(0, c.pending - 1)
@@ -71,6 +74,8 @@ class JobTable:
         return rec.seq
 
     def ack(self, client_id: str, upto: int) -> int:
+        """Forget results <= ``upto``. Callers check ``upto <= sent`` first: only what a poll
+        reply carried may be acknowledged."""
         c = self.clients.get(client_id)
         if c is None or upto <= c.acked:
             return 0

@@ -41,7 +41,8 @@ CREATE TABLE IF NOT EXISTS clients (
     client_id TEXT PRIMARY KEY,
     next_seq INTEGER NOT NULL,
     acked INTEGER NOT NULL,
-    seen REAL NOT NULL
+    seen REAL NOT NULL,
+    sent INTEGER NOT NULL DEFAULT 0
 );
 """
 
@@ -57,6 +58,11 @@ class Journal:
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
             self.db.executescript(SCHEMA)
+            cols = {r[1] for r in self.db.execute("PRAGMA table_info(clients)")}
+            if "sent" not in cols:
+                # A journal from before ``sent`` was kept: trust every sequence number it issued.
+                self.db.execute("ALTER TABLE clients ADD COLUMN sent INTEGER NOT NULL DEFAULT 0")
+                self.db.execute("UPDATE clients SET sent = next_seq - 1")
             self.db.execute("BEGIN")
 
     @property
@@ -96,6 +102,12 @@ class Journal:
             self.db.execute("INSERT INTO clients(client_id, next_seq, acked, seen) VALUES (?,?,?,?) "
                             "ON CONFLICT(client_id) DO UPDATE SET next_seq=excluded.next_seq, seen=excluded.seen",
                             (client_id, next_seq, acked, time.time()))
+            self.dirty = True
+
+    def set_sent(self, client_id: str, sent: int):
+        """The highest sequence number a poll reply carried to the client (written before the reply goes)."""
+        if self.db:
+            self.db.execute("UPDATE clients SET sent=MAX(sent, ?) WHERE client_id=?", (sent, client_id))
             self.dirty = True
 
     def add_idempotency(self, client_id: str, key: str, job_ids: list[int]):
@@ -155,10 +167,18 @@ class Journal:
         return [(jid, cid, codec.unpack(spec), att, st, seq, codec.unpack(res) if res else None)
                 for jid, cid, spec, att, st, seq, res in rows]
 
-    def clients(self) -> dict[str, tuple[int, int]]:
+    def clients(self) -> dict[str, tuple[int, int, int]]:
+        """client_id -> (next_seq, acked, sent)."""
         if not self.db:
             return {}
-        return {cid: (n, a) for cid, n, a in self.db.execute("SELECT client_id, next_seq, acked FROM clients")}
+        return {cid: (n, a, s) for cid, n, a, s in self.db.execute("SELECT client_id, next_seq, acked, sent FROM clients")}
+
+    def job_state(self, job_id: int) -> str | None:
+        """A job's journalled state (``acked`` and ``dropped`` rows stay until pruned); None if unknown."""
+        if not self.db:
+            return None
+        row = self.db.execute("SELECT state FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return row[0] if row else None
 
     def idempotency(self) -> dict[tuple[str, str], list[int]]:
         if not self.db:
