@@ -1,0 +1,421 @@
+"""The OpenAI-compatible per-job endpoint, end to end: the real ``openai`` SDK as the agent's
+client, a real uvicorn socket, the real Qwen2.5 tokenizer and chat template, and the scripted
+backend speaking vLLM's HTTP API. Every backend reply is observed where the run daemon would
+see it (the ``generate`` callable) and compared with the trajectory, id for id."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai SDK is not installed (pip install rolloutd[harness])")
+pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[daemon])")
+
+from rolloutd.llm.client import LLMClient, simple_generate  # noqa: E402
+from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve  # noqa: E402
+from rolloutd.llm.policies import Policy, PolicyReply  # noqa: E402
+
+from .conftest import BASH_TOOL  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+TOOLS = [BASH_TOOL]
+_TAGS = re.compile(r"(<tool_call>|</tool_call>)")
+
+
+def odd_split(tok, text: str) -> list[int]:
+    """Ids for ``text`` that the BPE would never produce (one token per character; the tool-call
+    tags stay the single added tokens a Qwen model emits)."""
+    ids: list[int] = []
+    for piece in _TAGS.split(text):
+        if _TAGS.fullmatch(piece):
+            ids += tok.encode(piece, add_special_tokens=False)
+        else:
+            ids += [t for ch in piece for t in tok.encode(ch, add_special_tokens=False)]
+    return ids
+
+
+class Script(Policy):
+    """Reply k comes from a list (by request order), as odd token splits; records the prompts."""
+
+    def __init__(self, tok, replies, split=True):
+        super().__init__()
+        self.tok, self.replies, self.split = tok, replies, split
+        self.prompts: list[list[int]] = []
+
+    def reply(self, request):
+        text = self.replies[min(len(self.prompts), len(self.replies) - 1)]
+        self.prompts.append(list(request.prompt_ids))
+        ids = odd_split(self.tok, text) if self.split else None
+        if ids is not None:
+            assert self.tok.decode(ids) == text
+        return PolicyReply(text=text, token_ids=ids)
+
+
+class Endpoint:
+    """A session served over a real socket, with the backend's replies recorded as they arrive."""
+
+    def __init__(self, tok, backend_url, limits=None, uds=None, **kw):
+        self.tok, self.url, self.limits, self.uds, self.kw = tok, backend_url, limits, uds, kw
+        self.seen: list[tuple[list[int], list[int], np.ndarray]] = []
+
+    async def __aenter__(self):
+        self.llm = LLMClient(self.url, timeout=60)
+        inner = simple_generate(self.llm, "b0", 7)
+
+        async def generate(ids, params):
+            g, b, v = await inner(ids, params)
+            self.seen.append((np.asarray(ids).tolist(), g.token_ids.tolist(), g.logprobs.copy()))
+            return g, b, v
+
+        self.session = EndpointSession(generate, self.tok, limits=self.limits or EndpointLimits(max_context=4096),
+                                       **self.kw)
+        if self.uds:
+            import httpx2
+
+            self.server = await serve(make_app(self.session), uds=self.uds)
+            http = httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=self.uds))
+            self.client = openai.AsyncOpenAI(base_url=self.server.base_url, api_key="k", max_retries=0,
+                                             http_client=http)
+        else:
+            self.server = await serve(make_app(self.session), host="127.0.0.1", port=0)
+            self.client = openai.AsyncOpenAI(base_url=self.server.base_url, api_key="k", max_retries=0)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.client.close()
+        await self.server.stop()
+        await self.llm.aclose()
+
+
+def check_exact(tok, rec: dict, seen: list) -> None:
+    """Each turn's span is the backend's ids and logprobs; the backend saw exactly the trajectory's
+    prefix; everything not sampled is masked."""
+    prompt, resp = rec["prompt_ids"].tolist(), rec["response_ids"].tolist()
+    mask, lps = rec["loss_mask"], rec["logprobs"]
+    assert len(rec["turns"]) == len(seen)
+    full = prompt + resp
+    for t, (sent, ids, lp) in zip(rec["turns"], seen):
+        s, e = t["span"]
+        assert resp[s:e] == ids
+        assert np.array_equal(lps[s:e], np.asarray(lp, np.float32))
+        assert mask[s:e].tolist() == [1] * len(ids)
+        assert sent == full[: len(prompt) + s]  # what the backend was sent is the trajectory up to the span
+        assert t["backend"] == "b0" and t["policy_version"] == 7
+    assert int(mask.sum()) == sum(len(ids) for _, ids, _ in seen)
+    assert not lps[mask == 0].any()
+    assert rec["prompt_ids"].dtype == np.int32 and rec["loss_mask"].dtype == np.int8
+    assert rec["logprobs"].dtype == np.float32
+
+
+def test_text_history_keeps_the_sampled_ids(qwen_tokenizer, scripted, arun):
+    """An agent that sends our replies back as plain text (mini-swe-agent's way): the assistant
+    turns stay the backend's odd token splits, never a re-encoding of their text."""
+    tok = qwen_tokenizer
+    replies = ["Let me look.\n```bash\nls -la\n```", "Now the tests.\n```bash\npytest -q\n```", "All done."]
+    be = scripted(tok, Script(tok, replies))
+
+    async def main():
+        async with Endpoint(tok, be.url) as ep:
+            msgs = [{"role": "system", "content": "You are a shell agent."}, {"role": "user", "content": "fix it"}]
+            outs = []
+            for obs in ("a.py b.py", "1 passed", None):
+                r = await ep.client.chat.completions.create(model="any", messages=msgs, temperature=0.7)
+                outs.append(r)
+                msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+                if obs:
+                    msgs.append({"role": "user", "content": obs})
+            return ep, outs, msgs
+
+    ep, outs, msgs = arun(main())
+    assert [o.choices[0].message.content for o in outs] == replies
+    assert all(o.choices[0].finish_reason == "stop" and not o.choices[0].message.tool_calls for o in outs)
+    t = ep.session.trajectory()
+    assert "segments" not in t and t["metrics"]["segments"] == 1
+    check_exact(tok, t, ep.seen)
+    sampled = [ids for _, ids, _ in ep.seen]
+    assert t["metrics"]["assistant_tokens_reused"] == sum(map(len, sampled[:2]))
+    assert t["metrics"]["assistant_tokens_reencoded"] == 0
+    # the splits really are non-canonical: a text round trip would have trained on other ids
+    for ids, text in zip(sampled, replies):
+        assert tok.encode(text, add_special_tokens=False) != ids[:-1]
+    # everything that is not sampled is exactly the chat template's text
+    full = t["prompt_ids"].tolist() + t["response_ids"].tolist()
+    assert tok.decode(full) + "\n" == tok.apply_chat_template(msgs, tokenize=False)  # (the closing newline
+    # comes with the next message)
+    # usage is the context sent and the tokens sampled
+    for o, (sent, ids, _) in zip(outs, ep.seen):
+        assert o.usage.prompt_tokens == len(sent) and o.usage.completion_tokens == len(ids)
+
+
+def test_two_structured_tool_calls_in_one_turn(qwen_tokenizer, scripted, arun):
+    """The agent gets OpenAI tool_calls parsed from the sampled text and sends them back as
+    structured tool_calls (the openai SDK way): the turn keeps its ids; tool results are rendered
+    with the template's own delimiters and masked."""
+    tok = qwen_tokenizer
+    two = ('I will run two commands.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "bash", "arguments": {"command": "cat a.py"}}\n</tool_call>')
+    be = scripted(tok, Script(tok, [two, "The answer is 42."]))
+
+    async def main():
+        async with Endpoint(tok, be.url) as ep:
+            msgs = [{"role": "user", "content": "what is in a.py?"}]
+            r1 = await ep.client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, logprobs=True)
+            m = r1.choices[0].message
+            msgs.append(m.model_dump(exclude_none=True))  # what an SDK loop appends
+            for tc, out in zip(m.tool_calls, ("a.py", "print(42)")):
+                msgs.append({"role": "tool", "tool_call_id": tc.id, "content": out})
+            r2 = await ep.client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+            return ep, r1, r2
+
+    ep, r1, r2 = arun(main())
+    c = r1.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "I will run two commands."
+    calls = c.message.tool_calls
+    assert [(x.function.name, json.loads(x.function.arguments)) for x in calls] == [
+        ("bash", {"command": "ls"}), ("bash", {"command": "cat a.py"})]
+    assert len({x.id for x in calls}) == 2
+    # logprobs as OpenAI's shape, one per sampled token
+    assert [x.logprob for x in c.logprobs.content] == pytest.approx(ep.seen[0][2].tolist())
+    assert r2.choices[0].message.content == "The answer is 42." and r2.choices[0].finish_reason == "stop"
+    t = ep.session.trajectory()
+    check_exact(tok, t, ep.seen)
+    assert t["metrics"]["segments"] == 1 and t["metrics"]["assistant_tokens_reused"] == len(ep.seen[0][1])
+    turn = t["turns"][0]
+    obs = tok.decode(t["response_ids"][turn["obs_start"]:turn["obs_end"]].tolist())
+    assert obs == ("\n<|im_start|>user\n<tool_response>\na.py\n</tool_response>\n<tool_response>\nprint(42)\n"
+                   "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_streaming_gives_the_same_reply_and_trajectory(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    call = 'Checking.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
+    be = scripted(tok, Script(tok, [call, "Done."]))
+
+    async def main():
+        async with Endpoint(tok, be.url) as ep:
+            msgs = [{"role": "user", "content": "go"}]
+            stream = await ep.client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, stream=True,
+                                                             stream_options={"include_usage": True})
+            chunks = [ch async for ch in stream]
+            content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            tcs = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+            finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+            usage = [ch.usage for ch in chunks if ch.usage]
+            msgs.append({"role": "assistant", "content": content, "tool_calls": [
+                {"id": tc.id, "type": "function", "function": {"name": tc.function.name,
+                                                               "arguments": tc.function.arguments}} for tc in tcs]})
+            msgs.append({"role": "tool", "tool_call_id": tcs[0].id, "content": "x"})
+            stream = await ep.client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, stream=True)
+            last = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+            return ep, content, tcs, finish, usage, last
+
+    ep, content, tcs, finish, usage, last = arun(main())
+    assert content == "Checking." and finish == ["tool_calls"] and last == "Done."
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in tcs] == [("bash", {"command": "ls"})]
+    assert len(usage) == 1 and usage[0].completion_tokens == len(ep.seen[0][1])
+    t = ep.session.trajectory()
+    assert t["metrics"]["segments"] == 1
+    check_exact(tok, t, ep.seen)
+
+
+def test_history_rewrite_opens_a_segment(qwen_tokenizer, scripted, arun):
+    """An agent that summarizes its history: the second segment is rendered from the rewritten
+    messages; each segment is self-consistent and the last one is the top level."""
+    tok = qwen_tokenizer
+    be = scripted(tok, Script(tok, ["step one", "step two", "final"]))
+
+    async def main():
+        async with Endpoint(tok, be.url) as ep:
+            msgs = [{"role": "user", "content": "task"}]
+            r = await ep.client.chat.completions.create(model="m", messages=msgs)
+            msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "more"}]
+            r = await ep.client.chat.completions.create(model="m", messages=msgs)
+            # the agent compresses: drops the first exchange, keeps its last reply verbatim
+            short = [{"role": "user", "content": "task (summary: did step one)"},
+                     {"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": "finish"}]
+            await ep.client.chat.completions.create(model="m", messages=short)
+            return ep, short
+
+    ep, short = arun(main())
+    t = ep.session.trajectory()
+    segs = t["segments"]
+    assert [s["index"] for s in segs] == [0, 1] and t["metrics"]["segments"] == 2
+    check_exact(tok, segs[0], ep.seen[:2])
+    check_exact(tok, segs[1], ep.seen[2:])
+    for k in ("prompt_ids", "response_ids", "loss_mask", "logprobs"):
+        assert np.array_equal(t[k], segs[1][k])
+    assert t["turns"] == segs[1]["turns"]
+    # the new segment's prompt is the template's rendering of the rewritten messages: the kept
+    # reply is re-encoded from its text (counted), not spliced in as sampled ids
+    text = tok.apply_chat_template(short, add_generation_prompt=True, tokenize=False)
+    assert segs[1]["prompt_ids"].tolist() == tok.encode(text, add_special_tokens=False)
+    assert t["metrics"]["assistant_tokens_reencoded"] == len(ep.seen[1][1])
+    assert t["metrics"]["assistant_tokens_reused"] == len(ep.seen[0][1])
+
+
+def test_edited_reply_or_other_tools_open_a_segment(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    be = scripted(tok, Script(tok, ["answer A", "answer B", "answer C"], split=False))
+
+    async def main():
+        async with Endpoint(tok, be.url) as ep:
+            msgs = [{"role": "user", "content": "q"}]
+            await ep.client.chat.completions.create(model="m", messages=msgs)
+            edited = msgs + [{"role": "assistant", "content": "answer A, edited"}, {"role": "user", "content": "q2"}]
+            await ep.client.chat.completions.create(model="m", messages=edited)
+            same = edited[:1] + [{"role": "assistant", "content": "answer A, edited"}, {"role": "user", "content": "q2"},
+                                 {"role": "assistant", "content": "answer B"}, {"role": "user", "content": "q3"}]
+            await ep.client.chat.completions.create(model="m", messages=same, tools=TOOLS)  # tools appear
+            return ep
+
+    ep = arun(main())
+    t = ep.session.trajectory()
+    assert t["metrics"]["segments"] == 3
+    for s, seen in zip(t["segments"], ep.seen):
+        check_exact(tok, s, [seen])
+
+
+def test_cancel_mid_call_aborts_the_backend_request(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    be = scripted(tok, "constant:text=slow", latency=60.0)
+
+    async def main():
+        async with Endpoint(tok, be.url) as ep:
+            ep.client = ep.client.with_options(max_retries=2)  # the refusal must not be retried anyway
+            call = asyncio.ensure_future(ep.client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}]))
+            while be.num_running < 1:  # the backend holds the request
+                await asyncio.sleep(0.01)
+            ep.session.cancel("cancelled")
+            with pytest.raises(openai.APIStatusError) as ei:
+                await call
+            assert ei.value.status_code == 503 and ei.value.body["code"] == "job_cancelled"
+            assert await asyncio.to_thread(be.wait_for, lambda b: b.stats["disconnects"] >= 1, 10)
+            with pytest.raises(openai.APIStatusError) as ei:
+                await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "again"}])
+            assert ei.value.status_code == 503
+            return ep
+
+    ep = arun(main())
+    assert be.stats["requests"] == 1  # the later call never reached the backend
+    assert ep.session.metrics["refused_calls"] == 1  # and the SDK did not retry it (x-should-retry: false)
+    t = ep.session.trajectory()
+    assert t["metrics"]["segments"] == 0 and len(t["response_ids"]) == 0
+
+
+def test_deadline_refuses_calls_and_cuts_one_in_flight(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    be = scripted(tok, "constant:text=slow", latency=60.0)
+
+    async def main():
+        lim = EndpointLimits(max_context=4096, deadline=time.monotonic() + 1.0)
+        async with Endpoint(tok, be.url, limits=lim) as ep:
+            with pytest.raises(openai.APIStatusError) as ei:  # runs into the deadline at the backend
+                await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            assert ei.value.status_code == 503 and ei.value.body["code"] == "deadline_exceeded"
+            assert await asyncio.to_thread(be.wait_for, lambda b: b.stats["disconnects"] >= 1, 10)
+            with pytest.raises(openai.APIStatusError) as ei:  # after the deadline: refused at the door
+                await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            assert ei.value.body["code"] == "deadline_exceeded"
+        return ep
+
+    arun(main())
+    assert be.stats["requests"] == 1
+
+
+def test_n_greater_than_one_and_context_overflow_are_400(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    be = scripted(tok, Script(tok, ["ok"]))
+
+    async def main():
+        async with Endpoint(tok, be.url, limits=EndpointLimits(max_context=64)) as ep:
+            with pytest.raises(openai.BadRequestError) as ei:
+                await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=2)
+            assert "n = 2" in ei.value.body["message"] and ei.value.body["param"] == "n"
+            with pytest.raises(openai.BadRequestError) as ei:
+                await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x " * 200}])
+            assert ei.value.body["code"] == "context_length_exceeded"
+            # the first exchange fits; the next observation does not: refused, nothing recorded for it
+            r = await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": r.choices[0].message.content},
+                    {"role": "user", "content": "y " * 100}]
+            with pytest.raises(openai.BadRequestError) as ei:
+                await ep.client.chat.completions.create(model="m", messages=msgs)
+            assert ei.value.body["code"] == "context_length_exceeded"
+            return ep
+
+    ep = arun(main())
+    assert be.stats["requests"] == 1
+    t = ep.session.trajectory()
+    check_exact(tok, t, ep.seen)
+
+
+def test_call_budget_is_429_and_not_retried(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    be = scripted(tok, Script(tok, ["ok"]))
+
+    async def main():
+        async with Endpoint(tok, be.url, limits=EndpointLimits(max_llm_calls=1)) as ep:
+            ep.client = ep.client.with_options(max_retries=2)
+            await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+            with pytest.raises(openai.RateLimitError) as ei:
+                await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}])
+            assert ei.value.body["code"] == "insufficient_quota"
+            return ep
+
+    ep = arun(main())
+    assert ep.session.metrics["refused_calls"] == 1 and be.stats["requests"] == 1
+
+
+def test_unix_socket_models_completions_and_bad_requests(qwen_tokenizer, scripted, arun, tmp_path):
+    """Over a Unix socket (what the sandbox relay connects to): /v1/models, /v1/completions with a
+    token-id prompt (its own segment), stop strings, and clear errors for bad bodies."""
+    import httpx2
+
+    tok = qwen_tokenizer
+    be = scripted(tok, Script(tok, ["alpha beta STOP gamma", "chat reply"]))
+    sock = str(tmp_path / "llm.sock")
+
+    async def main():
+        async with Endpoint(tok, be.url, uds=sock) as ep:
+            models = await ep.client.models.list()
+            assert [m.id for m in models.data] == ["rolloutd"]
+            prompt = tok.encode("Once upon a time", add_special_tokens=False)
+            c = await ep.client.completions.create(model="m", prompt=prompt, max_tokens=50, stop=["STOP"],
+                                                   logprobs=1)
+            await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            async with httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=sock), timeout=10) as h:
+                bad = await h.post("http://localhost/v1/chat/completions", content=b"{not json")
+                nomsg = await h.post("http://localhost/v1/chat/completions", json={"messages": []})
+                img = await h.post("http://localhost/v1/chat/completions", json={"messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+                missing = await h.get("http://localhost/v1/nothing")
+                get = await h.get("http://localhost/v1/chat/completions")
+            return ep, c, [bad, nomsg, img, missing, get]
+
+    ep, c, errs = arun(main())
+    assert c.choices[0].text == "alpha beta " and c.choices[0].finish_reason == "stop"
+    assert [e.status_code for e in errs] == [400, 400, 400, 404, 405]
+    for e in errs:
+        err = e.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert "image_url" in errs[2].json()["error"]["message"]
+    t = ep.session.trajectory()
+    assert t["metrics"]["segments"] == 2
+    raw = t["segments"][0]
+    assert raw["prompt_ids"].tolist() == tok.encode("Once upon a time", add_special_tokens=False)
+    # the tokens after the stop string were dropped: the segment ends with the one completing "STOP"
+    kept = raw["response_ids"].tolist()
+    assert kept == ep.seen[0][1][: len(kept)] and tok.decode(kept).endswith("STOP")
+    assert np.array_equal(raw["logprobs"], ep.seen[0][2][: len(kept)])
+    assert len(c.choices[0].logprobs.tokens) == len(kept)
+    check_exact(tok, t["segments"][1], ep.seen[1:])
+    assert not (tmp_path / "llm.sock").exists()  # stop removes the socket file
