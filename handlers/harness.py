@@ -1,0 +1,459 @@
+"""``harness``: an unmodified agent program in a sandbox, trained through a token-capturing endpoint.
+
+Instance (every key is checked; unknown keys are an error)::
+
+    {
+      "preset": "mini-swe-agent",                 # or "openai-tools"; or give "command" yourself
+      "command": ["my-agent", "--task", "{task}"], # argv; {task} and {task_file} are substituted
+      "env": {"MY_AGENT_MODE": "train"},           # merged over the preset's
+      "task_via": "arg" | "file" | "stdin",        # how the task text reaches the agent
+      "task": "Fix the failing test.",             # the task text (or from the setup's domain)
+      "setup": {"domain": "swe", "instance": {"task_id": "..."},   # an existing task domain, or
+                "files": {"README.md": "..."}, "repository": "<name>", "image": "/path/rootfs"},
+      "limits": {"max_llm_calls": 30, "max_context": 16384, "max_tokens": 1024, "wall_s": 600},
+      "eval": {"command": ["python3", "-m", "pytest", "-q"], "timeout_s": 120, "reward": "exit_code"}
+              # or {"scorer": "swe" | "math" | "code"} (default: the setup's domain)
+      "tokenizer": "...", "parser": "hermes", "cwd": "/workspace", "task_tag": true
+    }
+
+init makes the sandbox (a domain's task setup and sandbox, or ``files``/``repository``/``image``)
+and mounts the agent virtual environment (``[handlers.harness] agent_venv`` or
+``$ROLLOUTD_AGENT_VENV``) read-only at the same path. run starts the job's OpenAI-compatible
+endpoint (rolloutd.llm.openai_endpoint) on a Unix socket in the sandbox's run directory, which
+the run daemon's LLM lease serves; the tool server's ``relay`` makes it ``127.0.0.1:<port>``
+inside the sandbox, and its ``agent`` tool runs the command with ``OPENAI_BASE_URL`` /
+``OPENAI_API_KEY`` set, to its end or its wall budget. eval runs the command (reward 1 when it
+exits 0, or the float on its last stdout line) or the domain's scorer.
+
+Host paths never come from a request: the venv and the named repositories come from the
+handler's config (``agent_venv``, ``repositories = {name = "/path"}``).
+
+Failures: an agent that exits non-zero or crashes makes the job ``failed`` in run with
+``error.type == "AgentExited"``, its exit code and the tail of its output in
+``eval_details["agent"]``, and the tokens sampled so far in the trajectory; past its wall
+budget it is killed (whole process tree) and the job is ``timeout``. Cancel and the job's own
+deadline kill the agent the same way and make the endpoint refuse further calls.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from rolloutd.handlers.base import AgentHandler, JobContext, PhaseTimeout
+from rolloutd.handlers.harness_presets import PRESETS, AGENT_DIR, agent_script_binds
+
+TOP_KEYS = {"preset", "command", "env", "task_via", "task", "setup", "limits", "eval", "tokenizer", "parser",
+            "task_tag", "cwd"}
+SETUP_KEYS = {"domain", "instance", "files", "repository", "image"}
+LIMIT_KEYS = {"max_llm_calls": int, "max_context": int, "max_tokens": int, "wall_s": float}
+EVAL_KEYS = {"command", "timeout_s", "reward", "scorer"}
+DOMAINS = ("swe", "math", "code")
+TASK_VIA = ("arg", "file", "stdin")
+TASK_FILE = ".rolloutd_task.md"
+LLM_SOCKET = "llm.sock"
+TAIL_CHARS = 4000
+
+
+class HarnessInstanceError(ValueError):
+    """The instance is malformed; the message says which key and why."""
+
+
+class AgentExited(RuntimeError):
+    """The agent program exited non-zero (or was killed by a signal)."""
+
+
+def _fail(msg: str):
+    raise HarnessInstanceError(msg)
+
+
+def _strs(v: Any, what: str, empty_ok: bool = False) -> list[str]:
+    if not isinstance(v, list) or (not v and not empty_ok) or not all(isinstance(a, str) for a in v):
+        _fail(f"{what} must be a {'' if empty_ok else 'non-empty '}list of strings, got {v!r:.200}")
+    return list(v)
+
+
+def _env(v: Any, what: str) -> dict[str, str]:
+    import re
+
+    if not isinstance(v, dict):
+        _fail(f"{what} must be an object of strings")
+    for k, x in v.items():
+        if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) or not isinstance(x, str):
+            _fail(f"{what}: {k!r} must be a variable name mapped to a string")
+    return dict(v)
+
+
+def _number(v: Any, cast, what: str):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (cast is int and int(v) != v):
+        _fail(f"{what} must be a positive {'integer' if cast is int else 'number'}, got {v!r}")
+    return cast(v)
+
+
+def validate(instance: Any, config: dict) -> dict:
+    """The instance, checked and normalised (preset applied). Raises HarnessInstanceError."""
+    if not isinstance(instance, dict):
+        _fail("a harness instance is an object")
+    unknown = set(instance) - TOP_KEYS
+    if unknown:
+        _fail(f"unknown instance keys {sorted(unknown)}; allowed: {sorted(TOP_KEYS)}")
+    out: dict[str, Any] = {}
+    preset = instance.get("preset")
+    base: dict[str, Any] = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            _fail(f"unknown preset {preset!r}; presets: {sorted(PRESETS)}")
+        base = PRESETS[preset]
+    out["preset"] = preset
+    command = instance.get("command", base.get("command"))
+    if command is None:
+        _fail("name the agent: 'command' (an argv) or a 'preset'")
+    out["command"] = _strs(command, "'command'")
+    out["env"] = dict(base.get("env") or {})
+    out["env"].update(_env(instance.get("env", {}), "'env'"))
+    out["task_via"] = instance.get("task_via", base.get("task_via", "arg"))
+    if out["task_via"] not in TASK_VIA:
+        _fail(f"'task_via' must be one of {TASK_VIA}, got {out['task_via']!r}")
+    if out["task_via"] == "arg" and not any("{task}" in a for a in out["command"]):
+        _fail("task_via 'arg' needs a '{task}' placeholder in 'command'")
+    cwd = instance.get("cwd")
+    if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/")):
+        _fail("'cwd' must be an absolute path inside the sandbox")
+    out["cwd"] = cwd
+
+    setup = instance.get("setup", {})
+    if not isinstance(setup, dict):
+        _fail("'setup' must be an object")
+    unknown = set(setup) - SETUP_KEYS
+    if unknown:
+        _fail(f"unknown setup keys {sorted(unknown)}; allowed: {sorted(SETUP_KEYS)}")
+    domain = setup.get("domain")
+    if domain is not None and domain not in DOMAINS:
+        _fail(f"setup.domain must be one of {DOMAINS}, got {domain!r}")
+    dinst = setup.get("instance", {})
+    if not isinstance(dinst, dict) or (dinst and domain is None):
+        _fail("setup.instance is the domain's own instance (an object) and needs setup.domain")
+    files = setup.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        _fail("setup.files maps workspace-relative paths to file contents (strings)")
+    repo = setup.get("repository")
+    repos = config.get("repositories") or {}
+    if repo is not None:
+        if not isinstance(repo, str) or repo not in repos:
+            _fail(f"setup.repository {repo!r} is not one of the repositories named in [handlers.harness] "
+                  f"repositories: {sorted(repos)}")
+        if domain is not None:
+            _fail("setup.repository and setup.domain exclude each other (the domain brings its own files)")
+    image = setup.get("image")
+    if image is not None and (not isinstance(image, str) or not image.startswith("/")):
+        _fail("setup.image must be an absolute path of an image on the node")
+    out["setup"] = {"domain": domain, "instance": dict(dinst), "files": dict(files), "repository": repo,
+                    "image": image}
+
+    task = instance.get("task")
+    if task is not None and (not isinstance(task, str) or not task.strip()):
+        _fail("'task' must be a non-empty string")
+    if task is None and domain is None:
+        _fail("give the task text ('task') or a setup.domain that provides it")
+    out["task"] = task
+
+    limits = instance.get("limits", {})
+    if not isinstance(limits, dict):
+        _fail("'limits' must be an object")
+    unknown = set(limits) - set(LIMIT_KEYS)
+    if unknown:
+        _fail(f"unknown limits {sorted(unknown)}; allowed: {sorted(LIMIT_KEYS)}")
+    lim = dict(base.get("limits") or {})
+    lim.update({k: _number(v, LIMIT_KEYS[k], f"limits.{k}") for k, v in limits.items()})
+    lim.setdefault("wall_s", float(config.get("wall_s", 900.0)))
+    lim.setdefault("max_context", int(config.get("max_context", 16384)))
+    lim.setdefault("max_tokens", int(config.get("max_tokens", 1024)))
+    out["limits"] = lim
+
+    ev = instance.get("eval")
+    if ev is None:
+        if domain is None:
+            _fail("'eval' is required without setup.domain: {\"command\": [...]} or {\"scorer\": ...}")
+        ev = {"scorer": domain}
+    if not isinstance(ev, dict):
+        _fail("'eval' must be an object")
+    unknown = set(ev) - EVAL_KEYS
+    if unknown:
+        _fail(f"unknown eval keys {sorted(unknown)}; allowed: {sorted(EVAL_KEYS)}")
+    if ("command" in ev) == ("scorer" in ev):
+        _fail("'eval' takes exactly one of 'command' and 'scorer'")
+    if "scorer" in ev:
+        if ev["scorer"] not in DOMAINS:
+            _fail(f"eval.scorer must be one of {DOMAINS}, got {ev['scorer']!r}")
+        if ev["scorer"] != domain:
+            _fail(f"eval.scorer {ev['scorer']!r} needs setup.domain {ev['scorer']!r} (its task and answer)")
+        if set(ev) - {"scorer"}:
+            _fail("eval.timeout_s and eval.reward go with eval.command")
+        out["eval"] = {"scorer": ev["scorer"]}
+    else:
+        reward = ev.get("reward", "exit_code")
+        if reward not in ("exit_code", "stdout"):
+            _fail("eval.reward must be 'exit_code' (1 if the command exits 0) or 'stdout' (its last line, a number)")
+        out["eval"] = {"command": _strs(ev["command"], "eval.command"),
+                       "timeout_s": _number(ev.get("timeout_s", 300.0), float, "eval.timeout_s"), "reward": reward}
+    for k in ("tokenizer", "parser"):
+        if k in instance and not isinstance(instance[k], str):
+            _fail(f"'{k}' must be a string")
+        out[k] = instance.get(k)
+    out["task_tag"] = instance.get("task_tag", True)
+    return out
+
+
+class _DomainView(JobContext):
+    """The job's context as a domain handler sees it: the same job, state and sandbox, but the
+    domain's own instance."""
+
+    def __init__(self, ctx: JobContext, instance: dict):
+        self.__dict__.update(ctx.__dict__)
+        self._domain_instance = instance
+
+    @property
+    def instance(self) -> dict:
+        return self._domain_instance
+
+
+class HarnessHandler(AgentHandler):
+    needs_sandbox = True
+    needs_llm = True
+    eval_needs_sandbox = True
+
+    def __init__(self, config: dict | None = None):
+        super().__init__(config)
+        self._domains: dict[str, Any] = {}
+
+    # -- helpers -------------------------------------------------------------------------------
+    def domain(self, name: str):
+        h = self._domains.get(name)
+        if h is None:
+            from rolloutd.handlers.registry import UnknownHandler, _entry_points
+
+            ep = _entry_points().get(name)
+            if ep is None:
+                raise UnknownHandler(f"the {name} domain is not installed (no {name!r} handler entry point)")
+            # Its own instance, configured by [handlers.harness.<domain>] (tokenizer: the harness's).
+            cfg = dict(self.config.get(name) or {})
+            cfg.setdefault("tokenizer", self.config.get("tokenizer"))
+            h = self._domains[name] = ep.load()(cfg)
+        return h
+
+    def spec(self, ctx: JobContext) -> dict:
+        h = ctx.state.get("harness")
+        if h is None:
+            h = ctx.state["harness"] = validate(ctx.instance, self.config)
+        return h
+
+    def view(self, ctx: JobContext) -> _DomainView:
+        h = self.spec(ctx)
+        inst = dict(h["setup"]["instance"])
+        inst.setdefault("task_tag", h["task_tag"])
+        return _DomainView(ctx, inst)
+
+    def agent_venv(self) -> str | None:
+        v = self.config.get("agent_venv") or os.environ.get("ROLLOUTD_AGENT_VENV")
+        if not v:
+            return None
+        if not os.path.isabs(v) or not os.path.isfile(os.path.join(v, "bin", "python")):
+            raise ValueError(f"agent_venv {v!r} is not a virtual environment (no bin/python)")
+        return v
+
+    def tokenizer(self, ctx: JobContext):
+        from rolloutd.handlers.agent import tokenizer_at
+
+        path = self.spec(ctx)["tokenizer"] or self.config.get("tokenizer") or os.environ.get("ROLLOUTD_TOKENIZER")
+        if not path:
+            raise ValueError("no tokenizer: set [handlers.harness] tokenizer, $ROLLOUTD_TOKENIZER or instance.tokenizer")
+        return tokenizer_at(str(path))
+
+    # -- init ----------------------------------------------------------------------------------
+    async def init(self, ctx: JobContext):
+        h = self.spec(ctx)
+        await asyncio.to_thread(self._init_sync, ctx, h)
+
+    def _init_sync(self, ctx: JobContext, h: dict) -> None:
+        from rolloutd.sandbox import Limits, SandboxSpec
+
+        setup = h["setup"]
+        domain = self.domain(setup["domain"]) if setup["domain"] else None
+        if domain is not None:
+            v = self.view(ctx)
+            domain.setup_task(v)
+            spec = domain.sandbox_spec(v)
+            task_text = h["task"] or domain.user_message(v)
+        else:
+            spec = SandboxSpec(limits=Limits(memory_mb=4096, nproc=512, cpu_seconds=3600, file_size_mb=512))
+            task_text = h["task"]
+        ctx.state["task_text"] = task_text
+        wall = h["limits"]["wall_s"]
+        # The sandbox outlives the agent's wall budget by the eval's and the endpoint's margins.
+        spec.limits = Limits(**dict(spec.limits.to_dict(), wall_seconds=max(spec.limits.wall_seconds or 0,
+                                                                            wall + 3600)))
+        if setup["image"]:
+            spec.image = setup["image"]
+        spec.workspace_files = dict(spec.workspace_files, **setup["files"])
+        venv = self.agent_venv()
+        if venv:
+            spec.binds = list(spec.binds) + [(venv, venv, True)]
+        spec.binds = list(spec.binds) + agent_script_binds()
+        ctx.create_sandbox(spec)
+        from rolloutd.handlers.tasks import give_to_sandbox
+
+        ws = Path(ctx.sandbox["workspace"])
+        if domain is not None:
+            domain.prepare_sandbox(self.view(ctx))
+        if setup["repository"]:
+            shutil.copytree(self.config["repositories"][setup["repository"]], ws, dirs_exist_ok=True, symlinks=True)
+            give_to_sandbox(ctx.sandbox, [ws])
+
+    # -- run -----------------------------------------------------------------------------------
+    def agent_call(self, ctx: JobContext, h: dict, base_url: str, api_key: str) -> dict:
+        """The ``agent`` tool call for this job (argv, env, stdin, timeout)."""
+        from rolloutd.handlers.tasks import SANDBOX_PATH, give_to_sandbox, workspace_inside
+
+        sb = ctx.sandbox
+        inside_ws = workspace_inside(sb)
+        task = ctx.state["task_text"]
+        task_file = f"{inside_ws}/{TASK_FILE}"
+        if h["task_via"] == "file" or any("{task_file}" in a for a in h["command"]):
+            p = Path(sb["workspace"]) / TASK_FILE
+            p.write_text(task, encoding="utf-8")
+            give_to_sandbox(sb, [p])
+        subst = {"{task}": task, "{task_file}": task_file, "{agent_dir}": AGENT_DIR,
+                 "{max_llm_calls}": str(h["limits"].get("max_llm_calls") or 0)}
+        argv = []
+        for a in h["command"]:
+            for k, v in subst.items():
+                a = a.replace(k, v) if k != "{task}" or h["task_via"] == "arg" else a
+            argv.append(a)
+        venv = self.agent_venv()
+        env = {"OPENAI_BASE_URL": base_url, "OPENAI_API_BASE": base_url, "OPENAI_API_KEY": api_key,
+               "ROLLOUTD_TASK_FILE": task_file if h["task_via"] == "file" else "",
+               "PATH": (f"{venv}/bin:" if venv else "") + SANDBOX_PATH, "PYTHONUNBUFFERED": "1"}
+        if venv:
+            env["VIRTUAL_ENV"] = venv
+        env.update({k: v.replace("{agent_dir}", AGENT_DIR) for k, v in h["env"].items()})
+        return {"argv": argv, "env": env, "cwd": h["cwd"] or inside_ws, "timeout": h["limits"]["wall_s"],
+                "stdin": task if h["task_via"] == "stdin" else None, "tail_bytes": 16384,
+                "log": f"{inside_ws}/.rolloutd_agent.log"}
+
+    def endpoint_limits(self, ctx: JobContext, h: dict):
+        from rolloutd.llm.openai_endpoint import EndpointLimits
+
+        lim = h["limits"]
+        left = [lim["wall_s"]]
+        if ctx.job.budget_s is not None:  # the job's own budget: calls after it are refused
+            left.append(max(0.0, ctx.job.budget_s - ctx.job.spent_s))
+        return EndpointLimits(max_llm_calls=lim.get("max_llm_calls"), max_context=lim["max_context"],
+                              max_tokens=lim["max_tokens"], deadline=time.monotonic() + min(left))
+
+    async def run(self, ctx: JobContext):
+        from rolloutd.llm.openai_endpoint import EndpointSession, make_app, serve
+        from rolloutd.handlers.tasks import give_to_sandbox
+
+        h = self.spec(ctx)
+        sb = ctx.sandbox
+        tok = self.tokenizer(ctx)
+        api_key = "rolloutd-" + secrets.token_hex(16)
+        session = EndpointSession(ctx.llm, tok, parser=h["parser"] or self.config.get("parser", "hermes"),
+                                  model=str(self.config.get("model_name", "rolloutd")),
+                                  limits=self.endpoint_limits(ctx, h), api_key=api_key)
+        sock = os.path.join(os.path.dirname(sb["tool_socket"]), LLM_SOCKET)
+        inside_sock = sock if sb.get("runtime") == "local" else "/run/rolloutd/" + LLM_SOCKET
+        server = await serve(make_app(session), uds=sock)
+        client = ctx.tools()
+        outcome = "cancelled"
+        try:
+            give_to_sandbox(sb, [sock])
+            r = await client.call("relay", {"socket": inside_sock}, timeout=30)
+            if r.error:
+                raise RuntimeError(f"cannot relay the LLM endpoint into the sandbox: {r.error}")
+            call = await asyncio.to_thread(self.agent_call, ctx, h, r.output + "/v1", api_key)
+            t0 = time.monotonic()
+            res = await client.call("agent", call, timeout=call["timeout"])
+            outcome = "done"
+        finally:
+            if outcome != "done":
+                session.cancel("cancelled")  # refuse new calls, abort the backend request in flight
+            await client.close()
+            await server.stop()
+            _copy_trajectory(ctx, session)
+        agent = {"exit_code": res.exit_code, "timed_out": res.timed_out, "duration_s": round(time.monotonic() - t0, 3),
+                 "output_tail": (res.output or "")[-TAIL_CHARS:], "output_bytes": res.info.get("output_bytes"),
+                 "error": res.error}
+        ctx.trajectory["eval_details"]["agent"] = agent
+        ctx.trajectory["metrics"]["agent_exit_code"] = res.exit_code
+        if session.fatal is not None:  # e.g. StaleLease: the run daemon's staleness policy decides
+            raise session.fatal
+        if res.timed_out:
+            raise PhaseTimeout("run (agent wall budget)", h["limits"]["wall_s"])
+        if res.error or res.exit_code != 0:
+            what = res.error or (f"killed by signal {-res.exit_code}" if (res.exit_code or 0) < 0
+                                 else f"exit code {res.exit_code}")
+            raise AgentExited(f"the agent {h['command'][0]} failed ({what}); output tail:\n{agent['output_tail'][-1500:]}")
+
+    # -- eval ----------------------------------------------------------------------------------
+    async def eval(self, ctx: JobContext):
+        h = self.spec(ctx)
+        ev = h["eval"]
+        if "scorer" in ev:
+            d = self.domain(ev["scorer"])
+            v = self.view(ctx)
+            ctx.state["final_text"] = final_text(ctx.trajectory, self.tokenizer(ctx))
+            reward, details = await d.evaluate(v)
+        else:
+            reward, details = await self._eval_command(ctx, ev)
+        ctx.set_reward(reward, **details)
+
+    async def _eval_command(self, ctx: JobContext, ev: dict) -> tuple[float, dict]:
+        from rolloutd.handlers.tasks import SANDBOX_PATH, workspace_inside
+
+        client = ctx.tools()
+        try:
+            r = await client.call("agent", {"argv": ev["command"], "timeout": ev["timeout_s"],
+                                            "cwd": workspace_inside(ctx.sandbox),
+                                            "env": {"PATH": SANDBOX_PATH, "HOME": "/tmp", "OPENAI_API_KEY": ""}},
+                                  timeout=ev["timeout_s"])
+        finally:
+            await client.close()
+        out = r.output or ""
+        details = {"eval_exit_code": r.exit_code, "eval_timed_out": r.timed_out, "eval_output": out[-TAIL_CHARS:]}
+        if r.error:
+            details["eval_error"] = r.error
+        if ev["reward"] == "exit_code":
+            return (1.0 if r.exit_code == 0 and not r.timed_out and not r.error else 0.0), details
+        lines = out.strip().splitlines()
+        try:
+            return float(lines[-1]), details
+        except (IndexError, ValueError):
+            details["eval_reward_error"] = "the eval command's last stdout line is not a number"
+            return 0.0, details
+
+
+def _copy_trajectory(ctx: JobContext, session) -> None:
+    """What the endpoint recorded, into the job's trajectory (also after a crash or cancel)."""
+    try:
+        t = session.trajectory()
+    except Exception as e:  # noqa: BLE001 - the job's own failure matters more than this one
+        ctx.trajectory["metrics"]["trajectory_error"] = f"{type(e).__name__}: {e}"
+        return
+    metrics = t.pop("metrics", None) or {}
+    ctx.trajectory.update(t)
+    ctx.trajectory["metrics"].update(metrics)
+
+
+def final_text(traj: dict, tok) -> str:
+    """The text of the last assistant turn (what a domain scorer grades)."""
+    turns = traj.get("turns") or []
+    if not turns:
+        return ""
+    s, e = turns[-1].get("span") or (turns[-1]["start"], turns[-1]["end"])
+    ids = [int(x) for x in list(traj["response_ids"])[s:e]]
+    return tok.decode(ids, skip_special_tokens=True)
