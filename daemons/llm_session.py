@@ -5,11 +5,17 @@ callable of the agent loop. The first call leases a backend for the whole job (p
 affinity). A backend that fails is reported to the router and the call is retried on a new
 lease that excludes it. Every call returns the backend and policy version it used, so each
 turn records them. ``close`` releases the lease however the job ended.
+
+Getting a lease has one budget (``lease_wait_s``): the router holds a request while every
+backend is busy, unhealthy or not yet registered, and an ``unavailable`` answer (the router
+stopping, or silent because it died) is retried within that budget rather than failing the
+job. Requests a dead router took with it are re-sent when its successor is seen.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 from rolloutd.bus import codec
 from rolloutd.bus.messages import BackendFailed, Lease, Release
@@ -33,9 +39,11 @@ class RouterClient:
         self.node = node
         self.timeout_s = timeout_s
         self._ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future] = {}
+        self._waiting: dict[int, tuple[asyncio.Future, list]] = {}  # req id -> (reply, request frames)
         self._reader: asyncio.Task | None = None
         self.orphans_released = 0
+        self.router_incarnation: str | None = None
+        self.resent = 0
 
     def start(self):
         self._reader = asyncio.create_task(self._read())
@@ -57,7 +65,7 @@ class RouterClient:
             header = codec.decode(rest)
         except codec.CodecError:
             return
-        fut = self._waiting.pop(header.get("req_id"), None)
+        fut, _ = self._waiting.pop(header.get("req_id"), (None, None))
         if fut is not None and not fut.done():
             fut.set_result(header)
         elif isinstance(header.get("body"), dict) and "lease_id" in header["body"]:
@@ -65,6 +73,22 @@ class RouterClient:
             # now instead of letting it count as in flight until lease_ttl_s expires it.
             self.orphans_released += 1
             await self.send(Release(lease_id=header["body"]["lease_id"]))
+
+    async def router_seen(self, incarnation) -> int:
+        """A router heartbeat or start notice. When the incarnation changed, the old router died
+        with the requests it was holding (lease requests wait there up to a minute): send every
+        unanswered one again. One the new router already got is granted twice; the reply that
+        finds no waiter is an orphan and released (``_on_reply``). Returns how many were re-sent."""
+        if not incarnation or incarnation == self.router_incarnation:
+            return 0
+        first, self.router_incarnation = self.router_incarnation is None, incarnation
+        if first:
+            return 0
+        pending = [frames for fut, frames in self._waiting.values() if not fut.done()]
+        for frames in pending:
+            await self.sock.send_multipart(frames, copy=False)
+        self.resent += len(pending)
+        return len(pending)
 
     async def send(self, msg):
         """A request whose reply nobody waits for."""
@@ -74,8 +98,9 @@ class RouterClient:
     async def request(self, msg, timeout_s: float | None = None) -> dict:
         msg.req_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
-        self._waiting[msg.req_id] = fut
-        await self.sock.send_multipart([b""] + codec.encode(msg.to_wire()), copy=False)
+        frames = [b""] + codec.encode(msg.to_wire())
+        self._waiting[msg.req_id] = (fut, frames)
+        await self.sock.send_multipart(frames, copy=False)
         try:
             header = await asyncio.wait_for(fut, timeout_s or self.timeout_s)
         except asyncio.TimeoutError:
@@ -137,14 +162,28 @@ class LLMSession:
     def policy_version(self) -> int | None:
         return None if self.lease is None else self.lease["policy_version"]
 
+    async def _request_lease(self) -> dict:
+        """A lease within the budget of ``lease_wait_s``, across router restarts."""
+        deadline = time.monotonic() + self.lease_wait_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return await self.router.request(
+                    Lease(job_id=self.job_id, requester=self.router.requester, node=self.router.node,
+                          exclude=list(self.failed), wait_s=max(0.0, left)),
+                    timeout_s=max(0.0, left) + self.router.timeout_s)
+            except RouterError as e:
+                # "unavailable" is the router's state, not the job's fault: ask again while the
+                # budget lasts (a stopping router's successor answers the next request).
+                if e.code != "unavailable" or deadline - time.monotonic() <= 0.5:
+                    raise
+                await asyncio.sleep(0.2)
+
     async def acquire(self) -> dict:
         for _ in range(3):
             if self.lease is not None:
                 return self.lease
-            self.lease = await self.router.request(
-                Lease(job_id=self.job_id, requester=self.router.requester, node=self.router.node,
-                      exclude=list(self.failed), wait_s=self.lease_wait_s),
-                timeout_s=self.lease_wait_s + self.router.timeout_s)
+            self.lease = await self._request_lease()
             if not self.is_stale(self.lease["policy_version"]):
                 return self.lease
             if self.calls:

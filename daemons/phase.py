@@ -424,6 +424,9 @@ class RunDaemon(PhaseDaemon):
         self.current_version = 0
         self.control.setsockopt(_SUBSCRIBE, b"backend.added")
         self.control.setsockopt(_SUBSCRIBE, b"backend.cleared")
+        # The router's incarnation: a restarted router lost the lease requests it held.
+        self.control.setsockopt(_SUBSCRIBE, b"daemon.heartbeat")
+        self.control.setsockopt(_SUBSCRIBE, b"daemon.started")
 
     async def before_phase(self, ctx, handler):
         if handler.needs_llm:
@@ -443,7 +446,10 @@ class RunDaemon(PhaseDaemon):
         return hb
 
     def on_control(self, topic: str, body: dict):
-        if topic == "backend.added":
+        if topic in ("daemon.heartbeat", "daemon.started"):
+            if body.get("daemon") == "router":
+                asyncio.get_running_loop().create_task(self._router_seen(body.get("incarnation")))
+        elif topic == "backend.added":
             v = int(body.get("policy_version", 0))
             if v > self.current_version:
                 self.current_version = v
@@ -453,6 +459,11 @@ class RunDaemon(PhaseDaemon):
             grace = self.llm_clients.timeout_s + 5.0  # a job still leasing the old server may finish
             for client in self.llm_clients.evict(body.get("backends") or []):
                 loop.call_later(grace, lambda c=client: loop.create_task(c.aclose()))
+
+    async def _router_seen(self, incarnation):
+        n = await self.router.router_seen(incarnation)
+        if n:
+            self.log.warning("lease_requests_resent", requests=n, router_incarnation=incarnation)
 
     def _is_stale(self, version: int) -> bool:
         return self.stale_policy != "finish" and self.current_version - version > self.max_lag

@@ -2,9 +2,13 @@
 
 Run daemons lease a backend for a whole job (prefix-cache affinity) over a DEALER socket
 and release it when the job leaves the run phase. When every backend is at capacity a
-lease request waits (bounded by its ``wait_s``). Leases are renewed by the run daemons'
+lease request waits (bounded by its ``wait_s``), and so does one that arrives while no
+backend is registered at all (a restarted router before the gateway registered them again,
+a trainer that submits before it registers). A new or re-registered backend is pending until
+its first health check passes, which runs at once. Leases are renewed by the run daemons'
 heartbeats, which list the leases they hold: a dead run daemon's leases expire, and a
-restarted router rebuilds its view from those heartbeats.
+restarted router rebuilds its view from those heartbeats. Lease requests waiting here when
+the router dies are re-sent by their run daemons when they see the new router.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ class Router(Daemon):
         self.pool = Pool(self.rcfg["policy"], float(self.rcfg["node_affinity"]), lease_prefix=f"L{self.incarnation}-")
         self.waiters: list[tuple[float, list, object]] = []
         self.out: list = []
+        self.checks: set[asyncio.Task] = set()  # first checks of newly registered backends
 
     async def setup(self):
         self.front = self.sockets.bind("ROUTER", "router", hwm=10000)
@@ -105,9 +110,8 @@ class Router(Daemon):
     def _grant(self, route, msg) -> bool:
         try:
             rec = self.pool.lease(msg.job_id, msg.requester, msg.node, msg.exclude)
-        except NoBackend as e:
-            self._error(route, msg.req_id, "unavailable", str(e))
-            return True
+        except NoBackend:
+            return False  # held: backends may be registered any moment (after a router restart)
         if rec is None:
             return False
         b = self.pool.backends[rec.backend_id]
@@ -130,7 +134,9 @@ class Router(Daemon):
             if self._grant(route, msg):
                 continue
             if now >= deadline:
-                self._error(route, msg.req_id, "unavailable", "every backend is at capacity or unhealthy")
+                why = ("no LLM backend is registered" if not self.pool.backends
+                       else "every backend is at capacity or unhealthy")
+                self._error(route, msg.req_id, "unavailable", f"{why} (waited {msg.wait_s:g}s)")
             else:
                 keep.append((deadline, route, msg))
         self.waiters = keep
@@ -157,6 +163,17 @@ class Router(Daemon):
         self.log.info("backend_added", backend=b.id, api=b.api, policy_version=b.policy_version, capacity=b.capacity)
         self.events.publish("backend.added", **b.public())
         self._reply(route, msg.req_id, backend=b.public())
+        # Pending until a check passes: check now rather than at the next health round.
+        t = asyncio.get_running_loop().create_task(self._first_check(b))
+        self.checks.add(t)
+        t.add_done_callback(self.checks.discard)
+
+    async def _first_check(self, b):
+        ok = await self._check(b)
+        if self.pool.backends.get(b.id) is b:
+            self._checked(b, ok, limit=1 << 30)  # a failed first check only leaves it pending
+            self._serve_waiters()
+            self._flush()
 
     def _op_clear_llm_server(self, route, msg):
         gone = self.pool.clear(msg.address)
@@ -187,17 +204,22 @@ class Router(Daemon):
             backends = list(self.pool.backends.values())
             results = await asyncio.gather(*(self._check(b) for b in backends), return_exceptions=True)
             for b, ok in zip(backends, results):
-                ok = ok is True
-                if ok:
-                    if self.pool.mark(b.id, True):
-                        self.log.info("backend_readmitted", backend=b.id)
-                        self.events.publish("backend.health", backend=b.id, healthy=True)
-                    b.failures = 0
-                else:
-                    b.failures += 1
-                    if b.failures >= limit and self.pool.mark(b.id, False):
-                        self.log.warning("backend_out_of_rotation", backend=b.id, failed_checks=limit)
-                        self.events.publish("backend.health", backend=b.id, healthy=False, error="health checks failed")
+                if self.pool.backends.get(b.id) is b:  # not cleared or replaced meanwhile
+                    self._checked(b, ok is True, limit)
+
+    def _checked(self, b, ok: bool, limit: int):
+        """Apply one health check's outcome to backend ``b``."""
+        if ok:
+            first = not b.checked
+            if self.pool.mark(b.id, True):
+                self.log.info("backend_admitted" if first else "backend_readmitted", backend=b.id)
+                self.events.publish("backend.health", backend=b.id, healthy=True)
+            b.failures = 0
+        else:
+            b.failures += 1
+            if b.failures >= limit and self.pool.mark(b.id, False):
+                self.log.warning("backend_out_of_rotation", backend=b.id, failed_checks=limit)
+                self.events.publish("backend.health", backend=b.id, healthy=False, error="health checks failed")
 
     async def _check(self, b) -> bool:
         path = "/health" if b.api == "vllm" else "/health_generate"
@@ -208,6 +230,8 @@ class Router(Daemon):
             return False
 
     async def teardown(self):
+        for t in list(self.checks):
+            t.cancel()
         for _, route, msg in self.waiters:
             self._error(route, msg.req_id, "unavailable", "the router is stopping")
         self._flush()

@@ -5,6 +5,11 @@ Pure Python with no sockets, so the policy can be tested and benchmarked on its 
 capacity and weight, breaking ties fairly (round-robin among equals) and preferring the
 requester's node when loads are within ``node_affinity``. ``round_robin`` is what the
 reference paper's code shipped (a counter per job, never decremented), kept for comparison.
+
+A backend joins (or re-joins, when registered again) *pending*: it gets no lease until a
+health check has passed (``mark(id, True)``). A job's ``exclude`` list (backends that
+failed it) is a preference: an excluded backend serves the job again when no other
+candidate is healthy and free, which it only is after the router re-admitted it.
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ class Backend:
     capacity: int = 0          # max concurrent jobs; 0 = unbounded
     weight: float = 1.0
     node: str = ""
-    healthy: bool = True
+    healthy: bool = False     # pending until a health check passes
+    checked: bool = False      # a health check has passed since it was (re)registered
     inflight: int = 0
     leases_total: int = 0
     failures: int = 0          # consecutive failed checks or reported errors
@@ -41,7 +47,8 @@ class Backend:
     def public(self) -> dict:
         return {"id": self.id, "address": self.address, "api": self.api, "policy_version": self.policy_version,
                 "capacity": self.capacity, "weight": self.weight, "node": self.node, "healthy": self.healthy,
-                "inflight": self.inflight, "leases_total": self.leases_total, "load_signal": self.load_signal}
+                "checked": self.checked, "inflight": self.inflight, "leases_total": self.leases_total,
+                "load_signal": self.load_signal}
 
 
 @dataclasses.dataclass
@@ -83,7 +90,8 @@ class Pool:
         else:  # re-adding updates its settings (e.g. a new policy_version) and keeps its leases
             for k, v in fields.items():
                 setattr(b, k, v)
-            b.healthy, b.failures = True, 0
+            # A re-registered server (reloaded weights, restarted) serves again once a check passes.
+            b.healthy, b.checked, b.failures = False, False, 0
         return b
 
     def clear(self, address: str | None = None) -> list[str]:
@@ -103,7 +111,9 @@ class Pool:
     def pick(self, node: str = "", exclude=()) -> Backend | None:
         if not self.backends:
             raise NoBackend("no LLM backend is registered")
-        cands = self.candidates(exclude)
+        # Exclusion is a preference: a backend that failed this job but was re-admitted since
+        # (healthy again) serves it when nothing else can, instead of the job waiting forever.
+        cands = self.candidates(exclude) or (self.candidates() if exclude else [])
         if not cands:
             return None
         if self.policy == "round_robin":
@@ -185,4 +195,5 @@ class Pool:
             return False
         b.healthy = healthy
         b.failures = 0
+        b.checked = b.checked or healthy
         return True

@@ -5,7 +5,7 @@ It speaks the same HTTP JSON as the real servers, in the same shapes:
 * ``POST /v1/completions`` (vLLM's OpenAI completions with a token-id prompt,
   ``return_token_ids``, ``return_tokens_as_token_ids``, ``logprobs``),
 * ``POST /generate`` (SGLang's native API with ``input_ids`` and ``return_logprob``),
-* ``GET /health``, ``GET /v1/models``, ``GET /get_model_info``, and ``GET /metrics`` with
+* ``GET /health`` (and SGLang's ``/health_generate``), ``GET /v1/models``, ``GET /get_model_info``, and ``GET /metrics`` with
   ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` and
   ``sglang:num_running_reqs`` / ``sglang:num_queue_reqs``.
 
@@ -437,7 +437,7 @@ class ScriptedBackend:
                 return self._generate(conn, "sglang", body)
             return _vllm_error(404, f"no route {path}", "NotFoundError")
         if method == "GET":
-            if path == "/health":
+            if path in ("/health", "/health_generate"):  # SGLang serves both; the router probes the second
                 return _response(200, b"", "text/plain")
             if path == "/v1/models":
                 return _json_response(

@@ -12,6 +12,13 @@ def pool_of(n, policy="least_inflight", **kw):
     p = Pool(policy)
     for i in range(n):
         p.add(f"http://b{i}", **kw)
+    return admit_all(p)
+
+
+def admit_all(p):
+    """Every backend passed its first health check."""
+    for b in list(p.backends):
+        p.mark(b, True)
     return p
 
 
@@ -49,6 +56,7 @@ def test_capacity_and_weight():
     p = Pool()
     p.add("http://small", capacity=1)
     p.add("http://big", capacity=3)
+    admit_all(p)
     got = [p.lease(j) for j in range(4)]
     assert sorted(g.backend_id for g in got) == ["http://big"] * 3 + ["http://small"]
     assert p.lease(5) is None  # every backend at capacity: the caller waits
@@ -70,6 +78,7 @@ def test_node_affinity_within_threshold():
     p = Pool(node_affinity=0.3)
     p.add("http://far", node="a", capacity=4)
     p.add("http://near", node="b", capacity=4)
+    admit_all(p)
     assert p.lease(1, node="b").backend_id == "http://near"   # equal loads: same node wins
     assert p.lease(2, node="b").backend_id == "http://near"   # 0.25 vs 0: within 0.3
     assert p.lease(3, node="b").backend_id == "http://far"    # 0.5 vs 0: too far apart
@@ -80,8 +89,9 @@ def test_unhealthy_and_excluded_are_skipped_and_expiry():
     p = pool_of(2)
     p.mark("http://b0", False)
     assert {p.lease(j).backend_id for j in range(3)} == {"http://b1"}
-    assert p.lease(9, exclude=["http://b1"]) is None
-    assert len(p.expire(0.0)) == 3 and p.backends["http://b1"].inflight == 0
+    # b1 failed this job once, but it is healthy (re-admitted) and the only candidate
+    assert p.lease(9, exclude=["http://b1"]).backend_id == "http://b1"
+    assert len(p.expire(0.0)) == 4 and p.backends["http://b1"].inflight == 0
     p.clear()
     with pytest.raises(NoBackend):
         p.lease(1)
@@ -97,3 +107,29 @@ def test_clear_keeps_live_leases_releasable_and_readd_updates_version():
     p.add("http://b0", policy_version=3)
     p.adopt("Lx", "http://b0", 7, "run@n", 3)
     assert p.backends["http://b0"].inflight == 1
+
+
+def test_a_backend_is_pending_until_a_check_passes_also_when_registered_again():
+    p = Pool()
+    b = p.add("http://new")
+    assert (b.healthy, b.checked) == (False, False) and b.public()["healthy"] is False
+    assert p.lease(1) is None  # registered but never checked: the request waits
+    assert p.mark("http://new", True) and b.checked
+    lease = p.lease(2)
+    assert lease.backend_id == "http://new"
+    p.add("http://new", policy_version=5)  # re-registered (e.g. reloaded weights): pending again
+    assert (b.healthy, b.checked, b.inflight) == (False, False, 1) and p.lease(3) is None
+    p.mark("http://new", True)
+    assert p.lease(4).policy_version == 5
+
+
+def test_exclusion_yields_to_a_readmitted_backend():
+    p = pool_of(2)
+    p.mark("http://b0", False)                       # b0 failed this job and left rotation
+    assert p.lease(1, exclude=["http://b0"]).backend_id == "http://b1"
+    p.backends["http://b1"].capacity = 1             # b1 is now full
+    assert p.lease(2, exclude=["http://b0"]) is None  # nothing healthy and free: wait
+    p.mark("http://b0", True)                        # re-admitted: serves the job that excluded it
+    assert p.lease(3, exclude=["http://b0"]).backend_id == "http://b0"
+    p.backends["http://b1"].capacity = 0
+    assert p.lease(4, exclude=["http://b0"]).backend_id == "http://b1"  # still preferred away from b0
