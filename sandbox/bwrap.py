@@ -111,6 +111,9 @@ def build_argv(
         argv.append("--share-net")
     # setsid: the sandbox cannot push keystrokes into a terminal of ours (TIOCSTI).
     argv += ["--new-session", "--hostname", hostname, "--clearenv"]
+    # The tool server is the namespace's pid 1: the kernel drops SIGKILL/SIGSTOP sent to it from
+    # inside, so the agent cannot kill the tools (`kill -9 $PPID`); it reaps orphans itself.
+    argv.append("--as-pid-1")
     for k, v in sorted((env or {}).items()):
         argv += ["--setenv", k, v]
     for op, src, dst in fs_ops:

@@ -1,13 +1,27 @@
-"""A persistent bash session on a pseudo-terminal, driven by a unique prompt marker.
+"""A persistent bash session on a pseudo-terminal; the wrapper talks to us on descriptors the
+agent's output cannot reach.
 
 How one call works (no sleeps, no polling of a screen):
-  * the command text is written to a file and ``source``d with stdin from /dev/null, so a
-    multi-line command is one unit, heredocs work, and programs reading stdin get EOF;
-  * before that, the same text wrapped in a function definition is sourced: defining a
-    function parses without executing, so an unterminated quote or heredoc is reported as
-    an error and nothing runs;
-  * PS1 is a marker carrying a random per-shell token, the call's sequence number and the
-    exit status; reading the pty until that marker gives output + exit code exactly.
+  * the command text goes into an anonymous in-memory file (memfd) the shell holds open on
+    fd 251 and is ``source``d from /dev/fd/251 with stdin from /dev/null, so a multi-line
+    command is one unit, heredocs work, programs reading stdin get EOF and line numbers are
+    the user's. There is no scratch directory the agent could chmod, replace or delete;
+  * before that, the same text wrapped in a function definition (fd 250) is sourced: defining
+    a function parses without executing, so an unterminated quote or heredoc is reported as an
+    error (its stderr goes to fd 253) and nothing runs;
+  * completion and exit status travel on a pipe (fd 254, read end only in the tool server),
+    tagged with a random per-call nonce that only ever exists in the line we type: printing a
+    "marker" cannot end a call, and PS1/PROMPT_COMMAND play no part, so a readonly PS1 or any
+    variable the agent sets cannot hang it. Two nonce-tagged delimiters in the pty stream cut
+    the call's output out of what the terminal shows (prompts, job notices, between-call noise);
+  * the wrapper is invisible: between calls the shell sits in "wrapper mode" (no DEBUG trap, no
+    xtrace/verbose). The user's DEBUG trap and -x/-v are saved to fd 252 when a command ends and
+    restored, inside the sourced file, just before the user's first command, so traps and
+    traces see exactly the user's commands. Wrapper commands are ``\\builtin``-prefixed (immune
+    to aliases), use no variables (nothing to make readonly) and survive set -u/-e/-C, xpg_echo.
+Before every call the tool server checks that fds 250-254 are still ours (the agent can close
+or replace them with ``exec``) and resets the terminal modes (``stty``); either breakage starts
+a fresh shell and the reply says so.
 Interactive bash with job control keeps the foreground job in its own process group, so a
 timeout can SIGINT just that group, like Ctrl-C at a terminal.
 """
@@ -16,55 +30,121 @@ from __future__ import annotations
 import errno
 import os
 import re
+import secrets
 import select
-import shlex
 import signal
+import tempfile
 import termios
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ptyprocess import PtyProcess
 
 from .cancel import NEVER, Canceller
 from .output import DEFAULT_MAX_OUTPUT, CappedBuffer, finish_text
-from .session import Session, call_result
 from .procs import MANAGED, SPAWN_LOCK, apply_limits, kill_pids, session_members
+from .session import Session, call_result
 
-# Bytes held back from the output in case they are the start of a marker split across reads.
-_KEEP = 128
+# The shell's descriptors: high, so an agent's own `exec 3>log` never collides; below 255,
+# which bash keeps for its terminal.
+FD_CHECK, FD_SOURCE, FD_STATE, FD_ERR, FD_CTL = 250, 251, 252, 253, 254
+_FILES = (FD_CHECK, FD_SOURCE, FD_STATE, FD_ERR)
 _TICK = 0.1
+# After the exit status arrived, how long the end delimiter may lag in the pty (it was written
+# first; only a terminal mangled by the command itself can lose it).
+_END_GRACE = 2.0
+
+# Save $? into fd 253 and the user's DEBUG trap and -x/-v into fd 252, and leave them off
+# ("wrapper mode"). Output goes to /dev/null, so a DEBUG trap firing on these lines shows
+# nothing; the trap is saved by a simple command whose redirection applies after the trap ran.
+_SAVE = ("{ \\builtin printf %%s \"$?\" >|/dev/fd/%(err)d; \\builtin trap -p DEBUG >|/dev/fd/%(state)d; "
+         "\\builtin trap - DEBUG; [[ $- == *x* ]] && \\builtin printf '%%s\\n' '\\builtin set -x' >>/dev/fd/%(state)d; "
+         "[[ $- == *v* ]] && \\builtin printf '%%s\\n' '\\builtin set -v' >>/dev/fd/%(state)d; "
+         "\\builtin set +xv; } >/dev/null 2>&1")
+# What the sourced command file starts with, on the user's first line (line numbers stay theirs).
+_RESTORE = b"\\builtin source /dev/fd/%d >/dev/null 2>&1; " % FD_STATE
 
 
-def _write(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+def _tags(nonce: str) -> Tuple[bytes, bytes]:
+    # Upper-case hex and letters only: no terminal output mode (olcuc, onlcr, ...) changes them.
+    return ("RLDS%sRLDS" % nonce).encode(), ("RLDE%sRLDE" % nonce).encode()
+
+
+_SAVE = _SAVE % dict(err=FD_ERR, state=FD_STATE)
+
+
+def _call_line(nonce: str) -> bytes:
+    """Typed at the prompt for one call: check, run, save state, delimit, report.
+
+    A failed check leaves bash's message in fd 253; a run leaves its exit status there."""
+    start, end = _tags(nonce)
+    return ("\\builtin printf %%s %s; "
+            "if { \\builtin source /dev/fd/%d && \\builtin unset -f __rld_chk; } >/dev/null 2>|/dev/fd/%d; "
+            # `&& S || S`: the source is not the last of an and-or list, so the user's ERR trap
+            # and set -e do not fire a second time for it; $? is its status in either branch.
+            "then { \\builtin source /dev/fd/%d </dev/null; } && %s || %s; fi; "
+            "\\builtin printf %%s %s; \\builtin printf '\\n%%s\\n' %s >&%d\n"
+            % (start.decode(), FD_CHECK, FD_ERR, FD_SOURCE, _SAVE, _SAVE, end.decode(), nonce, FD_CTL)).encode()
+
+
+def _sync_line(nonce: str) -> bytes:
+    """Typed after an interrupt (or at start): back to wrapper mode, delimit, report."""
+    start, end = _tags(nonce)
+    return ("\\builtin printf %%s %s; %s; \\builtin printf %%s %s; \\builtin printf '\\n%%s\\n' %s >&%d\n"
+            % (start.decode(), _SAVE, end.decode(), nonce, FD_CTL)).encode()
+
+
+def _anon_file(name: str) -> int:
+    """An in-memory file with no path anyone could chmod or replace."""
     try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
+        return os.memfd_create("rld-" + name)
+    except (AttributeError, OSError):  # pre-3.17 kernel / no memfd: an unlinked temp file
+        fd, path = tempfile.mkstemp(prefix="rld-")
+        os.unlink(path)
+        return fd
+
+
+def _put(fd: int, data: bytes) -> None:
+    os.ftruncate(fd, 0)
+    view = memoryview(data)
+    off = 0
+    while off < len(data):
+        off += os.pwrite(fd, view[off:], off)
+
+
+def _identity(path_or_fd) -> Optional[Tuple[int, int]]:
+    try:
+        st = os.stat(path_or_fd) if isinstance(path_or_fd, str) else os.fstat(path_or_fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 class ShellStartError(RuntimeError):
     pass
 
 
-def _child_setup() -> None:
-    """In the child, before exec.
+def _child_setup(fds: List[Tuple[int, int]]):
+    def setup() -> None:
+        """In the child, before exec.
 
-    Python ignores SIGPIPE (and we ignore SIGHUP); ignored signals survive exec, so without
-    this `ls | head` would print "Broken pipe" errors and `yes | head` could spin.
-    No CR before LF: set here rather than from the parent, which would race bash's first prompt.
-    """
-    for sig in (signal.SIGPIPE, signal.SIGHUP, signal.SIGXFSZ):
-        signal.signal(sig, signal.SIG_DFL)
-    attrs = termios.tcgetattr(0)
-    attrs[1] &= ~termios.ONLCR
-    termios.tcsetattr(0, termios.TCSANOW, attrs)
+        Python ignores SIGPIPE (and we ignore SIGHUP); ignored signals survive exec, so without
+        this `ls | head` would print "Broken pipe" errors and `yes | head` could spin.
+        No CR before LF: set here rather than from the parent, which would race bash's first prompt.
+        """
+        for sig in (signal.SIGPIPE, signal.SIGHUP, signal.SIGXFSZ):
+            signal.signal(sig, signal.SIG_DFL)
+        attrs = termios.tcgetattr(0)
+        attrs[1] &= ~termios.ONLCR
+        termios.tcsetattr(0, termios.TCSANOW, attrs)
+        for src, dst in fds:
+            os.dup2(src, dst)  # inheritable: the shell keeps them across exec
+    return setup
 
 
 class BashSession(Session):
     def __init__(
         self,
-        ctl_dir: str,
         env: Dict[str, str],
         cwd: str,
         shell: str = "/bin/bash",
@@ -72,7 +152,7 @@ class BashSession(Session):
         max_output: int = DEFAULT_MAX_OUTPUT,
         interrupt_grace: float = 1.0,
     ) -> None:
-        self.ctl_dir = ctl_dir
+        super().__init__()
         self.env = dict(env)
         self.cwd = cwd
         self.shell = shell
@@ -80,32 +160,37 @@ class BashSession(Session):
         self.max_output = max_output
         self.interrupt_grace = interrupt_grace
         self.proc: Optional[PtyProcess] = None
-        self.seq = 0
-        self.restarts = 0
-        self.token = ""
+        self._files: Dict[int, int] = {}   # fd number in the shell -> our fd
+        self._ctl_r: Optional[int] = None
+        self._ctl_buf = bytearray()
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> None:
-        self.token = os.urandom(8).hex()
-        prompt = "\\n__RLD_%s_${__rld_n}_${__rld_rc}__\\n" % self.token
-        self._ps1 = prompt
+        self._files = {n: _anon_file(str(n)) for n in _FILES}
+        ctl_r, ctl_w = os.pipe()
+        self._ctl_r, self._ctl_buf = ctl_r, bytearray()
         env = dict(self.env)
-        env.update(PS1=prompt, PS2="", PS4="+ ")
+        env.update(PS1="", PS2="", PS4="+ ")
         env.pop("PROMPT_COMMAND", None)
         argv = [self.shell, "--noprofile", "--norc", "--noediting", "+H", "+o", "history", "-i"]
-        with SPAWN_LOCK:
-            self.proc = PtyProcess.spawn(argv, env=env, cwd=self.cwd, echo=False, dimensions=(50, 200),
-                                         preexec_fn=_child_setup)
-            MANAGED.add(self.proc.pid)
+        pairs = [(ours, n) for n, ours in self._files.items()] + [(ctl_w, FD_CTL)]
+        try:
+            with SPAWN_LOCK:
+                self.proc = PtyProcess.spawn(argv, env=env, cwd=self.cwd, echo=False, dimensions=(50, 200),
+                                             preexec_fn=_child_setup(pairs), pass_fds=[p[0] for p in pairs])
+                MANAGED.add(self.proc.pid)
+        finally:
+            os.close(ctl_w)  # the shell holds the only write end: its exit is EOF here
         apply_limits(self.proc.pid, self.limits)
-        # \r? in case something (stty sane...) turns ONLCR back on.
-        self._pattern = re.compile(rb"\r?\n__RLD_" + self.token.encode() + rb"_(\d*)_(\d*)__\r?\n")
-        self.seq = 0
-        seen = CappedBuffer(4096)
-        status, _, _ = self._read_until(time.monotonic() + timeout, seen, NEVER, expect="")
-        if status != "marker":
+        self._tty = termios.tcgetattr(self.proc.fd)
+        self._ids = {n: _identity(fd) for n, fd in self._files.items()}
+        self._ids[FD_CTL] = _identity(ctl_r)  # a pipe's two ends share one inode
+        nonce = self._nonce()
+        status = self._exchange(nonce, _sync_line(nonce), time.monotonic() + timeout, CappedBuffer(4096), NEVER,
+                                keep_before_start=False)
+        if status != "done":
             self.kill()
-            raise ShellStartError("bash did not show its prompt (%s); it printed %r" % (status, seen.getvalue()[0][-300:]))
+            raise ShellStartError("bash did not answer its first line (%s)" % status)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.isalive()
@@ -113,6 +198,12 @@ class BashSession(Session):
     def kill(self) -> None:
         """Kill the shell and everything left in its session (background jobs)."""
         proc, self.proc = self.proc, None
+        for fd in list(self._files.values()) + ([self._ctl_r] if self._ctl_r is not None else []):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._files, self._ctl_r = {}, None
         if proc is None:
             return
         kill_pids(session_members(proc.pid) + [proc.pid], signal.SIGKILL)
@@ -131,171 +222,222 @@ class BashSession(Session):
             pass
         proc.closed = True  # keep ptyprocess.__del__ from sleeping/terminating again
 
+    def intact(self) -> bool:
+        """Are the shell's fds 250-254 still the ones we gave it? (`exec 254>&-` etc.)"""
+        pid = self.proc.pid
+        return all(_identity("/proc/%d/fd/%d" % (pid, n)) == ident for n, ident in self._ids.items())
+
     # -- one call --------------------------------------------------------------------
     def run(self, command: str, timeout: float, canceller: Canceller = NEVER) -> Dict:
         t0 = time.monotonic()
-        notes = self.revive("[the previous shell had exited; a fresh shell was started]")
-        self._drain()
-        self.seq += 1
-        n = self.seq
-        # Fresh files per call, removed afterwards (truncating and rewriting the same file
-        # makes ext4 flush it to disk on close: milliseconds per call).
-        os.makedirs(self.ctl_dir, exist_ok=True)  # the agent may have removed it
-        base = os.path.join(self.ctl_dir, "cmd%d" % n)
-        chk, src, err = base + ".chk", base + ".sh", base + ".err"
+        notes = self.take_unreported()
+        notes += self.revive("[the previous shell had exited; a fresh shell was started: cwd, variables and jobs were reset]")
+        if not self.intact():
+            self.restart_noted(notes, "[the shell's control descriptors (fds 250-254) had been closed or replaced; "
+                                      "a fresh shell was started: cwd, variables and jobs were reset]")
         text = command.encode("utf-8", errors="surrogateescape")
-        _write(chk, b"__rld_chk() {\n" + text + b"\n}\n")
-        _write(src, text + b"\n")
-        # `jobs >/dev/null` consumes bash's "[1]+ Done ..." notices about jobs that ended
-        # between calls, which would otherwise land in this call's output.
-        # PS1 is re-asserted every call so a command that changes it cannot hide the marker.
-        line = "__rld_n=%d; jobs >/dev/null; source %s 2>%s </dev/null && unset -f __rld_chk && source %s </dev/null; __rld_rc=$?; PS1=%s\n" % (
-            n, shlex.quote(chk), shlex.quote(err), shlex.quote(src), shlex.quote(self._ps1))
-        self._line = line.encode()
+        _put(self._files[FD_CHECK], b"__rld_chk() {\n" + text + b"\n}\n")
+        _put(self._files[FD_SOURCE], _RESTORE + text + b"\n")
+        # A command may have left the terminal raw, echoing or translating (stty): reset it
+        # (only then: setting the modes of a pty costs milliseconds).
+        if termios.tcgetattr(self.proc.fd) != self._tty:
+            termios.tcsetattr(self.proc.fd, termios.TCSANOW, self._tty)
         buf = CappedBuffer(self.max_output)
-        os.write(self.proc.fd, self._line)
-        status, rc, tail = self._read_until(t0 + timeout, buf, canceller, expect=str(n))
+        nonce = self._nonce()
+        status = self._exchange(nonce, _call_line(nonce), t0 + timeout, buf, canceller, keep_before_start=False)
+        rc: Optional[int] = None
         timed_out = cancelled = False
+        syntax_error = ""
         if status in ("timeout", "cancelled"):
-            timed_out = status == "timeout"
-            cancelled = status == "cancelled"
+            timed_out, cancelled = status == "timeout", status == "cancelled"
             # rc: 130 after Ctrl-C, 137 after SIGKILL, None if the shell had to go.
-            status, rc, note = self._interrupt(buf, str(n))
+            status, rc, note = self._interrupt(buf)
             notes.append(("[command timed out after %gs and was interrupted]" % timeout) if timed_out
                          else "[call cancelled by the client; command interrupted]")
             if note:
-                notes.append(note)
-        if status == "eof":
-            code = self._exit_status()
-            rc = code
-            self.kill()
-            self.restarts += 1
-            self.start()
-            notes.append("[the shell exited (code %s); a fresh shell was started: cwd, variables and jobs were reset]" % code)
-        syntax_error = self._read_err(err)
-        for path in (chk, src, err):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+                self.restart_noted(notes, note, restart=False)
+        if status in ("eof", "ctl_eof"):
+            # An exiting shell closes fd 254 too; a live one closed it itself (`exec 254>&-`).
+            rc = self._exit_status()
+            what = ("exited (code %s)" % rc) if rc is not None or status == "eof" else "closed its control descriptor"
+            self.restart_noted(notes, "[the shell %s; a fresh shell was started: cwd, variables and jobs were reset]"
+                               % what)
+        elif status == "done" and not timed_out and not cancelled:
+            rc, syntax_error = self._outcome()
         data, truncated = buf.getvalue()
-        text = finish_text(data)
-        if text.startswith(line.rstrip("\n")):  # someone re-enabled echo with stty
-            text = text[len(line):]
-        result = call_result(text, truncated, notes, rc, t0, timed_out, cancelled)
+        if timed_out or cancelled:  # the interrupted line's own delimiters, if it got that far
+            data = re.sub(rb"RLD([SE])[0-9A-F]{16}RLD\1", b"", data)
+        result = call_result(finish_text(data), truncated, notes, rc, t0, timed_out, cancelled)
         if syntax_error:
             result["error"] = "bash syntax error, command not run: " + syntax_error
         return result
 
     # -- internals -------------------------------------------------------------------
-    def _read_err(self, path: str) -> str:
+    def restart_noted(self, notes: List[str], note: str, restart: bool = True) -> None:
+        """Restart (unless already done) and tell this call's caller, or the next one if this
+        caller never reads its reply (see Session.defer)."""
+        if restart:
+            self.kill()
+            self.restarts += 1
+            self.start()
+        notes.append(note)
+        self.restart_notes.append(note)
+
+    @staticmethod
+    def _nonce() -> str:
+        return secrets.token_hex(8).upper()
+
+    def _outcome(self) -> Tuple[Optional[int], str]:
+        """(exit status, "") after a run, (None, bash's message) after a failed check: fd 253."""
         try:
-            with open(path, "r", encoding="utf-8", errors="replace") as f:
-                msg = f.read().strip()
+            msg = os.pread(self._files[FD_ERR], 65536, 0).decode("utf-8", errors="replace").strip()
         except OSError:
-            return ""
+            return None, ""
+        if msg.isdigit():
+            return int(msg), ""
         if not msg:
-            return ""
+            return None, ""
         # Point line numbers at the user's text, not the wrapper (one line longer).
         def fix(m: "re.Match[str]") -> str:
             return "line %d" % max(1, int(m.group(1)) - 1)
-        msg = re.sub(r"^.*?\.chk: ", "", msg, flags=re.M)
+        msg = re.sub(r"^.*?/dev/fd/%d: " % FD_CHECK, "", msg, flags=re.M)
         msg = re.sub(r"^bash: ", "", msg, flags=re.M)
         msg = re.sub(r"line (\d+)", fix, msg)
         if "here-document" in msg:  # the EOF error that follows points into our wrapper
             msg = "\n".join(l for l in msg.splitlines() if "unexpected end of file" not in l)
             msg = msg.replace("warning: here-document", "unterminated here-document")
-        return msg
+        return None, msg
 
-    def _drain(self) -> None:
-        """Discard output produced between calls (background jobs, job notices)."""
-        fd = self.proc.fd
-        while True:
-            r, _, _ = select.select([fd], [], [], 0)
-            if not r:
-                return
-            try:
-                if not os.read(fd, 65536):
-                    return
-            except OSError:
-                return
+    def _exchange(self, nonce: str, line: bytes, deadline: float, buf: CappedBuffer, canceller: Canceller,
+                  keep_before_start: bool) -> str:
+        """Type ``line`` and collect the pty between its two delimiters into ``buf``."""
+        view = memoryview(line)
+        while view:  # a pty takes a few KiB at once; our line is far shorter, but be exact
+            view = view[os.write(self.proc.fd, view):]
+        return self._collect(nonce, deadline, buf, canceller, keep_before_start)
 
-    def _read_until(self, deadline: float, buf: CappedBuffer, canceller: Canceller, expect: str
-                    ) -> Tuple[str, Optional[int], bytes]:
-        """Read the pty into ``buf`` until the marker numbered ``expect`` shows up.
-
-        Returns (status, exit_code, leftover) with status one of
-        marker | timeout | cancelled | eof.
-        """
-        fd = self.proc.fd
+    def _collect(self, nonce: str, deadline: float, buf: CappedBuffer, canceller: Canceller,
+                 keep_before_start: bool) -> str:
+        """Returns done | timeout | cancelled | eof | ctl_eof. Done means the line reported on
+        fd 254 (the only proof of completion) and its output was cut out of the pty stream."""
+        start, end = _tags(nonce)
+        report = b"\n%s\n" % nonce.encode()
+        fd, ctl = self.proc.fd, self._ctl_r
         pending = bytearray()
+        started = ended = reported = False
+        end_deadline = None
+
+        def flush(upto: int) -> None:
+            if upto > 0:
+                buf.write(bytes(pending[:upto]))
+                del pending[:upto]
+
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                buf.write(bytes(pending))
-                return "timeout", None, b""
-            watch = [fd] + canceller.fds()
+            now = time.monotonic()
+            limit = deadline if end_deadline is None else min(deadline, end_deadline)
+            if now >= limit:
+                flush(len(pending))
+                if reported:
+                    return "done"  # the terminal lost our delimiter; completion is certain
+                return "timeout"
+            watch = [fd, ctl] + canceller.fds()
             try:
-                r, _, _ = select.select(watch, [], [], min(remaining, _TICK))
+                r, _, _ = select.select(watch, [], [], min(limit - now, _TICK))
             except InterruptedError:
                 continue
             if not r:
                 if not self.proc.isalive():  # exited while a background job holds the pty open
-                    buf.write(bytes(pending))
-                    return "eof", None, b""
+                    flush(len(pending))
+                    return "eof"
                 continue
-            if fd not in r:
-                if canceller.poll():
-                    buf.write(bytes(pending))
-                    return "cancelled", None, b""
-                continue
-            try:
-                data = os.read(fd, 65536)
-            except OSError as e:
-                if e.errno != errno.EIO:
-                    raise
-                data = b""
-            if not data:
-                buf.write(bytes(pending))
-                return "eof", None, b""
-            pending += data
-            while True:
-                m = self._pattern.search(pending)
-                if m is None:
-                    break
-                if m.group(1).decode() == expect:
-                    buf.write(bytes(pending[: m.start()]))
-                    rc = int(m.group(2)) if m.group(2) else None
-                    return "marker", rc, bytes(pending[m.end():])
-                del pending[m.start(): m.end()]  # a stale prompt (e.g. after a late SIGINT)
-            if len(pending) > _KEEP:
-                buf.write(bytes(pending[:-_KEEP]))
-                del pending[:-_KEEP]
+            if ctl in r:
+                data = os.read(ctl, 65536)
+                if not data:
+                    flush(len(pending))
+                    return "ctl_eof"
+                self._ctl_buf += data
+                i = self._ctl_buf.find(report)
+                if i >= 0:
+                    del self._ctl_buf[:i + len(report)]
+                    reported = True
+                    if ended:
+                        return "done"
+                    end_deadline = time.monotonic() + _END_GRACE
+                elif len(self._ctl_buf) > 65536:  # junk the agent wrote on fd 254
+                    del self._ctl_buf[:-256]
+            if fd in r:
+                try:
+                    data = os.read(fd, 65536)
+                except OSError as e:
+                    if e.errno != errno.EIO:
+                        raise
+                    data = b""
+                if not data:
+                    flush(len(pending))
+                    return "eof"
+                if ended:
+                    continue  # the prompt after our line
+                pending += data
+                if not started:
+                    i = pending.find(start)
+                    if i < 0:
+                        keep = max(0, len(pending) - len(start))
+                        if keep_before_start:
+                            flush(keep)
+                        else:
+                            del pending[:keep]
+                        continue
+                    if keep_before_start:
+                        flush(i)
+                    del pending[: i + len(start) - (i if keep_before_start else 0)]
+                    started = True
+                i = pending.find(end)
+                if i >= 0:
+                    flush(i)
+                    pending.clear()
+                    ended = True
+                    if reported:
+                        return "done"
+                else:
+                    flush(len(pending) - len(end))
+            if canceller.fds() and any(f in r for f in canceller.fds()) and canceller.poll():
+                flush(len(pending))
+                return "cancelled"
 
-    def _interrupt(self, buf: CappedBuffer, expect: str) -> Tuple[str, Optional[int], str]:
-        """Ctrl-C the foreground job; escalate to SIGKILL, then to a fresh shell."""
+    def _interrupt(self, buf: CappedBuffer) -> Tuple[str, object, str]:
+        """Ctrl-C the foreground job; escalate to SIGKILL, then to a fresh shell.
+
+        The interrupted line never reports, so a second line (typed once, read by bash when it
+        is back at its prompt) re-enters wrapper mode and reports; the output up to it is kept.
+        """
         shell_pid = self.proc.pid
         try:
             pgrp = os.tcgetpgrp(self.proc.fd)
         except OSError:
             pgrp = shell_pid
-        for sig in (signal.SIGINT, signal.SIGKILL):
+        nonce = self._nonce()
+        for i, sig in enumerate((signal.SIGINT, signal.SIGKILL)):
             if sig == signal.SIGKILL and pgrp == shell_pid:
                 break  # never SIGKILL the shell's own group here: that is a restart
             try:
                 os.killpg(pgrp, sig)
             except (ProcessLookupError, PermissionError):
                 pass
-            status, rc, _ = self._read_until(time.monotonic() + self.interrupt_grace, buf, NEVER, expect)
-            if status == "marker":
+            deadline = time.monotonic() + self.interrupt_grace
+            if i == 0:
+                status = self._exchange(nonce, _sync_line(nonce), deadline, buf, NEVER, keep_before_start=True)
+            else:
+                status = self._collect(nonce, deadline, buf, NEVER, keep_before_start=True)
+            if status == "done":
                 # bash reports an interrupted `source` as 2; report the signal convention.
                 return status, 128 + int(sig), ""
-            if status == "eof":
+            if status in ("eof", "ctl_eof"):
                 return status, None, ""
         self.kill()
         self.restarts += 1
         self.start()
-        return "restarted", None, "[the command ignored interrupts; the shell was killed and a fresh one started]"
+        return "restarted", None, "[the command ignored interrupts; the shell was killed and a fresh one started: " \
+                                  "cwd, variables and jobs were reset]"
 
     def _exit_status(self) -> Optional[int]:
         proc = self.proc

@@ -1,6 +1,7 @@
 """Cancellation of a running tool call: the client closing its connection means "stop"."""
 from __future__ import annotations
 
+import select
 import socket
 from typing import List, Optional
 
@@ -43,6 +44,19 @@ class Canceller:
         # A pipelined request is not a cancel; stop watching so select() does not spin.
         self._watch = False
         return False
+
+    def gone(self) -> bool:
+        """Without blocking: has the client gone away (a call queued behind another must not
+        start once its client gave up)?"""
+        fds = self.fds()
+        if not fds:
+            return self.cancelled
+        try:
+            r, _, _ = select.select(fds, [], [], 0)
+        except (OSError, ValueError):
+            self.cancelled = True
+            return True
+        return bool(r) and self.poll()
 
 
 NEVER = Canceller(None)

@@ -11,3 +11,7 @@ class ArgError(ToolError):
 
 class BusyError(ToolError):
     """Another call holds the tool (one shell, one Python session per sandbox)."""
+
+
+class Abandoned(Exception):
+    """The client went away before its call could start: nothing runs, nothing is sent."""

@@ -56,6 +56,7 @@ class PythonSession(Session):
         max_output: int = DEFAULT_MAX_OUTPUT,
         interrupt_grace: float = 1.0,
     ) -> None:
+        super().__init__()
         self.env = dict(env)
         self.cwd = cwd
         self.python = python
@@ -63,7 +64,6 @@ class PythonSession(Session):
         self.max_output = max_output
         self.interrupt_grace = interrupt_grace
         self.proc: Optional[subprocess.Popen] = None
-        self.restarts = 0
 
     def start(self, timeout: float = 15.0) -> None:
         req_r, req_w = os.pipe()
@@ -116,7 +116,8 @@ class PythonSession(Session):
 
     def run(self, code: str, timeout: float, canceller: Canceller = NEVER) -> Dict:
         t0 = time.monotonic()
-        notes = self.revive("[the previous Python session had died; a fresh one was started, state lost]")
+        notes = self.take_unreported()
+        notes += self.revive("[the previous Python session had died; a fresh one was started, state lost]")
         buf = CappedBuffer(self.max_output)
         self._drain(buf, discard=True)
         body = json.dumps({"code": code}).encode("utf-8")
@@ -142,6 +143,7 @@ class PythonSession(Session):
                 self.kill()
                 self.restarts += 1
                 notes.append("[the session ignored the interrupt and was killed; a fresh one starts on the next call, state lost]")
+                self.restart_notes.append(notes[-1])
                 reply = None
         exit_code = None
         if reply == "eof":
@@ -149,6 +151,7 @@ class PythonSession(Session):
             self.kill()
             self.restarts += 1
             notes.append("[the Python process exited (code %s); a fresh session starts on the next call, state lost]" % code_)
+            self.restart_notes.append(notes[-1])
             exit_code = code_
         elif isinstance(reply, dict):
             exit_code = reply.get("exit_code")

@@ -1,7 +1,7 @@
 """The tool server: a Unix socket, one thread per connection, tools behind per-tool locks.
 
 Config is a JSON file written by the runtime before start (see sandbox/runtime.py):
-  socket, ctl_dir, workdir, home, shell, python, env, limits, apply_nproc, max_output,
+  socket, ctl_dir (unused since the bash tool keeps no scratch files), workdir, home, shell, python, env, limits, apply_nproc, max_output,
   default_timeout, max_timeout, interrupt_grace, deadline (epoch s or null), ready_fd,
   sandbox_id, job_id
 """
@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Optional
 
 from . import PROTOCOL_VERSION
 from .cancel import Canceller
-from .errors import ArgError, BusyError, ToolError
+from .errors import Abandoned, ArgError, BusyError, ToolError
 from .wire import FrameError, recv_frame, send_frame
 
 # The tools (ptyprocess, subprocess, ctypes, re...) are imported by a background thread
@@ -68,6 +68,7 @@ class ToolServer:
         self.tools.update(agentproc.tools(self))
         self.tools.update(relay.tools(self))
         self.calls = 0
+        self.abandoned = 0  # calls whose client went away while they waited for their tool
         self._tools_ready = threading.Event()
         self._tools_error: Optional[str] = None
 
@@ -79,7 +80,7 @@ class ToolServer:
         self._kill_tree, self._reap_orphans = procs.kill_tree, procs.reap_orphans
         procs.become_subreaper()
         cfg, env = self.cfg, self._session_env(self.cfg)
-        self.bash = BashSession(cfg["ctl_dir"], env, self.workdir, shell=cfg.get("shell") or "/bin/bash",
+        self.bash = BashSession(env, self.workdir, shell=cfg.get("shell") or "/bin/bash",
                                 limits=self._limits, max_output=self.max_output, interrupt_grace=self._grace)
         self.python = PythonSession(env, self.workdir, python=cfg.get("python") or sys.executable,
                                     limits=self._limits, max_output=self.max_output, interrupt_grace=self._grace)
@@ -99,7 +100,6 @@ class ToolServer:
 
     # -- lifecycle -------------------------------------------------------------------
     def serve_forever(self) -> None:
-        os.makedirs(self.cfg["ctl_dir"], exist_ok=True)
         home = self.cfg.get("home")
         if home:
             os.makedirs(home, exist_ok=True)
@@ -116,7 +116,16 @@ class ToolServer:
             os.umask(old)
         sock.listen(128)
         self.sock = sock
-        signal.signal(signal.SIGTERM, lambda *_: self.shutdown("sigterm"))
+        if os.getpid() == 1:
+            # pid 1 of the sandbox's pid namespace (bwrap --as-pid-1): the kernel drops SIGKILL and
+            # SIGSTOP sent from inside, and every signal we have no handler for, so `kill -9 $PPID`
+            # cannot take the tools down. Python's own SIGINT handler would let `kill -INT 1` in;
+            # these no-op handlers (reset to default in children by exec) keep INT and TERM out.
+            # The host stops us with SIGKILL (Runtime.destroy).
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda signum, _f: log("signal_ignored", signal=signum))
+        else:
+            signal.signal(signal.SIGTERM, lambda *_: self.shutdown("sigterm"))
         threading.Thread(target=self._start_tools, name="tools-start", daemon=True).start()
         threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
         ready_fd = self.cfg.get("ready_fd")
@@ -217,6 +226,11 @@ class ToolServer:
         else:
             try:
                 resp = self.tools[tool](args, canceller)
+            except Abandoned:
+                canceller.cancelled = True  # nothing ran; no reply (the client is gone)
+                self.abandoned += 1
+                log("tool_call_abandoned", tool=tool, waited_ms=round((time.monotonic() - t0) * 1000, 1))
+                return result(error="abandoned")
             except ArgError as e:
                 resp = result(error="bad arguments for %s: %s" % (tool, e))
             except BusyError as e:
@@ -259,11 +273,26 @@ class ToolServer:
             raise ArgError("'%s' must be a string, got %s" % (name, type(value).__name__))
         return value
 
-    def _locked(self, name: str, timeout: float) -> threading.Lock:
+    def _locked(self, name: str, timeout: float, canceller: Canceller) -> threading.Lock:
+        """The tool's lock; a call whose client gives up while it waits never starts."""
         lock = self.locks[name]
-        if not lock.acquire(timeout=timeout):
-            raise BusyError("the %s tool is busy with another call (waited %gs)" % (name, timeout))
+        deadline = time.monotonic() + timeout
+        while not lock.acquire(timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
+            if canceller.gone():
+                raise Abandoned()
+            if time.monotonic() >= deadline:
+                raise BusyError("the %s tool is busy with another call (waited %gs)" % (name, timeout))
+        if canceller.gone():  # left while we waited (or just before): do not run it
+            lock.release()
+            raise Abandoned()
         return lock
+
+    @staticmethod
+    def _finish(session, canceller: Canceller) -> None:
+        """Under the tool's lock, after a call: if its reply will not reach anyone, the restarts it
+        caused are reported to the next call instead."""
+        if canceller.cancelled or canceller.gone():
+            session.defer()
 
     # -- tools -----------------------------------------------------------------------
     def t_ping(self, args: Dict[str, Any], canceller: Canceller) -> Dict[str, Any]:
@@ -274,6 +303,7 @@ class ToolServer:
             "tools_loaded": self._tools_ready.is_set(),
             "bash_restarts": self.bash.restarts if self.bash else 0,
             "python_restarts": self.python.restarts if self.python else 0,
+            "abandoned": self.abandoned,
         }
         return result(output="pong", exit_code=0, info=info)
 
@@ -282,7 +312,7 @@ class ToolServer:
         restart = bool(args.get("restart", False))
         command = self._text(args, "command", required=not restart)
         self._wait_tools()
-        lock = self._locked("bash", timeout + 30)  # + the shell's start-up on a first call
+        lock = self._locked("bash", timeout + 30, canceller)  # + the shell's start-up on a first call
         try:
             if restart:
                 self.bash.restart()
@@ -290,6 +320,7 @@ class ToolServer:
                     return result(output="[shell restarted]", exit_code=0)
             return self.bash.run(command, timeout, canceller)
         finally:
+            self._finish(self.bash, canceller)
             lock.release()
 
     def t_python(self, args: Dict[str, Any], canceller: Canceller) -> Dict[str, Any]:
@@ -297,7 +328,7 @@ class ToolServer:
         restart = bool(args.get("restart", False))
         code = self._text(args, "code", required=not restart)
         self._wait_tools()
-        lock = self._locked("python", timeout)
+        lock = self._locked("python", timeout, canceller)
         try:
             if restart:
                 self.python.restart()
@@ -305,12 +336,13 @@ class ToolServer:
                     return result(output="[python session restarted]", exit_code=0)
             return self.python.run(code, timeout, canceller)
         finally:
+            self._finish(self.python, canceller)
             lock.release()
 
     def t_editor(self, args: Dict[str, Any], canceller: Canceller) -> Dict[str, Any]:
         t0 = time.monotonic()
         self._wait_tools()
-        lock = self._locked("editor", 30.0)
+        lock = self._locked("editor", 30.0, canceller)
         try:
             output, truncated = self.editor.call(args)
         except OSError as e:

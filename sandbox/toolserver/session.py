@@ -1,4 +1,5 @@
-"""What the bash and python sessions share: a restart, and a fresh start when the last one died."""
+"""What the bash and python sessions share: a restart, a fresh start when the last one died, and
+restart notes that reach a caller even when the call that restarted was never answered."""
 from __future__ import annotations
 
 import time
@@ -6,7 +7,26 @@ from typing import Any, Dict, List, Optional
 
 
 class Session:
-    """Subclasses provide ``proc``, ``start()``, ``alive()``, ``kill()`` and ``restarts``."""
+    """Subclasses provide ``proc``, ``start()``, ``alive()`` and ``kill()``.
+
+    A restart loses cwd, variables and jobs, so the agent must hear of it. The call that
+    restarted may never be answered (its client gave up): its restart notes then go into the
+    next reply. ``take_unreported`` opens a call, ``defer`` is called (under the tool's lock)
+    when the reply of that call will not be delivered.
+    """
+
+    def __init__(self) -> None:
+        self.restarts = 0
+        self.restart_notes: List[str] = []   # restarts the current call's reply reports
+        self.unreported: List[str] = []      # restarts no delivered reply has reported yet
+
+    def take_unreported(self) -> List[str]:
+        notes, self.unreported = self.unreported, []
+        self.restart_notes = list(notes)
+        return list(notes)
+
+    def defer(self) -> None:
+        self.unreported, self.restart_notes = self.restart_notes, []
 
     def restart(self) -> None:
         self.kill()
@@ -19,6 +39,7 @@ class Session:
         if not self.alive():
             if self.proc is not None:
                 notes.append(died_note)
+                self.restart_notes.append(died_note)
             self.kill()
             self.start()
         return notes

@@ -18,7 +18,7 @@ def test_bwrap_argv_golden():
         env={"PATH": "/usr/bin", "PYTHONPATH": "/run/rolloutd-lib"}, python="python3", info_fd=5, tmp_size_mb=64,
     )
     assert argv == [
-        "/usr/bin/bwrap", "--unshare-all", "--new-session", "--hostname", "sandbox", "--clearenv",
+        "/usr/bin/bwrap", "--unshare-all", "--new-session", "--hostname", "sandbox", "--clearenv", "--as-pid-1",
         "--setenv", "PATH", "/usr/bin", "--setenv", "PYTHONPATH", "/run/rolloutd-lib",
         "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--ro-bind", "/etc/passwd", "/etc/passwd",
         "--proc", "/proc", "--dev", "/dev", "--size", str(64 * 1024 * 1024), "--tmpfs", "/tmp",
@@ -58,7 +58,7 @@ def test_unknown_runtime(short_root):
 
 
 def test_auto_falls_back_to_local_loudly(short_root, monkeypatch):
-    import sandbox
+    import rolloutd.sandbox as sandbox
 
     monkeypatch.setattr(sandbox, "bwrap_works", lambda *a, **k: (False, "user namespaces denied (test)"))
     with capture_logs() as logs:
