@@ -1,10 +1,13 @@
 """Typed wire messages and the protocol version.
 
-Every message header is a msgpack map with ``v`` (protocol version) and ``kind``; the
-remaining keys are the fields of the dataclass registered for that kind. Unknown keys
-are tolerated (a newer peer may add fields); missing required keys and wrong types are
-rejected with a ``MessageError`` carrying a wire error code. An import-time check makes
-sure every message class follows the convention.
+Every message header is a msgpack map with ``v`` (protocol version, an int) and ``kind``;
+the remaining keys are the fields of the dataclass registered for that kind. A field without
+a default is required; a field with one is optional and takes that default when absent (docs/
+PROTOCOL.md lists them). Unknown keys are tolerated (a newer peer may add fields); missing
+required keys and wrong types are rejected with a ``MessageError`` carrying a wire error code
+and a text that names the field, the expected type and what came instead. A submit's tasks
+are checked the same way against ``Task``. An import-time check makes sure every message
+class follows the convention.
 """
 from __future__ import annotations
 
@@ -46,24 +49,46 @@ ERROR_CODES = {
 REGISTRY: dict[str, type] = {}
 
 
+def schema(cls):
+    """A dataclass whose instances are checked field by field from a decoded map."""
+    cls = dataclasses.dataclass(cls)
+    cls._hints = typing.get_type_hints(cls)
+    # (name, checker, required) per field, compiled once: from_wire runs on every hop of
+    # every job, and typing introspection per field per message cost ~1 us each.
+    cls._fields = [(f.name, _compile(cls._hints[f.name]),
+                    f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                   for f in dataclasses.fields(cls)]
+    return cls
+
+
 def message(kind: str):
     """Register a dataclass as the message of ``kind``."""
 
     def wrap(cls):
-        cls = dataclasses.dataclass(cls)
+        cls = schema(cls)
         cls.KIND = kind
         if kind in REGISTRY:
             raise TypeError(f"message kind {kind!r} registered twice")
         REGISTRY[kind] = cls
-        cls._hints = typing.get_type_hints(cls)
-        # (name, checker, required) per field, compiled once: from_wire runs on every hop of
-        # every job, and typing introspection per field per message cost ~1 us each.
-        cls._fields = [(f.name, _compile(cls._hints[f.name]),
-                        f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-                       for f in dataclasses.fields(cls)]
         return cls
 
     return wrap
+
+
+def check_fields(cls, d: dict, where: str) -> dict:
+    """The fields of ``cls`` found in ``d``, each checked against its type; raises ``invalid``
+    for a missing required field or a wrong type. ``where`` prefixes the error text."""
+    kwargs = {}
+    for name, check, required in cls._fields:
+        if name in d:
+            val = d[name]
+            if not check(val):
+                hint = cls._hints[name]
+                raise MessageError("invalid", f"{where}.{name}: expected {_tname(hint)}, got {_why(hint, val)}")
+            kwargs[name] = val
+        elif required:
+            raise MessageError("invalid", f"{where}.{name} is required ({_tname(cls._hints[name])})")
+    return kwargs
 
 
 class Message:
@@ -79,22 +104,14 @@ class Message:
 def from_wire(d: dict, expect: tuple[str, ...] | None = None) -> Message:
     """Validate a decoded header and build its message object."""
     v = d.get("v")
-    if v != PROTOCOL_VERSION:
-        raise MessageError("bad_version", f"protocol version {v!r} not supported (this side speaks {PROTOCOL_VERSION})")
+    if v.__class__ is not int or v != PROTOCOL_VERSION:  # 1.0 and true compare equal to 1: not versions
+        got = "missing" if "v" not in d else f"{v!r} ({_vname(v)})"
+        raise MessageError("bad_version", f"protocol version {got} not supported: v must be the int {PROTOCOL_VERSION}")
     kind = d.get("kind")
     cls = REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None or (expect is not None and kind not in expect):
         raise MessageError("unknown_kind", f"unknown message kind {kind!r}")
-    kwargs = {}
-    for name, check, required in cls._fields:
-        if name in d:
-            val = d[name]
-            if not check(val):
-                raise MessageError("invalid", f"{kind}.{name}: expected {_tname(cls._hints[name])}, got {type(val).__name__}")
-            kwargs[name] = val
-        elif required:
-            raise MessageError("invalid", f"{kind}: field {name!r} is required")
-    msg = cls(**kwargs)
+    msg = cls(**check_fields(cls, d, kind))
     validate = getattr(msg, "validate", None)
     if validate is not None:
         validate()
@@ -131,8 +148,53 @@ def _compile(hint):
     return lambda val: isinstance(val, hint)
 
 
+_WIRE_NAMES = {int: "int", float: "number", str: "string", bool: "bool", dict: "map", list: "list",
+               tuple: "list", bytes: "binary", type(None): "null"}
+
+
 def _tname(hint) -> str:
-    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+    """The wire type a hint stands for, in the words of docs/PROTOCOL.md."""
+    if hint is Any:
+        return "any value"
+    origin = typing.get_origin(hint)
+    if origin is typing.Union:
+        args = typing.get_args(hint)
+        names = [_tname(a) for a in args if a is not type(None)]
+        return " or ".join(names) + (" or null" if type(None) in args else "")
+    if origin in (list, tuple):
+        args = typing.get_args(hint)
+        return f"list of {_tname(args[0])}" if args else "list"
+    if origin is dict:
+        return "map"
+    return _WIRE_NAMES.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+_ARTICLE = {"int": "an int", "number": "a number", "string": "a string", "bool": "a bool", "map": "a map",
+            "list": "a list", "binary": "binary data", "null": "null"}
+
+
+def _vname(val) -> str:
+    """A decoded value's wire type, with its article ("a string", "an int", "null")."""
+    if isinstance(val, np.ndarray):
+        return f"an array of {val.dtype}"
+    for t in (bool, int, float, str, bytes, dict, list, tuple, type(None)):
+        if isinstance(val, t):
+            return _ARTICLE[_WIRE_NAMES[t]]
+    return type(val).__name__
+
+
+def _why(hint, val) -> str:
+    """What came instead of ``hint``: the value's wire type, and for a list the first item that
+    does not fit (so a list of int with a string in it does not read "expected list, got list")."""
+    if typing.get_origin(hint) in (list, tuple) and isinstance(val, list) and typing.get_args(hint):
+        inner = typing.get_args(hint)[0]
+        check = _compile(inner)
+        for i, x in enumerate(val):
+            if not check(x):
+                return f"a list with {_why(inner, x)} at [{i}]"
+    if val.__class__ is float and hint is int:
+        return f"{_vname(val)} ({val!r})"
+    return _vname(val)
 
 
 def _positive(name: str, val, allow_zero=True):
@@ -141,43 +203,65 @@ def _positive(name: str, val, allow_zero=True):
 
 
 # ---- trainer <-> gateway ------------------------------------------------------------
+def _client_id(kind: str, client_id: str):
+    if not client_id:
+        raise MessageError("invalid", f"{kind}.client_id must not be empty (it names the client's result stream)")
+
+
+@schema
+class Task:
+    """One element of ``submit.tasks`` (not a message: checked by ``Submit.validate``)."""
+
+    handler: str
+    instance: dict                          # the handler's input; docs/HANDLERS.md lists each one's fields
+    instance_id: Optional[str] = None       # None: "auto-<first job id>", unique across submits
+    n: int = 1                              # samples (jobs) of this instance, 1..4096
+    timeout_s: Optional[float] = None       # None: gateway.default_budget_s
+    phase_timeouts: Optional[dict] = None   # {init?, run?, eval?: seconds > 0}; None: no per-phase limit
+
+    def validate(self, where: str):
+        if not 1 <= self.n <= 4096:
+            raise MessageError("invalid", f"{where}.n must be in 1..4096, not {self.n}")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise MessageError("invalid", f"{where}.timeout_s must be > 0, not {self.timeout_s}")
+        for phase, limit in (self.phase_timeouts or {}).items():
+            if phase not in ("init", "run", "eval"):
+                raise MessageError("invalid", f"{where}.phase_timeouts: unknown phase {phase!r} (init, run, eval)")
+            if limit.__class__ not in (int, float) or limit <= 0:
+                raise MessageError("invalid", f"{where}.phase_timeouts.{phase}: expected a number > 0, "
+                                   f"got {limit!r}")
+
+
 @message("submit")
 class Submit(Message):
     """A batch of task instances; each is run ``n`` times (one job per sample)."""
 
     tasks: list[dict]
-    client_id: str = ""
-    idempotency_key: Optional[str] = None
+    client_id: str
+    idempotency_key: Optional[str] = None   # None: no de-duplication of a re-sent submit
     req_id: int = 0
 
     def validate(self):
+        _client_id("submit", self.client_id)
         if not self.tasks:
             raise MessageError("invalid", "submit.tasks is empty")
         for i, t in enumerate(self.tasks):
-            if not isinstance(t.get("handler"), str):
-                raise MessageError("invalid", f"tasks[{i}].handler must be a string")
-            if not isinstance(t.get("instance", {}), dict):
-                raise MessageError("invalid", f"tasks[{i}].instance must be a map")
-            n = t.get("n", 1)
-            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 4096:
-                raise MessageError("invalid", f"tasks[{i}].n must be an integer in 1..4096")
-            for key in ("timeout_s",):
-                v = t.get(key)
-                if v is not None and (not isinstance(v, (int, float)) or v <= 0):
-                    raise MessageError("invalid", f"tasks[{i}].{key} must be a positive number")
+            where = f"submit.tasks[{i}]"
+            Task(**check_fields(Task, t, where)).validate(where)
 
 
 @message("poll")
 class Poll(Message):
     """Results with sequence number > ``after``; everything <= ``after`` is acknowledged."""
 
-    client_id: str = ""
+    client_id: str
     after: int = 0
     max_results: int = 256
     wait_s: float = 0.0
     req_id: int = 0
 
     def validate(self):
+        _client_id("poll", self.client_id)
         _positive("after", self.after)
         _positive("max_results", self.max_results, allow_zero=False)
         if not 0 <= self.wait_s <= 300:

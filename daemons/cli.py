@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -33,13 +34,35 @@ def cmd_up(args) -> int:
     return Supervisor(cfg).run()
 
 
+class NoGateway(Exception):
+    """Nothing answers at the gateway address; the message says where and what to do."""
+
+
+PROBE_S = 3.0  # how long a client command waits for a first answer before saying nobody is there
+
+
 def _client(args):
     from rolloutd.daemons.supervisor import config_from_args
-    from rolloutd.gateway.client import RolloutClient
+    from rolloutd.gateway.client import GatewayTimeout, RolloutClient
+    from rolloutd.bus.messages import Status
 
     cfg = config_from_args(args.config, args.runtime_dir, [])
     address = args.gateway or cfg.endpoints.gateway
-    return RolloutClient(address, timeout_s=args.timeout, curve=cfg.curve("client"))
+    hint = ("start one with `rolloutd up` (or `rolloutd gateway`), or point --gateway / --runtime-dir / "
+            "--config at a running one")
+    if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
+        raise NoGateway(f"no gateway answers at {address} (no such socket); {hint}")
+    c = RolloutClient(address, timeout_s=args.timeout, curve=cfg.curve("client"))
+    try:
+        # One short probe instead of the command's own retries (4 x --timeout) against nobody.
+        c.request(Status(), timeout_s=min(PROBE_S, args.timeout), retries=0)
+    except GatewayTimeout:
+        c.close()
+        raise NoGateway(f"no gateway answers at {address} within {min(PROBE_S, args.timeout):g}s; {hint}") from None
+    except BaseException:
+        c.close()
+        raise
+    return c
 
 
 def cmd_submit(args) -> int:
@@ -195,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from rolloutd.bus.config import ConfigError
+    from rolloutd.gateway.client import GatewayError, GatewayTimeout
 
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in TOOLS:  # pass everything, --help included, to the tool itself
@@ -208,6 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rolloutd: {e}", file=sys.stderr)
         return 2
+    except NoGateway as e:
+        print(f"rolloutd {args.cmd}: {e}", file=sys.stderr)
+        return 3
+    except GatewayTimeout as e:  # the gateway answered the probe, then went away
+        print(f"rolloutd {args.cmd}: the gateway stopped answering: {e}", file=sys.stderr)
+        return 3
+    except GatewayError as e:
+        print(f"rolloutd {args.cmd}: the gateway refused the request: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

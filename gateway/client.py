@@ -3,7 +3,8 @@
 A DEALER socket speaking the REQ envelope, so every call has a timeout: on a timeout the
 socket is closed, reopened and the request sent again. That is safe because every request
 is idempotent: submit carries an idempotency key, poll carries the sequence number it has
-seen (a re-sent poll returns the same results), cancel and status change nothing twice.
+seen (a re-sent poll returns the same results), cancel answers with the job's outcome
+(a retry says the same), status changes nothing.
 """
 from __future__ import annotations
 
@@ -54,12 +55,14 @@ class RolloutClient:
             self._sock = self.sockets.connect("DEALER", self.address, hwm=1000)
         return self._sock
 
-    def request(self, msg, timeout_s: float | None = None) -> dict:
-        """Send one request and return the reply body; raises GatewayError or GatewayTimeout."""
+    def request(self, msg, timeout_s: float | None = None, retries: int | None = None) -> dict:
+        """Send one request and return the reply body; raises GatewayError or GatewayTimeout.
+        ``timeout_s`` and ``retries`` override the client's own for this call."""
         msg.req_id = next(self._req)
         frames = [b""] + codec.encode(msg.to_wire())
         wait = self.timeout_s if timeout_s is None else timeout_s
-        for attempt in range(self.retries + 1):
+        tries = (self.retries if retries is None else retries) + 1
+        for attempt in range(tries):
             sock = self._socket()
             sock.send_multipart(frames, copy=False)
             deadline = time.monotonic() + wait
@@ -80,7 +83,7 @@ class RolloutClient:
             # No answer: start over on a fresh socket (the old one may hold a dead connection).
             self.sockets.forget(sock)
             self._sock = None
-        raise GatewayTimeout(f"no reply from {self.address} after {self.retries + 1} tries of {wait:.1f}s")
+        raise GatewayTimeout(f"no reply from {self.address} after {tries} tries of {wait:.1f}s")
 
     def close(self):
         self.sockets.close()

@@ -8,6 +8,9 @@ Instance fields (all optional)::
      "eval": {"dist": "uniform", "low": 0.0, "high": 0.002},
      "fail": {"init": 0.05, "run": 0.0, "eval": 0.0},   # probability of raising in the phase
      "reward": 1.0, "seed": 7}
+
+Any other key is refused (the job fails in init with ``SyntheticInstanceError`` naming it):
+a misspelt ``"rnu"`` would otherwise silently run with no latency at all.
 """
 from __future__ import annotations
 
@@ -19,6 +22,10 @@ from rolloutd.handlers.base import AgentHandler, JobContext
 
 class SyntheticFailure(RuntimeError):
     pass
+
+
+class SyntheticInstanceError(ValueError):
+    """The instance has a key this handler does not know."""
 
 
 def draw(spec, rng: random.Random) -> float:
@@ -47,6 +54,13 @@ _UNSEEDED = random.Random()
 
 class SyntheticHandler(AgentHandler):
     name = "synthetic"
+    instance_keys = frozenset({"init", "run", "eval", "fail", "reward", "seed"})
+
+    def _check_instance(self, ctx: JobContext):
+        unknown = set(ctx.instance) - self.instance_keys
+        if unknown:
+            raise SyntheticInstanceError(f"{self.name}: unknown instance keys {sorted(unknown)}; "
+                                         f"known: {sorted(self.instance_keys)}")
 
     def _rng(self, ctx: JobContext, phase: str) -> random.Random:
         seed = ctx.instance.get("seed")
@@ -65,6 +79,7 @@ class SyntheticHandler(AgentHandler):
         ctx.state[f"{phase}_s"] = delay
 
     async def init(self, ctx):
+        self._check_instance(ctx)
         await self._phase(ctx, "init")
 
     async def run(self, ctx):
@@ -85,6 +100,7 @@ class SyntheticLLMHandler(SyntheticHandler):
 
     name = "synthetic_llm"
     needs_llm = True
+    instance_keys = SyntheticHandler.instance_keys | {"llm_calls", "max_tokens", "prompt_len", "think"}
 
     async def run(self, ctx):
         import numpy as np

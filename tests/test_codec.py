@@ -40,7 +40,8 @@ def test_object_arrays_cannot_be_sent():
 
 
 def test_messages_validate_types_and_tolerate_unknown_fields():
-    msg = from_wire({"v": 1, "kind": "submit", "tasks": [{"handler": "h"}], "future_field": 1})
+    msg = from_wire({"v": 1, "kind": "submit", "client_id": "c", "tasks": [{"handler": "h", "instance": {}}],
+                     "future_field": 1})
     assert isinstance(msg, Submit) and msg.tasks[0]["handler"] == "h"
     with pytest.raises(MessageError) as e:
         from_wire({"v": 1, "kind": "job", "job_id": "1", "attempt": 1, "handler": "h", "instance": {}})
