@@ -225,7 +225,10 @@ class EndpointSession:
                     parse_calls: bool, want_lp: bool) -> Reply:
         content, reasoning, tool_calls, calls = text, None, [], ()
         if parse_calls:
-            res = self.parser.parse(text)
+            # A parser that reads control tokens (harmony, Mistral) gets the ids decoded with them
+            # kept, as in the built-in agent loop; it should then also set ParseResult.content.
+            skip = getattr(self.parser, "skip_special_tokens", True)
+            res = self.parser.parse(text if skip else self.tokenizer.decode(ids, skip_special_tokens=False))
             if res.calls:
                 n = next(self._call_ids)
                 tool_calls = [{"id": f"call_{n}_{k}", "type": "function",
@@ -238,6 +241,8 @@ class EndpointSession:
                     for c in res.calls:
                         content = content.replace(c.raw, "", 1) if c.raw else content
                     content = content.strip()
+            elif getattr(res, "content", None) is not None:  # e.g. reasoning split off by the parser
+                content = res.content
             reasoning = getattr(res, "reasoning", None)
         if finish == "stop" and tool_calls:
             finish = "tool_calls"
@@ -599,28 +604,21 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY):
 
 
 # -- the server ------------------------------------------------------------------------------
-def _uvicorn_server_class():
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        """uvicorn without its signal handlers: the daemon hosting the endpoint owns SIGTERM/SIGINT."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            yield
-
-    return uvicorn, _Server
-
-
 class EndpointServer:
-    """uvicorn serving an app on a Unix socket or 127.0.0.1, inside the caller's event loop."""
+    """uvicorn serving an app on a Unix socket or 127.0.0.1, inside the caller's event loop.
 
-    def __init__(self, server: Any, task: asyncio.Task, uds: str | None, host: str | None, port: int | None) -> None:
+    Only uvicorn's ``startup``/``shutdown`` are used, not ``serve()``: that installs signal
+    handlers (the daemon hosting the endpoint owns SIGTERM/SIGINT) and runs a 10 Hz tick per
+    server (it refreshes the Date header), which with one server per job cost more CPU than the
+    requests themselves. So responses carry no Date header.
+    """
+
+    def __init__(self, server: Any, uds: str | None, host: str | None, port: int | None) -> None:
         self._server = server
-        self._task = task
         self.uds = uds
         self.host = host
         self.port = port
+        self._stopped = False
 
     @property
     def base_url(self) -> str:
@@ -631,43 +629,37 @@ class EndpointServer:
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, let responses in flight finish (cancel them after ``timeout_s``), close."""
-        self._server.should_exit = True
+        if self._stopped:
+            return
+        self._stopped = True
         try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+            await asyncio.wait_for(self._server.shutdown(), timeout_s)
         except asyncio.TimeoutError:
-            self._server.force_exit = True
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
-        except BaseException:
-            pass
+            for t in list(self._server.server_state.tasks):
+                t.cancel()
         if self.uds is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.uds)
 
 
-async def serve(app, *, uds: str | None = None, host: str | None = None, port: int = 0,
-                startup_timeout_s: float = 10.0) -> EndpointServer:
+async def serve(app, *, uds: str | None = None, host: str | None = None, port: int = 0) -> EndpointServer:
     """Start uvicorn for ``app`` on ``uds`` (a Unix socket path) or ``host:port`` (port 0: any free one)."""
     if (uds is None) == (host is None):
         raise ValueError("serve: give exactly one of uds= or host=")
-    uvicorn, server_cls = _uvicorn_server_class()
+    import uvicorn
+
     config = uvicorn.Config(app, uds=uds, host=host or "127.0.0.1", port=port, log_config=None, access_log=False,
-                            lifespan="off", ws="none", timeout_graceful_shutdown=2, server_header=False)
-    server = server_cls(config)
-    task = asyncio.ensure_future(server.serve())
-    deadline = time.monotonic() + startup_timeout_s
-    while not server.started:  # uvicorn's own flag, set once the socket listens
-        if task.done():
-            exc = task.exception() if not task.cancelled() else None
-            raise RuntimeError(f"the endpoint server did not start: {exc!r}")
-        if time.monotonic() > deadline:
-            server.should_exit = True
-            task.cancel()
-            raise RuntimeError("the endpoint server did not start in time")
-        await asyncio.sleep(0.005)
+                            lifespan="off", ws="none", timeout_graceful_shutdown=2, server_header=False,
+                            date_header=False)
+    config.load()
+    server = uvicorn.Server(config)
+    server.lifespan = config.lifespan_class(config)
+    try:
+        await server.startup()
+    except SystemExit:  # uvicorn exits the process when it cannot bind; here that is an error of this job
+        raise RuntimeError(f"the endpoint server could not listen on {uds or f'{host}:{port}'}") from None
     bound = None
     if uds is None:
         bound = server.servers[0].sockets[0].getsockname()[1]
     log.info("endpoint_serving", uds=uds, host=host, port=bound)
-    return EndpointServer(server, task, uds, host if uds is None else None, bound)
+    return EndpointServer(server, uds, host if uds is None else None, bound)
