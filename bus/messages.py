@@ -382,6 +382,13 @@ class Lease(Message):
     wait_s: float = 10.0
     req_id: int = 0
 
+    def validate(self):
+        if not 0 <= self.wait_s <= LEASE_WAIT_MAX_S:  # a router holds the request that long: bound it
+            raise MessageError("invalid", f"lease.wait_s must be within 0..{LEASE_WAIT_MAX_S:g}, not {self.wait_s!r}")
+
+
+LEASE_WAIT_MAX_S = 3600.0
+
 
 @message("release")
 class Release(Message):

@@ -90,6 +90,7 @@ class PhaseDaemon(Daemon):
             frames = await recv(self.outbox.sock, 0.5)
             while frames is not None:
                 if not self.outbox.on_message(frames):
+                    self.counts["malformed"] += 1
                     self.log.warning("malformed_credit_dropped")
                 frames = recv_now(self.outbox.sock)
             self.outbox.expire()
