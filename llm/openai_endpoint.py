@@ -163,6 +163,7 @@ class EndpointSession:
         self._ids = itertools.count()
         self._call_ids = itertools.count()
         self._decode_cache: dict[int, str] = {}
+        self._prev_msgs: tuple[list, list[Msg]] | None = None
 
     # -- admission -------------------------------------------------------------------------
     def cancel(self, reason: str = "cancelled") -> None:
@@ -204,7 +205,9 @@ class EndpointSession:
     async def chat(self, body: dict) -> Reply:
         """One ``/v1/chat/completions`` request. Raises :class:`EndpointError`."""
         self._admit()
-        msgs = parse_messages(body.get("messages"))
+        raw = body.get("messages")
+        msgs = parse_messages(raw, self._prev_msgs)
+        self._prev_msgs = (raw, msgs)
         tools = parse_tools(body.get("tools"))
         parse_calls = parse_tool_choice(body.get("tool_choice"), tools)
         samp = parse_sampling(body)
@@ -529,7 +532,8 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY):
     """A raw ASGI 3 app serving ``session`` (no framework: three routes)."""
 
     async def send_json(send, status: int, payload: bytes, extra: list | None = None) -> None:
-        await send({"type": "http.response.start", "status": status, "headers": _JSON + (extra or [])})
+        headers = _JSON + [(b"content-length", str(len(payload)).encode())] + (extra or [])
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
 
     async def send_sse(send, chunks: list[bytes]) -> None:

@@ -120,11 +120,19 @@ def canon_args(args: Any) -> str:
     return json.dumps(args, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
-def parse_messages(raw: Any) -> list[Msg]:
+def parse_messages(raw: Any, prev: tuple[list, list[Msg]] | None = None) -> list[Msg]:
+    """Validate and normalize ``messages``. ``prev`` is the previous request's (raw, parsed)
+    messages: a message equal to the one at the same position there is not parsed again (an
+    agent resends its whole history on every call; dict equality is C-speed)."""
     if not isinstance(raw, list) or not raw:
         raise bad("'messages' must be a non-empty list", "messages")
     out: list[Msg] = []
+    prev_raw, prev_msgs = prev if prev is not None else ((), ())
+    n_prev = len(prev_raw)
     for i, m in enumerate(raw):
+        if i < n_prev and m == prev_raw[i]:
+            out.append(prev_msgs[i])
+            continue
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(f"{where} must be an object", "messages")
