@@ -35,6 +35,7 @@ import numpy as np
 import structlog
 
 from .errors import ContextOverflow, TemplateError
+from .families import ReasoningRule, end_token_ids, family_of
 from .tokenizer_utils import FastEncoder, fast_encoder
 
 log = structlog.get_logger("rolloutd.llm")
@@ -79,6 +80,7 @@ class Turn:
     obs_start: int | None = None
     obs_end: int | None = None
     continuation: bool = False  # continues the previous assistant message (after an abort)
+    hidden: tuple[int, int] | None = None  # reasoning span hidden from later prompts (reasoning="drop")
 
 
 def _compile(template: str):
@@ -127,12 +129,22 @@ class ChatRenderer:
         {"role": "user", "content": "rolloutd probe user 2"},
     )
 
-    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, *, sanitize: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        tools: list[dict] | None = None,
+        *,
+        sanitize: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         if getattr(tokenizer, "chat_template", None) is None:
             raise TemplateError("tokenizer has no chat_template")
         self.tokenizer = tokenizer
         self.tools = tools or None
         self.sanitize = sanitize
+        # extra template variables (enable_thinking, thinking, reasoning_effort, date_string, ...)
+        self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
+        self.family = family_of(tokenizer)
         self.enc: FastEncoder = fast_encoder(tokenizer)
         self._probe = [
             {"role": "system", "content": self._PROBE_SYSTEM},
@@ -145,6 +157,7 @@ class ChatRenderer:
             template = tokenizer.get_chat_template(None, self.tools)
             self._compiled = _compile(template)
             self._kwargs = dict(getattr(tokenizer, "special_tokens_map", {}) or {})
+            self._kwargs.update(self.template_kwargs)
         except Exception:  # pragma: no cover - exotic tokenizers
             self._compiled = None
         if self._compiled is not None:
@@ -169,6 +182,11 @@ class ChatRenderer:
                     self.eot_id = tid
                     self.closer_after_eot = self.closer_text[len(tok) :]
                 break
+        # A turn that ends with any end-of-turn token of its family (gpt-oss <|call|>, Llama
+        # <|eom_id|>) was closed by the model too; only the rest of the closer is added.
+        self.end_ids: frozenset[int] = frozenset(
+            ({self.eot_id} if self.eot_id is not None else set()) | end_token_ids(tokenizer, self.family)
+        )
         # Continuations without the tools, if that renders the same suffix.
         self._cont_tools = self.tools
         self._cont_probe_text = self._probe_text
@@ -191,7 +209,9 @@ class ChatRenderer:
 
     # -- rendering -----------------------------------------------------------------
     def _render_slow(self, messages: list[dict], tools: list[dict] | None, gp: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gp)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=gp, **self.template_kwargs
+        )
 
     def _render_fast(self, messages: list[dict], tools: list[dict] | None, gp: bool) -> str:
         assert self._compiled is not None
@@ -279,16 +299,27 @@ class ChatRenderer:
         return self._encode_marked(text) if marked else self.enc.encode(text)
 
 
-_RENDERERS: dict[tuple[int, str, bool], tuple[Any, ChatRenderer]] = {}
+_RENDERERS: dict[tuple[int, str, bool, str], tuple[Any, ChatRenderer]] = {}
 
 
-def get_renderer(tokenizer: Any, tools: list[dict] | None = None, *, sanitize: bool = True) -> ChatRenderer:
-    """A cached :class:`ChatRenderer` per (tokenizer, tools)."""
-    key = (id(tokenizer), json.dumps(tools, sort_keys=True, default=str) if tools else "", sanitize)
+def get_renderer(
+    tokenizer: Any,
+    tools: list[dict] | None = None,
+    *,
+    sanitize: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> ChatRenderer:
+    """A cached :class:`ChatRenderer` per (tokenizer, tools, template variables)."""
+    key = (
+        id(tokenizer),
+        json.dumps(tools, sort_keys=True, default=str) if tools else "",
+        sanitize,
+        json.dumps(template_kwargs, sort_keys=True, default=str) if template_kwargs else "",
+    )
     hit = _RENDERERS.get(key)
     if hit is not None and hit[0] is tokenizer:
         return hit[1]
-    r = ChatRenderer(tokenizer, tools, sanitize=sanitize)
+    r = ChatRenderer(tokenizer, tools, sanitize=sanitize, template_kwargs=template_kwargs)
     if len(_RENDERERS) > 256:
         _RENDERERS.clear()
     _RENDERERS[key] = (tokenizer, r)
@@ -317,6 +348,10 @@ class Conversation:
         "_last_abort",
         "_json",
         "_view",
+        "reasoning",
+        "_rule",
+        "_hidden",
+        "_n_hidden",
     )
 
     def __init__(
@@ -328,12 +363,31 @@ class Conversation:
         *,
         sanitize: bool = True,
         renderer: ChatRenderer | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        reasoning: str = "keep",
+        reasoning_rule: ReasoningRule | None = None,
     ) -> None:
         if not messages:
             raise ValueError("a conversation needs at least one message")
+        if reasoning not in ("keep", "drop"):
+            raise ValueError(f"reasoning must be 'keep' or 'drop', not {reasoning!r}")
         self.tokenizer = tokenizer
         self.max_context = int(max_context)
-        self.renderer = renderer if renderer is not None else get_renderer(tokenizer, tools, sanitize=sanitize)
+        self.renderer = (
+            renderer
+            if renderer is not None
+            else get_renderer(tokenizer, tools, sanitize=sanitize, template_kwargs=template_kwargs)
+        )
+        # keep: later turns see earlier reasoning as sampled (the trajectory is one sequence);
+        # drop: it is hidden from later prompts as the family's template would render them
+        # (the trajectory still holds every sampled token; hidden spans are listed per turn).
+        self.reasoning = reasoning
+        fam = self.renderer.family
+        self._rule = reasoning_rule or (fam.reasoning if fam is not None else None)
+        if reasoning == "drop" and self._rule is None:
+            raise ValueError("reasoning='drop' needs a reasoning_rule (or a tokenizer of a known model family)")
+        self._hidden: list[tuple[int, int]] = []  # absolute [start, end) spans not sent to the model
+        self._n_hidden = 0
         prompt = self.renderer.render_prompt(messages)
         cap = max(256, 2 * len(prompt))
         self._ids = np.zeros(cap, dtype=np.int32)
@@ -364,14 +418,32 @@ class Conversation:
     # -- properties ------------------------------------------------------------------
     @property
     def context_ids(self) -> np.ndarray:
-        """Prompt + everything so far (read-only int32 view, with its JSON text cached)."""
+        """What the model sees next: prompt + everything so far, minus hidden reasoning
+        (read-only int32 view, with its JSON text cached)."""
         v = self._view
-        if v is None or v.shape[0] != self._n:
-            v = self._ids[: self._n].view(TokenIds)
-            v.flags.writeable = False
-            v.json_ids = "[" + self._json + "]"
+        if v is None or v.shape[0] != self._n - self._n_hidden:
+            if self._hidden:
+                parts, pos = [], 0
+                for a, b in self._hidden:
+                    parts.append(self._ids[pos:a])
+                    pos = b
+                parts.append(self._ids[pos : self._n])
+                v = np.concatenate(parts).view(TokenIds)
+                v.flags.writeable = False
+                v.json_ids = "[" + _join_ids(v) + "]"
+            else:
+                v = self._ids[: self._n].view(TokenIds)
+                v.flags.writeable = False
+                v.json_ids = "[" + self._json + "]"
             self._view = v
         return v
+
+    @property
+    def hidden_spans(self) -> list[tuple[int, int]]:
+        """Reasoning spans hidden from later prompts (``reasoning="drop"``), in response
+        coordinates; a span may start at -1 when the template opened the block in the prompt."""
+        p = self._n_prompt
+        return [(a - p, b - p) for a, b in self._hidden]
 
     @property
     def num_tokens(self) -> int:
@@ -387,7 +459,7 @@ class Conversation:
 
     @property
     def remaining_context(self) -> int:
-        return self.max_context - self._n
+        return self.max_context - (self._n - self._n_hidden)
 
     @property
     def turns(self) -> list[dict]:
@@ -404,6 +476,7 @@ class Conversation:
                 "obs_start": t.obs_start,
                 "obs_end": t.obs_end,
                 "continuation": t.continuation,
+                "hidden": list(t.hidden) if t.hidden is not None else None,
             }
             for t in self._turns
         ]
@@ -466,9 +539,38 @@ class Conversation:
         if not self._can_add_messages():
             raise ValueError("add_messages must follow a generation (and cannot be called twice in a row)")
         n = self._n
-        eot = self.renderer.eot_id
-        ended_eot = eot is not None and n > self._n_prompt and int(self._ids[n - 1]) == eot
+        ended_eot = n > self._n_prompt and int(self._ids[n - 1]) in self.renderer.end_ids
         return self.renderer.render_continuation(msgs, ended_with_eot=ended_eot)
+
+    def _reasoning_span(self) -> tuple[int, int] | None:
+        """Absolute span of the reasoning of the assistant message that just ended."""
+        rule = self._rule
+        if rule is None:
+            return None
+        first = len(self._turns) - 1
+        while first > 0 and self._turns[first].continuation:
+            first -= 1
+        p = self._n_prompt
+        a, b = self._turns[first].start + p, self._turns[-1].end + p
+        enc = self.renderer.enc
+        ids = self._ids
+        close = enc.tokenizer.convert_tokens_to_ids(rule.close)
+        open_ = enc.tokenizer.convert_tokens_to_ids(rule.open)
+        hits = np.flatnonzero(ids[a:b] == close)
+        if hits.size == 0:
+            return None
+        c = a + int(hits[0])
+        if int(ids[a]) == open_:
+            start = a
+        elif a > 0 and int(ids[a - 1]) == open_:
+            start = a - 1  # the template put the open tag in the generation prompt
+        else:
+            start = a
+        end = c + 1 if rule.hide_close else c
+        if rule.hide_whitespace:
+            while end < b and not self.tokenizer.decode([int(ids[end])]).strip():
+                end += 1
+        return (start, end) if end > start else None
 
     def add_messages(self, msgs: Sequence[dict], *, check_context: bool = True) -> int:
         """Append new messages (tool observations / user turns) plus the next generation prompt.
@@ -481,10 +583,17 @@ class Conversation:
             raise ValueError("add_messages: no messages")
         ids = self.render_messages(msgs)
         k = len(ids)
-        if check_context and self._n + k > self.max_context:
+        span = self._reasoning_span() if self.reasoning == "drop" else None
+        hide = span[1] - span[0] if span else 0
+        if check_context and self._n - self._n_hidden - hide + k > self.max_context:
             raise ContextOverflow(
                 f"observation of {k} tokens does not fit: {self._n} used of {self.max_context}"
             )
+        if span:
+            self._hidden.append(span)
+            self._n_hidden += hide
+            last = self._turns[-1]
+            last.hidden = (span[0] - self._n_prompt, span[1] - self._n_prompt)
         self._reserve(k)
         n = self._n
         self._ids[n : n + k] = ids

@@ -131,3 +131,228 @@ def test_parsers_never_raise(pieces):
     for name in ("hermes", "fenced_bash"):
         res = get_parser(name).parse(text)
         assert len(res.items) == len(res.calls) + len(res.errors)
+
+
+# -- model-family parsers -------------------------------------------------------------------
+import json as _json
+
+from rolloutd.llm.toolparse import ParseResult
+
+
+def _names(res: ParseResult) -> list[str]:
+    return [c.name for c in res.calls]
+
+
+def test_family_parsers_are_registered():
+    names = available_parsers()
+    for n in ("qwen3", "qwen3_coder", "llama3_json", "mistral", "harmony", "gpt_oss", "deepseek_v31", "deepseek_v3"):
+        assert n in names
+        assert get_parser(n).skip_special_tokens is False
+
+
+def test_qwen3_reasoning_then_two_calls():
+    text = (
+        "<think>\nI should list, then read.\n</think>\n\nLet me look.\n"
+        '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "bash", "arguments": {"command": "cat a"}}\n</tool_call><|im_end|>'
+    )
+    res = get_parser("qwen3").parse(text)
+    assert res.reasoning == "I should list, then read."
+    assert res.content == "Let me look."
+    assert [c.arguments["command"] for c in res.calls] == ["ls", "cat a"]
+    msg = res.to_openai_message()
+    assert msg["reasoning_content"] == "I should list, then read." and msg["content"] == "Let me look."
+    assert [tc["function"]["name"] for tc in msg["tool_calls"]] == ["bash", "bash"]
+    assert _json.loads(msg["tool_calls"][1]["function"]["arguments"]) == {"command": "cat a"}
+    assert msg["tool_calls"][0]["id"] != msg["tool_calls"][1]["id"]
+
+
+def test_qwen3_open_tag_in_prompt_and_no_reasoning():
+    # thinking models whose generation prompt already holds "<think>\n"
+    res = get_parser("qwen3").parse("plan\n</think>\n\nThe answer is 4.")
+    assert res.reasoning == "plan" and res.content == "The answer is 4." and not res.has_actions
+    res = get_parser("qwen3").parse("The answer is 4.")
+    assert res.reasoning is None and res.content == "The answer is 4."
+
+
+def test_qwen3_call_inside_unclosed_reasoning_is_not_run():
+    res = get_parser("qwen3").parse('<think>\nmaybe <tool_call>{"name": "bash", "arguments": {}}</tool_call>')
+    assert not res.has_actions and res.reasoning.startswith("maybe")
+
+
+def test_qwen3_malformed_call_is_an_error():
+    res = get_parser("qwen3").parse('<think>x</think><tool_call>{"name": "bash", "arguments": {"command": </tool_call>')
+    assert res.calls == [] and len(res.errors) == 1 and "invalid JSON" in res.errors[0]
+
+
+CODER_TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "line": {"type": "integer"}, "dry": {"type": "boolean"},
+    "opts": {"type": "object"}, "text": {"type": "string"}}}}}]
+
+
+def test_qwen3_coder_two_calls_with_typed_parameters():
+    text = (
+        "I will edit.\n<tool_call>\n<function=edit>\n<parameter=path>\n/a.py\n</parameter>\n"
+        "<parameter=line>\n12\n</parameter>\n<parameter=dry>\ntrue\n</parameter>\n"
+        '<parameter=opts>\n{"x": [1]}\n</parameter>\n<parameter=text>\n  two\nlines \n</parameter>\n'
+        "</function>\n</tool_call>\n<tool_call>\n<function=bash>\n<parameter=command>\nls\n</parameter>\n"
+        "</function>\n</tool_call><|im_end|>"
+    )
+    res = get_parser("qwen3_coder", tools=CODER_TOOLS).parse(text)
+    assert res.errors == [] and _names(res) == ["edit", "bash"]
+    assert res.calls[0].arguments == {"path": "/a.py", "line": 12, "dry": True, "opts": {"x": [1]}, "text": "  two\nlines "}
+    assert res.calls[1].arguments == {"command": "ls"}
+    assert res.content == "I will edit."
+    # without schemas every value is text
+    assert get_parser("qwen3_coder").parse(text).calls[0].arguments["line"] == "12"
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ("<parameter=a>\n1\n</parameter>\n</function>", "no <function=NAME>"),
+        ("<function=>\n</function>", "empty function name"),
+        ("<function=edit>\n<parameter=path>\n/a\n</parameter>\n", "not closed with </function>"),
+        ("<function=edit>\n<parameter=path>\n/a\n</function>", "is not closed with </parameter>"),
+        ("<function=edit>\n<parameter=line>\ntwelve\n</parameter>\n</function>", "must be of type integer"),
+        ("<function=edit>\ngarbage\n</function>", "not a <parameter"),
+    ],
+)
+def test_qwen3_coder_malformed(body, needle):
+    res = get_parser("qwen3_coder", tools=CODER_TOOLS).parse(f"<tool_call>\n{body}\n</tool_call>")
+    assert res.calls == [] and len(res.errors) == 1 and needle in res.errors[0], res.errors
+    res = get_parser("qwen3_coder").parse(f"<tool_call>\n<function=edit>\n")
+    assert res.calls == [] and "unterminated" in res.errors[0]
+
+
+def test_llama3_json_calls_and_content():
+    p = get_parser("llama3_json")
+    res = p.parse('{"name": "bash", "parameters": {"command": "ls"}}; {"name": "bash", "parameters": {"command": "pwd"}}<|eot_id|>')
+    assert [c.arguments for c in res.calls] == [{"command": "ls"}, {"command": "pwd"}] and res.errors == []
+    res = p.parse('<|python_tag|>{"name": "f", "arguments": {"x": 1}}<|eom_id|>')
+    assert _names(res) == ["f"] and res.calls[0].arguments == {"x": 1}
+    res = p.parse("The answer is {not a call}.")
+    assert not res.has_actions and res.content == "The answer is {not a call}."
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ('{"name": "bash", "parameters": {"command": "ls"}', "invalid JSON"),
+        ('{"parameters": {}}', 'missing or empty "name"'),
+        ('{"name": "f", "parameters": [1]}', "must be a JSON object"),
+        ('{"name": "f", "parameters": {}} and more', "separated by ';'"),
+        ("<|python_tag|>print(1)", "not followed by a JSON object"),
+    ],
+)
+def test_llama3_json_malformed(text, needle):
+    res = get_parser("llama3_json").parse(text)
+    assert len(res.errors) == 1 and needle in res.errors[0], res.errors
+
+
+def test_mistral_v3_list_and_v11_forms():
+    p = get_parser("mistral")
+    res = p.parse('Sure.[TOOL_CALLS][{"name": "bash", "arguments": {"command": "ls"}, "id": "abc123DEF"}, '
+                  '{"name": "bash", "arguments": "{\\"command\\": \\"pwd\\"}"}]</s>')
+    assert res.content == "Sure." and [c.arguments["command"] for c in res.calls] == ["ls", "pwd"]
+    assert res.calls[0].id == "abc123DEF"
+    gen = res.calls[1].id
+    assert len(gen) == 9 and gen.isalnum() and gen == p.parse(
+        'Sure.[TOOL_CALLS][{"name": "bash", "arguments": {"command": "ls"}, "id": "abc123DEF"}, '
+        '{"name": "bash", "arguments": "{\\"command\\": \\"pwd\\"}"}]</s>').calls[1].id  # deterministic
+    res = p.parse('[TOOL_CALLS]bash[ARGS]{"command": "ls"}[TOOL_CALLS]bash[CALL_ID]xyz789GHI[ARGS]{"command": "pwd"}</s>')
+    assert [c.arguments["command"] for c in res.calls] == ["ls", "pwd"] and res.calls[1].id == "xyz789GHI"
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ('[TOOL_CALLS][{"name": "bash", "arguments": {', "invalid JSON"),
+        ('[TOOL_CALLS][{"arguments": {}}]', 'missing or empty "name"'),
+        ('[TOOL_CALLS][["bash"]]', "must be a JSON object"),
+        ("[TOOL_CALLS]just words", "expected [{...}] or NAME[ARGS]"),
+        ('[TOOL_CALLS]bash[ARGS]{"command": ', "invalid JSON arguments"),
+    ],
+)
+def test_mistral_malformed(text, needle):
+    res = get_parser("mistral").parse(text)
+    assert res.calls == [] and len(res.errors) == 1 and needle in res.errors[0], res.errors
+
+
+def test_harmony_analysis_calls_and_final():
+    p = get_parser("harmony")
+    text = (
+        "<|channel|>analysis<|message|>Need to list.<|end|>"
+        '<|start|>assistant to=functions.bash<|channel|>commentary <|constrain|>json<|message|>{"command": "ls"}<|call|>'
+    )
+    res = p.parse(text)
+    assert res.reasoning == "Need to list." and _names(res) == ["bash"] and res.calls[0].arguments == {"command": "ls"}
+    # recipient after the channel, two calls, a preamble
+    text = (
+        "<|channel|>commentary<|message|>Checking two things.<|end|>"
+        '<|start|>assistant<|channel|>commentary to=functions.bash json<|message|>{"command": "ls"}<|end|>'
+        '<|start|>assistant<|channel|>commentary to=functions.bash <|constrain|>json<|message|>{"command": "pwd"}'
+    )
+    res = p.parse(text)
+    assert [c.arguments["command"] for c in res.calls] == ["ls", "pwd"] and res.content == "Checking two things."
+    res = p.parse("<|channel|>analysis<|message|>easy<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>")
+    assert res.reasoning == "easy" and res.content == "4" and not res.has_actions
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("<|channel|>commentary to=functions.bash", "without <|message|>"),
+        ("<|channel|>commentary to=functions.bash<|message|>{bad<|call|>", "invalid JSON arguments"),
+        ("<|channel|>commentary to=functions.bash<|message|>[1]<|call|>", "must be a JSON object"),
+        ("<|channel|>commentary to=functions.<|message|>{}<|call|>", "empty tool name"),
+    ],
+)
+def test_harmony_malformed(text, needle):
+    res = get_parser("harmony").parse(text)
+    assert res.calls == [] and len(res.errors) == 1 and needle in res.errors[0], res.errors
+
+
+DS_B, DS_E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CB, DS_CE, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+
+def test_deepseek_v31_and_v3_forms():
+    p = get_parser("deepseek_v31")
+    text = (f'Thinking hard.</think>Let me check.{DS_B}{DS_CB}bash{DS_SEP}{{"command": "ls"}}{DS_CE}'
+            f'{DS_CB}bash{DS_SEP}{{"command": "pwd"}}{DS_CE}{DS_E}<｜end▁of▁sentence｜>')
+    res = p.parse(text)
+    assert res.reasoning == "Thinking hard." and res.content == "Let me check."
+    assert [c.arguments["command"] for c in res.calls] == ["ls", "pwd"]
+    v3 = f'{DS_B}{DS_CB}function{DS_SEP}bash\n```json\n{{"command": "ls"}}\n```{DS_CE}{DS_E}'
+    res = get_parser("deepseek_v3").parse(v3)
+    assert _names(res) == ["bash"] and res.calls[0].arguments == {"command": "ls"} and res.reasoning is None
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        (f"{DS_CB}bash{DS_SEP}{{bad{DS_CE}", "invalid JSON arguments"),
+        (f"{DS_CB}bash{{}}{DS_CE}", "no <｜tool▁sep｜>"),
+        (f"{DS_CB}{DS_SEP}{{}}{DS_CE}", "empty function name"),
+        (f"{DS_CB}bash{DS_SEP}[1]{DS_CE}", "must be a JSON object"),
+        (f"{DS_CB}bash{DS_SEP}{{}}", "unterminated"),
+        (f"{DS_CB}function{DS_SEP}bash\n{{}}{DS_CE}", "without a ```json block"),
+    ],
+)
+def test_deepseek_malformed(body, needle):
+    res = get_parser("deepseek_v31").parse(f"{DS_B}{body}{DS_E}")
+    assert res.calls == [] and len(res.errors) == 1 and needle in res.errors[0], res.errors
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(list("{}[]\":,; \nabc") + [
+    "<think>", "</think>", "<tool_call>", "</tool_call>", "<function=", "<parameter=", "</parameter>", "</function>",
+    "[TOOL_CALLS]", "[ARGS]", "<|start|>", "<|channel|>", "<|message|>", "<|call|>", "<|end|>", " to=functions.",
+    DS_B, DS_CB, DS_SEP, DS_CE, "<|python_tag|>"]), max_size=40))
+def test_family_parsers_never_raise(pieces):
+    text = "".join(pieces)
+    for name in ("qwen3", "qwen3_coder", "llama3_json", "mistral", "harmony", "deepseek_v31"):
+        res = get_parser(name).parse(text)
+        assert len(res.items) == len(res.calls) + len(res.errors)
+        res.to_openai_message()
