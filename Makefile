@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench bench-smoke venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,10 +27,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"
-	$(BIN)/python bench/bench_pipeline.py
-	$(BIN)/python bench/bench_router.py
-	$(BIN)/python bench/bench_sandbox.py
-	$(BIN)/python bench/bench_agent_loop.py
+	set -e; for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b; done
+
+# Every benchmark's --quick mode, so none of them rots (CI runs this after the tests).
+bench-smoke: $(STAMP)
+	$(BIN)/pip install -q -e ".[bench]"
+	set -e; for b in bench/bench_*.py; do echo "== $$b --quick"; $(BIN)/python $$b --quick; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -6,7 +6,7 @@
 # and no system service is started here. Idempotent: does nothing when all is in place.
 set -euo pipefail
 
-PKGS=(systemd slurmctld slurmd slurm-client munge iproute2 tmux util-linux procps)
+PKGS=(systemd slurmctld slurmd slurm-client munge iproute2 iputils-ping tmux util-linux procps)
 
 if [[ $(id -u) != 0 ]]; then
     echo "ops-setup: must run as root" >&2

@@ -257,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--httpcore-baseline", type=int, default=0, metavar="N",
                     help="also time httpx's default transport with N concurrent clients (slow above ~100)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 50 rollouts x 4 turns, one repeat")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.rollouts, args.turns, args.seq_rollouts, args.mem_rollouts, args.repeats = 50, 4, 5, 20, 1
 
     t_start = time.monotonic()
     tok_dir, tok_desc = tokenizer_dir(args.tokenizer)

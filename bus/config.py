@@ -101,9 +101,9 @@ class Config:
         return cls(data, str(p))
 
     def sandbox_root(self) -> Path:
-        """Where this deployment's sandboxes live. Not under the runtime directory: that one is
-        private (0700) and sandboxes run as an unprivileged user when the daemons run as root.
-        One root per deployment, so two deployments' janitors never reap each other's."""
+        """Where this deployment's sandboxes live. Never nested with the runtime directory
+        (see check_layout). One root per deployment, so two deployments' janitors never reap
+        each other's."""
         root = self.data["sandbox"]["root_dir"]
         if root:
             return Path(root)
@@ -113,6 +113,20 @@ class Config:
 
         tag = hashlib.sha1(str(self.runtime_dir.resolve()).encode()).hexdigest()[:10]
         return default_root() / f"d-{tag}"
+
+    def check_layout(self) -> None:
+        """Refuse a runtime directory and a sandbox root that nest. The runtime directory is
+        made private (0700) at every start; the sandbox root must stay traversable by the uid
+        sandboxes run as (nobody, when the daemons are root). Nested, the two fight over one
+        directory's mode and every sandbox of every deployment under it fails to start."""
+        rt = self.runtime_dir.resolve()
+        sb = self.sandbox_root().resolve()
+        if rt == sb or rt in sb.parents or sb in rt.parents:
+            raise ConfigError(
+                f"the runtime directory {rt} and the sandbox root {sb} nest; they must be apart: the "
+                "runtime directory is private (0700), the sandbox root must be traversable by the "
+                "sandbox uid. Set [sandbox] root_dir (or ROLLOUTD_SANDBOX_ROOT) or --runtime-dir "
+                "(or ROLLOUTD_RUNTIME_DIR) so that neither contains the other.")
 
     def curve(self, name: str):
         if not self.data["keys_dir"]:

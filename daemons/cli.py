@@ -11,6 +11,7 @@ def _daemon(name: str, args) -> int:
     from rolloutd.daemons.supervisor import config_from_args
 
     cfg = config_from_args(args.config, args.runtime_dir, args.set)
+    cfg.check_layout()
     if name == "gateway":
         from rolloutd.gateway.daemon import Gateway as cls
     elif name == "router":
@@ -29,6 +30,7 @@ def cmd_up(args) -> int:
     from rolloutd.daemons.supervisor import Supervisor, config_from_args
 
     cfg = config_from_args(args.config, args.runtime_dir, args.set)
+    cfg.check_layout()
     lc = cfg.section("logging")
     logs.configure(lc["format"], lc["level"])
     return Supervisor(cfg).run()

@@ -461,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     console = Console(width=a.width or (None if sys.stdout.isatty() else 120))
 
+    live_said = []
+
     def pump(seconds: float):
         end = time.monotonic() + seconds
         while not stop:
@@ -469,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
                 return
             ev = sub.next(min(left, 0.25))
             if ev is not None:
+                if not live_said:  # scripts wait for this line before they start what they watch
+                    live_said.append(1)
+                    print(json.dumps({"event": "monitor_stream_live", "events": address}), file=sys.stderr, flush=True)
                 state.apply(ev[0], ev[1])
 
     try:

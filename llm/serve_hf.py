@@ -609,6 +609,7 @@ class _Handler(BaseHTTPRequestHandler):
             if _peer_closed(sock):
                 req.aborted = True
                 srv.stats["aborted"] += 1
+                srv.stats["aborted_at_tokens"] += len(req.out_ids)  # how far it got: tests check it stopped early
                 srv._aborted_counter.inc()
                 log.info("serve_hf_request_aborted", rid=req.rid, generated=len(req.out_ids), reason="client_disconnected")
                 self.close_connection = True

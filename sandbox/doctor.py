@@ -154,9 +154,43 @@ def _socket_path(root_dir: Path) -> Check:
     return Check("socket_path", n <= MAX_SOCKET_PATH, "%s is %d bytes (limit %d)" % (example, n, MAX_SOCKET_PATH))
 
 
-def check(root_dir: Optional[os.PathLike] = None, deep: bool = True) -> List[Check]:
+def _traversable(root_dir: Path) -> Check:
+    """Every existing directory from / down to the sandbox root must let the sandbox uid
+    through (it is nobody when the daemons run as root); the rest is created traversable."""
+    from .bwrap import resolve_run_as
+
+    run_as = resolve_run_as("auto")
+    uid, gid = run_as if run_as else (os.geteuid(), os.getegid())
+    if uid == 0:
+        return Check("sandbox_root_traversable", True, "sandboxes run as root here")
+    path = Path("/")
+    for part in root_dir.absolute().parts[1:] + ("",):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            break
+        except OSError as e:
+            return Check("sandbox_root_traversable", False, "cannot stat %s: %s" % (path, e))
+        bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == gid else 0o001
+        if not st.st_mode & bit:
+            return Check("sandbox_root_traversable", False,
+                         "uid %d cannot enter %s (mode %o, owner %d): every sandbox would fail to start; "
+                         "chmod o+x %s or choose another sandbox root" % (uid, path, st.st_mode & 0o7777,
+                                                                          st.st_uid, path))
+        if part:
+            path = path / part
+    return Check("sandbox_root_traversable", True, "uid %d can reach %s" % (uid, root_dir))
+
+
+def check(root_dir: Optional[os.PathLike] = None, deep: bool = True, runtime_dir: Optional[os.PathLike] = None) -> List[Check]:
     root = Path(root_dir or default_root())
-    checks = [_python(), _userns()]
+    checks = [_python(), _userns(), _traversable(root)]
+    if runtime_dir is not None:
+        rt, sb = Path(runtime_dir).resolve(), root.resolve()
+        nested = rt == sb or rt in sb.parents or sb in rt.parents
+        checks.append(Check("layout", not nested, "runtime dir %s and sandbox root %s %s" % (
+            rt, sb, "nest: set [sandbox] root_dir or --runtime-dir so neither contains the other" if nested
+            else "are apart")))
     checks += _bwrap(root, deep)
     checks += _apptainer()
     checks += [_fakeroot(), _cgroup(), _disk(root), _socket_path(root)]
@@ -170,7 +204,10 @@ def check(root_dir: Optional[os.PathLike] = None, deep: bool = True) -> List[Che
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="rolloutd doctor", description="Which sandbox runtimes work here, and why not.")
-    p.add_argument("--root-dir", default=None, help="sandbox root dir (default %s)" % default_root())
+    p.add_argument("--root-dir", default=None,
+                   help="sandbox root dir (default: the deployment's, from --config / --runtime-dir)")
+    p.add_argument("--config", default=None, help="the deployment's TOML config (default: $ROLLOUTD_CONFIG)")
+    p.add_argument("--runtime-dir", default=None, help="the deployment's runtime directory")
     p.add_argument("--quick", action="store_true", help="skip the full sandbox start test")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ns = p.parse_args(argv)
@@ -178,7 +215,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if not structlog.is_configured():  # keep stdout for the report (the CLI may configure logging itself)
         structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    checks = check(ns.root_dir, deep=not ns.quick)
+    from rolloutd.bus.config import Config, ConfigError
+
+    try:
+        cfg = Config.load(ns.config)
+    except ConfigError as e:
+        print("rolloutd doctor: %s" % e, file=sys.stderr)
+        return 2
+    if ns.runtime_dir:
+        cfg = Config(dict(cfg.data, endpoints=dict(cfg.data["endpoints"], runtime_dir=ns.runtime_dir)), cfg.path)
+    checks = check(ns.root_dir or cfg.sandbox_root(), deep=not ns.quick, runtime_dir=cfg.runtime_dir)
     if ns.json:
         print(json.dumps([asdict(c) for c in checks], indent=1))
     else:

@@ -41,8 +41,11 @@ EXPIRY_GRACE = 5.0      # the in-sandbox watchdog gets this long to enforce wall
 
 
 def default_root() -> Path:
+    """Where sandboxes live by default. Never the default runtime directory
+    (``/tmp/rolloutd-<uid>``): that one is private (0700) while a sandbox root must be
+    traversable by the uid sandboxes run as (bus.config.Config.check_layout enforces it)."""
     env = os.environ.get("ROLLOUTD_SANDBOX_ROOT")
-    return Path(env) if env else Path("/tmp/rolloutd-%d" % os.getuid())
+    return Path(env) if env else Path("/tmp/rolloutd-sandboxes-%d" % os.getuid())
 
 
 @dataclass
@@ -81,8 +84,11 @@ class Runtime(abc.ABC):
     ) -> None:
         self.root_dir = Path(root_dir or default_root()).absolute()
         self.sb_dir = self.root_dir / "sb"
+        # Every directory made here (missing ancestors too, whatever the umask) must let the
+        # sandbox uid through; existing ancestors are the operator's (doctor checks them).
+        made = [d for d in (self.sb_dir, *self.sb_dir.parents) if not d.exists()]
         self.sb_dir.mkdir(parents=True, exist_ok=True)
-        for d in (self.root_dir, self.sb_dir):
+        for d in {self.root_dir, self.sb_dir, *made}:
             _chmod_traversable(d)
         self.ready_timeout = float(ready_timeout)
         self.max_output = int(max_output)

@@ -20,10 +20,83 @@ from rolloutd.sandbox.procs import children_map, is_running
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Variables that steer the test run itself; every other ROLLOUTD_* is a deployment setting of
+# the machine running the tests and must not reach the deployments the tests start.
+TEST_CONTROL = ("ROLLOUTD_TEST_", "ROLLOUTD_REQUIRE_")
+_SESSION_DIR: Path | None = None
+
 
 def short_tmpdir(prefix: str = "rd-") -> Path:
     # ipc paths must fit in sockaddr_un (108 bytes); pytest's tmp_path can be longer.
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def traversable_tmpdir(prefix: str) -> Path:
+    """A temp dir a sandbox can enter: sandboxes started by root run as nobody."""
+    d = short_tmpdir(prefix)
+    os.chmod(d, 0o711)
+    return d
+
+
+def remove_tree(d: Path) -> None:
+    """Sandboxes may leave chmod 000 dirs owned by nobody behind; root's rm -rf takes them."""
+    shutil.rmtree(d, ignore_errors=True)
+    if d.exists():
+        subprocess.run(["rm", "-rf", "--one-file-system", str(d)], check=False)
+
+
+def pytest_configure(config):
+    """No test depends on the machine's ROLLOUTD_* settings or on global default paths: the
+    session gets its own runtime dir, sandbox root and caches (each test then its own runtime
+    dir and sandbox root, see ``isolated_layout``)."""
+    global _SESSION_DIR
+    for k in [k for k in os.environ if k.startswith("ROLLOUTD_") and not k.startswith(TEST_CONTROL)]:
+        del os.environ[k]
+    _SESSION_DIR = traversable_tmpdir("rd-session-")
+    os.environ["ROLLOUTD_RUNTIME_DIR"] = str(_SESSION_DIR / "run")
+    os.environ["ROLLOUTD_SANDBOX_ROOT"] = str(_SESSION_DIR / "sb")
+    os.environ["ROLLOUTD_CACHE_DIR"] = str(_SESSION_DIR / "cache")
+    os.environ["ROLLOUTD_SWE_CACHE"] = str(_SESSION_DIR / "swe_tasks")
+
+
+def pytest_unconfigure(config):
+    if _SESSION_DIR is not None and not os.environ.get("ROLLOUTD_TEST_KEEP"):
+        remove_tree(_SESSION_DIR)
+
+
+@pytest.fixture(autouse=True)
+def isolated_layout(monkeypatch):
+    """Each test's own runtime directory and sandbox root (never nested, never global)."""
+    base = traversable_tmpdir("rd-t-")
+    monkeypatch.setenv("ROLLOUTD_RUNTIME_DIR", str(base / "run"))
+    monkeypatch.setenv("ROLLOUTD_SANDBOX_ROOT", str(base / "sb"))
+    yield base
+    remove_tree(base)
+
+
+def require_tool(tool: str, package: str) -> str:
+    """The path of a system tool a test needs: skip with the reason where it is missing, fail
+    instead under ROLLOUTD_TEST_STRICT=1 (CI installs every such package)."""
+    path = shutil.which(tool)
+    if path is None:
+        msg = f"`{tool}` is not installed (Debian package {package}; .ci/run installs it)"
+        if os.environ.get("ROLLOUTD_TEST_STRICT") == "1":
+            pytest.fail("ROLLOUTD_TEST_STRICT=1: " + msg)
+        pytest.skip(msg)
+    return path
+
+
+@pytest.fixture(scope="session")
+def bwrap_required():
+    """bubblewrap must work: skip with the reason where it does not, unless the run demands it
+    (CI sets ROLLOUTD_REQUIRE_BWRAP=1), then fail."""
+    from rolloutd.sandbox import bwrap_works
+
+    ok, detail = bwrap_works()
+    if not ok:
+        if os.environ.get("ROLLOUTD_REQUIRE_BWRAP") == "1":
+            pytest.fail(f"ROLLOUTD_REQUIRE_BWRAP=1 but bubblewrap does not work here: {detail}")
+        pytest.skip(f"bubblewrap does not work here: {detail}")
 
 
 def children_of(pid: int) -> list[int]:
@@ -76,6 +149,8 @@ class Up:
 
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:
+            # Daemons restarted since wait_ready have new pids: check those too.
+            self.children = sorted(set(self.children) | set(children_of(self.proc.pid)))
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout_s)
@@ -128,7 +203,7 @@ def _up_factory():
                 os.kill(p, signal.SIGKILL)
             assert not leftover, f"daemons outlived rolloutd up: {leftover}\n{u.log()[-3000:]}"
     for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
+        remove_tree(d)
 
 
 @pytest.fixture

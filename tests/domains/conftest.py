@@ -46,22 +46,20 @@ def tok_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def need_bwrap():
-    from rolloutd.sandbox import bwrap_works
-
-    ok, detail = bwrap_works()
-    if not ok:
-        pytest.skip(f"bubblewrap does not work here: {detail}")
+def need_bwrap(bwrap_required):
+    """Skips (or, under ROLLOUTD_REQUIRE_BWRAP=1, fails) where bubblewrap does not work."""
 
 
 @pytest.fixture(scope="session")
 def swe_built():
-    from rolloutd.handlers.swe_tasks import build_all
+    """Only a cold cache with no package index is a reason to skip; any other error (a bug
+    patch that no longer applies, say) fails the tests that need the tasks."""
+    from rolloutd.handlers.swe_tasks import DownloadError, build_all
 
     try:
         return build_all()
-    except Exception as e:  # noqa: BLE001 - no network and a cold cache
-        pytest.skip(f"swe tasks cannot be built here: {type(e).__name__}: {e}")
+    except DownloadError as e:
+        pytest.skip(f"swe task sdists are not cached and the package index cannot be reached: {e}")
 
 
 JSONL_ROWS = [{"question": "A train travels 120 km in 2 hours. What is its speed in km/h?", "answer": "60"},

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import select
 import shutil
 import subprocess
 import time
@@ -158,7 +159,9 @@ def test_monitor_once_json_against_a_live_deployment(local_up):
     mon = subprocess.Popen([rolloutd_bin(), "monitor", "--events", local_up["events"], "--once", "--json",
                             "--collect", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(1.0)   # subscribed before the jobs finish
+        # the monitor receives events (heartbeats) before the jobs start, so it sees every job.done
+        ready, _, _ = select.select([mon.stderr], [], [], 20)
+        assert ready and "monitor_stream_live" in mon.stderr.readline()
         results = submit_and_gather(local_up["gateway"], 6, {"run": 0.3, "fail": {"eval": 0.5}, "seed": 3})
         out, err = mon.communicate(timeout=30)
     finally:
