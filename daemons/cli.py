@@ -234,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rolloutd: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:  # a client-only install (no daemon extra)
+        if (e.name or "").split(".")[0] == "rolloutd":
+            raise
+        print(f"rolloutd {args.cmd}: needs {e.name!r}, part of the daemon extra: pip install 'rolloutd[daemon]'",
+              file=sys.stderr)
+        return 2
     except NoGateway as e:
         print(f"rolloutd {args.cmd}: {e}", file=sys.stderr)
         return 3
