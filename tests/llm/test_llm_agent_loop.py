@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
 
 from rolloutd.llm.agent_loop import run_agent_loop
-from rolloutd.llm.client import BackendError, Generation, LLMClient, SamplingParams, simple_generate
+from rolloutd.llm.client import BackendError, LLMClient, SamplingParams, simple_generate
 from rolloutd.llm.conversation import Conversation
-from rolloutd.llm.policies import Policy
+from rolloutd.llm.policies import Policy, PolicyReply
 from rolloutd.llm.toolparse import get_parser
 
 
@@ -126,56 +125,87 @@ def test_no_room_at_all(qwen_tokenizer, scripted, arun):
     assert res.stop_reason == "context_overflow" and res.turns == [] and be.stats["requests"] == 0
 
 
-def test_abort_keeps_tokens_and_continues_the_message(qwen_tokenizer, arun):
+class Aborts(Policy):
+    """Every reply is ``ids`` with finish ``abort`` (what vLLM/SGLang return for an aborted request)."""
+
+    def __init__(self, ids):
+        super().__init__()
+        self.ids = ids
+        self.prompts: list[list[int]] = []
+
+    def reply(self, request):
+        self.prompts.append(list(request.prompt_ids))
+        return PolicyReply(token_ids=self.ids, finish="abort", append_eos=False)
+
+
+class Continues(Policy):
+    """The rest of the interrupted message, then (after the tool response) a final answer."""
+
+    def __init__(self, rest_text):
+        super().__init__()
+        self.rest_text = rest_text
+        self.prompts: list[list[int]] = []
+
+    def reply(self, request):
+        self.prompts.append(list(request.prompt_ids))
+        return "done" if "<tool_response>" in request.prompt_text else self.rest_text
+
+
+@pytest.mark.parametrize("api", ["vllm", "sglang"])
+def test_abort_keeps_tokens_and_continues_the_message(api, qwen_tokenizer, scripted, arun):
+    # an abort on one backend (say, a weight swap) and the message continued on another, as when the
+    # run daemon takes a new lease: two real scripted servers, the generate callable switches after the abort
     tok = qwen_tokenizer
     eot = tok.convert_tokens_to_ids("<|im_end|>")
-    part1 = tok.encode("<tool_call>\n{\"name\": \"bash\", ", add_special_tokens=False)
-    part2 = tok.encode('"arguments": {"command": "ls"}}\n</tool_call>', add_special_tokens=False) + [eot]
+    part1 = tok.encode('<tool_call>\n{"name": "bash", ', add_special_tokens=False)
+    rest = '"arguments": {"command": "ls"}}\n</tool_call>'
+    part2 = tok.encode(rest, add_special_tokens=False) + [eot]
+    old_policy, new_policy = Aborts(part1), Continues(rest)
+    old, new = scripted(tok, old_policy), scripted(tok, new_policy)
     seen = []
-    replies = iter(
-        [
-            (Generation(np.array(part1, np.int32), np.full(len(part1), -0.5, np.float32), "abort", tok.decode(part1)), "old", 1),
-            (Generation(np.array(part2, np.int32), np.full(len(part2), -0.25, np.float32), "stop", tok.decode(part2[:-1])), "new", 2),
-        ]
-    )
-
-    async def gen(ids, params):
-        seen.append((len(ids), params.max_tokens))
-        try:
-            return next(replies)
-        except StopIteration:
-            ans = tok.encode("done", add_special_tokens=False) + [eot]
-            return Generation(np.array(ans, np.int32), np.zeros(len(ans), np.float32), "stop", "done"), "new", 2
 
     async def execute(call):
         assert call.arguments == {"command": "ls"}
         return "a b c"
 
     async def main():
-        conv = Conversation(tok, [{"role": "user", "content": "go"}], None, 4096)
-        return await run_agent_loop(gen, conv, get_parser("hermes"), execute, SamplingParams(100), 5, tok), conv
+        async with LLMClient(old.url, api, timeout=10) as c_old, LLMClient(new.url, api, timeout=10) as c_new:
+            gen_old, gen_new = simple_generate(c_old, "old", 1), simple_generate(c_new, "new", 2)
 
-    res, conv = arun(main())
-    assert res.stop_reason == "no_tool_call" and res.metrics["aborts"] == 1 and res.metrics["tool_calls"] == 1
+            async def gen(ids, params):
+                seen.append((len(ids), params.max_tokens))
+                return await (gen_old if len(seen) == 1 else gen_new)(ids, params)
+
+            conv = Conversation(tok, [{"role": "user", "content": "go"}], None, 4096)
+            return await run_agent_loop(gen, conv, get_parser("hermes"), execute, SamplingParams(100), 5, tok)
+
+    res = arun(main())
+    assert res.stop_reason == "no_tool_call" and res.final_text == "done"
+    assert res.metrics["aborts"] == 1 and res.metrics["tool_calls"] == 1 and res.metrics["turns"] == 2
     t = res.turns
     assert [x["backend"] for x in t] == ["old", "new", "new"] and [x["policy_version"] for x in t] == [1, 2, 2]
-    assert t[1]["continuation"] and t[0]["end"] == t[1]["start"]
+    assert t[0]["finish_reason"] == "abort" and t[1]["continuation"] and t[0]["end"] == t[1]["start"]
     assert res.arrays["response_ids"][t[0]["start"] : t[1]["end"]].tolist() == part1 + part2
-    assert seen[1] == (seen[0][0] + len(part1), 100 - len(part1))  # continuation keeps the per-message budget
+    assert res.arrays["loss_mask"][t[0]["start"] : t[1]["end"]].tolist() == [1] * (len(part1) + len(part2))
+    # the second server continued from the exact sampled ids, with the per-message budget left
+    assert new_policy.prompts[0] == old_policy.prompts[0] + part1
+    assert seen[1] == (seen[0][0] + len(part1), 100 - len(part1))
+    assert old.stats["requests"] == 1 and new.stats["requests"] == 2
 
 
-def test_repeated_aborts_raise_backend_error(qwen_tokenizer, arun):
+def test_repeated_aborts_raise_backend_error(qwen_tokenizer, scripted, arun):
     tok = qwen_tokenizer
-
-    async def gen(ids, params):
-        return Generation(np.array([15], np.int32), np.array([-1.0], np.float32), "abort", "0"), "b", 0
+    be = scripted(tok, Aborts([15]))
 
     async def main():
-        conv = Conversation(tok, [{"role": "user", "content": "go"}], None, 4096)
-        await run_agent_loop(gen, conv, get_parser("hermes"), None, SamplingParams(100), 5, tok, max_aborts=2)
+        async with LLMClient(be.url, "sglang", timeout=10) as c:
+            conv = Conversation(tok, [{"role": "user", "content": "go"}], None, 4096)
+            await run_agent_loop(simple_generate(c, "b"), conv, get_parser("hermes"), None, SamplingParams(100), 5, tok,
+                                 max_aborts=2)
 
-    with pytest.raises(BackendError):
+    with pytest.raises(BackendError, match="aborted 3 times"):
         arun(main())
+    assert be.stats["requests"] == 3  # max_aborts=2: the third abort in a row gives up
 
 
 def test_tool_timeout_becomes_an_observation(qwen_tokenizer, scripted, arun):

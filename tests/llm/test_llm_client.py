@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import subprocess
 import sys
@@ -207,32 +208,99 @@ def test_context_rejection_is_context_overflow(api, qwen_tokenizer, scripted, ar
     arun(main())
 
 
-def test_malformed_replies_are_backend_errors(arun):
-    replies = iter(
+class CannedServer:
+    """uvicorn (in a thread, its own loop) answering ``POST /v1/completions`` with fixed replies in order."""
+
+    def __init__(self, replies: list[tuple[int, bytes]]) -> None:
+        import threading
+
+        uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[test])")
+        self.replies = list(replies)
+        self.bodies: list[bytes] = []
+
+        async def app(scope, receive, send):
+            if scope["type"] != "http":
+                return
+            body = b""
+            while True:
+                m = await receive()
+                body += m.get("body", b"")
+                if not m.get("more_body"):
+                    break
+            self.bodies.append(body)
+            status, data = self.replies.pop(0) if self.replies else (500, b'{"error": "no reply left"}')
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+            await send({"type": "http.response.body", "body": data})
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if not self.server.started:
+            self.stop()
+            raise RuntimeError("uvicorn did not start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.sock.close()
+        assert not self.thread.is_alive(), "uvicorn thread did not stop"
+
+
+@pytest.fixture
+def canned():
+    started: list[CannedServer] = []
+
+    def make(replies) -> CannedServer:
+        srv = CannedServer(replies)
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.stop()
+
+
+def test_malformed_replies_are_backend_errors(canned, arun):
+    def js(obj) -> bytes:
+        return json.dumps(obj).encode()
+
+    srv = canned(
         [
-            httpx.Response(200, content=b"not json"),
-            httpx.Response(200, json={"choices": [{"text": "x", "finish_reason": "stop", "logprobs": None}]}),
-            httpx.Response(200, json={"choices": [{"token_ids": [1, 2], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "stop"}]}),
-            httpx.Response(200, json={"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "weird"}]}),
-            httpx.Response(503, json={"error": {"message": "overloaded"}}),
-            httpx.Response(400, json={"error": {"message": "bad temperature"}}),
-            httpx.Response(200, json={"choices": [{"logprobs": {"tokens": ["token_id:7"], "token_logprobs": [None]}, "finish_reason": "length", "text": ""}]}),
+            (200, b"not json"),
+            (200, js({"choices": [{"text": "x", "finish_reason": "stop", "logprobs": None}]})),
+            (200, js({"choices": [{"token_ids": [1, 2], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "stop"}]})),
+            (200, js({"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "weird"}]})),
+            (503, js({"error": {"message": "overloaded"}})),
+            (400, js({"error": {"message": "bad temperature"}})),
+            (200, js({"choices": [{"logprobs": {"tokens": ["token_id:7"], "token_logprobs": [None]}, "finish_reason": "length", "text": ""}]})),
         ]
     )
-    transport = httpx.MockTransport(lambda request: next(replies))
 
     async def main():
-        c = LLMClient("http://backend", "vllm", model="m", transport=transport)
-        for _ in range(5):
-            with pytest.raises(BackendError):
+        async with LLMClient(srv.url, "vllm", model="m", timeout=10) as c:
+            errors = []
+            for _ in range(5):
+                with pytest.raises(BackendError) as ei:
+                    await c.generate([1], SamplingParams(4))
+                errors.append(ei.value)
+            with pytest.raises(RequestError, match="bad temperature"):
                 await c.generate([1], SamplingParams(4))
-        with pytest.raises(RequestError):
-            await c.generate([1], SamplingParams(4))
-        g = await c.generate([1], SamplingParams(4))  # old vLLM: ids only in logprobs.tokens
-        assert g.token_ids.tolist() == [7] and np.isnan(g.logprobs[0])
-        await c.aclose()
+            g = await c.generate([1], SamplingParams(4))  # old vLLM: ids only in logprobs.tokens
+            return errors, g
 
-    arun(main())
+    errors, g = arun(main())
+    assert not any(isinstance(e, (RequestError, LLMTimeout)) for e in errors)
+    assert "no token ids" in str(errors[1]) and "1 logprobs for 2 tokens" in str(errors[2])
+    assert "weird" in str(errors[3]) and errors[4].status == 503 and "overloaded" in str(errors[4])
+    assert g.token_ids.tolist() == [7] and np.isnan(g.logprobs[0]) and g.finish_reason == "length"
+    assert len(srv.bodies) == 7 and json.loads(srv.bodies[0])["prompt"] == [1]
 
 
 def test_metrics_health_models(qwen_tokenizer, scripted, arun):
