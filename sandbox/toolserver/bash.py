@@ -33,6 +33,7 @@ import re
 import secrets
 import select
 import signal
+import subprocess
 import tempfile
 import termios
 import time
@@ -53,6 +54,8 @@ _TICK = 0.1
 # After the exit status arrived, how long the end delimiter may lag in the pty (it was written
 # first; only a terminal mangled by the command itself can lose it).
 _END_GRACE = 2.0
+_TAMPERED = ("[the shell's control descriptors (fds 250-254) were closed or replaced; a fresh shell was started: "
+             "cwd, variables and jobs were reset]")
 
 # Save $? into fd 253 and the user's DEBUG trap and -x/-v into fd 252, and leave them off
 # ("wrapper mode"). Output goes to /dev/null, so a DEBUG trap firing on these lines shows
@@ -233,8 +236,7 @@ class BashSession(Session):
         notes = self.take_unreported()
         notes += self.revive("[the previous shell had exited; a fresh shell was started: cwd, variables and jobs were reset]")
         if not self.intact():
-            self.restart_noted(notes, "[the shell's control descriptors (fds 250-254) had been closed or replaced; "
-                                      "a fresh shell was started: cwd, variables and jobs were reset]")
+            self.restart_noted(notes, _TAMPERED)
         text = command.encode("utf-8", errors="surrogateescape")
         _put(self._files[FD_CHECK], b"__rld_chk() {\n" + text + b"\n}\n")
         _put(self._files[FD_SOURCE], _RESTORE + text + b"\n")
@@ -263,7 +265,10 @@ class BashSession(Session):
             self.restart_noted(notes, "[the shell %s; a fresh shell was started: cwd, variables and jobs were reset]"
                                % what)
         elif status == "done" and not timed_out and not cancelled:
-            rc, syntax_error = self._outcome()
+            rc, syntax_error = self._outcome(text)
+        if status == "done" and not self.intact():  # e.g. `exec 253>&-`: its status is not to be trusted
+            rc = None
+            self.restart_noted(notes, _TAMPERED)
         data, truncated = buf.getvalue()
         if timed_out or cancelled:  # the interrupted line's own delimiters, if it got that far
             data = re.sub(rb"RLD([SE])[0-9A-F]{16}RLD\1", b"", data)
@@ -287,7 +292,7 @@ class BashSession(Session):
     def _nonce() -> str:
         return secrets.token_hex(8).upper()
 
-    def _outcome(self) -> Tuple[Optional[int], str]:
+    def _outcome(self, text: bytes) -> Tuple[Optional[int], str]:
         """(exit status, "") after a run, (None, bash's message) after a failed check: fd 253."""
         try:
             msg = os.pread(self._files[FD_ERR], 65536, 0).decode("utf-8", errors="replace").strip()
@@ -297,6 +302,24 @@ class BashSession(Session):
             return int(msg), ""
         if not msg:
             return None, ""
+        return None, self._explain(text) or self._translate(msg)
+
+    def _explain(self, text: bytes) -> str:
+        """The check's message can quote our wrapper (an unclosed `if` meets its `}`); `bash -n`
+        on the text alone says what bash says of it as a script. Only after a failed check."""
+        try:
+            r = subprocess.run([self.shell, "-n"], input=text + b"\n", stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, timeout=5, env=self.env, cwd=self.cwd)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        msg = r.stderr.decode("utf-8", errors="replace").strip()
+        if r.returncode == 0 and "here-document" not in msg:
+            return ""  # bash -n accepts it (an alias of the live shell made the difference)
+        msg = re.sub(r"^(?:%s|bash): " % re.escape(self.shell), "", msg, flags=re.M)
+        return msg.replace("warning: here-document", "unterminated here-document")
+
+    @staticmethod
+    def _translate(msg: str) -> str:
         # Point line numbers at the user's text, not the wrapper (one line longer).
         def fix(m: "re.Match[str]") -> str:
             return "line %d" % max(1, int(m.group(1)) - 1)

@@ -29,7 +29,24 @@ def bwrap_ok():
     return ok, detail
 
 
-requires_bwrap = pytest.mark.skipif(not bwrap_ok()[0], reason="bubblewrap unusable here: %s" % bwrap_ok()[1])
+def require_bwrap():
+    """For tests that need a real sandbox: skip with the reason where bubblewrap does not work,
+    but fail when the run demands it (CI sets ROLLOUTD_REQUIRE_BWRAP=1). Never a fallback to the
+    local runtime: it has no mount namespace, so a test's rm -rf /tmp/* would hit the host."""
+    ok, detail = bwrap_ok()
+    if ok:
+        return
+    if os.environ.get("ROLLOUTD_REQUIRE_BWRAP") == "1":
+        pytest.fail("ROLLOUTD_REQUIRE_BWRAP=1 but bubblewrap does not work here: %s" % detail, pytrace=False)
+    pytest.skip("bubblewrap unusable here: %s" % detail)
+
+
+@pytest.fixture
+def need_bwrap():
+    require_bwrap()
+
+
+requires_bwrap = pytest.mark.usefixtures("need_bwrap")
 
 
 @pytest.fixture
@@ -84,8 +101,7 @@ def _make(kind, root, **kw):
 
 @pytest.fixture
 def bwrap_rt(short_root):
-    if not bwrap_ok()[0]:
-        pytest.skip("bubblewrap unusable here: %s" % bwrap_ok()[1])
+    require_bwrap()
     t = Tracker(_make("bwrap", short_root))
     yield t
     t.cleanup()
@@ -100,11 +116,12 @@ def local_rt(short_root):
 
 @pytest.fixture(scope="module")
 def tool_env():
-    """One sandbox shared by a module's tool tests (bwrap if usable, else local)."""
+    """One bwrap sandbox shared by a module's tool tests. Only ever a real sandbox: these tests
+    write to /tmp, kill processes and delete files, which the local runtime would do on the host."""
+    require_bwrap()
     d = Path(tempfile.mkdtemp(prefix="rld", dir="/tmp"))
     os.chmod(d, 0o755)
-    kind = "bwrap" if bwrap_ok()[0] else "local"
-    t = Tracker(_make(kind, d, max_output=16 * 1024))
+    t = Tracker(_make("bwrap", d, max_output=16 * 1024))
     try:
         h = t.create("tools", SandboxSpec(workspace_files={"hello.txt": "hello\n"}))
         c = t.client(h, timeout=10)
