@@ -4,6 +4,12 @@ Each pulls jobs only while it has a free slot (its pool), runs its phase of the 
 handler under the job's remaining budget, and pushes the job on: init -> run -> eval ->
 gateway. A job that fails, times out or is cancelled goes straight to the gateway as a
 well-formed result, and its sandbox is destroyed where it stands.
+
+Stopping (SIGTERM) drains: no new job starts; jobs not yet started (the prefetched backlog,
+and any that arrive while the stop is announced upstream) are handed back to the gateway at
+once, which runs them again elsewhere without counting an attempt; jobs in flight finish
+within ``daemon.drain_s`` and move on as usual; what is still running at the deadline is
+abandoned (``daemon.abandoned``) and re-dispatched.
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import inspect
 import time
 
 from rolloutd.bus import codec
-from rolloutd.bus.messages import Job, MessageError, Result, from_wire
+from rolloutd.bus.messages import Job, MessageError, Result, empty_trajectory, from_wire
 from rolloutd.bus.credit import CreditReceiver, CreditSender
 from rolloutd.bus.sockets import SUBSCRIBE as _SUBSCRIBE, recv, recv_now
 from rolloutd.bus.daemon import Daemon
@@ -119,7 +125,7 @@ class PhaseDaemon(Daemon):
             self.events.publish("error.malformed", phase=self.phase, error=str(e))
             return
         self.receiver.got()
-        if len(self.inflight) < self.pool:
+        if len(self.inflight) < self.pool and not self.stopping:
             self._start(job, received)
         else:
             self.backlog.append(job)
@@ -129,6 +135,8 @@ class PhaseDaemon(Daemon):
         self.inflight[job.job_id] = (job.attempt, task)
 
     def _free(self) -> int:
+        if self.stopping:  # a slot freed by the drain must not invite more work
+            return 0
         return self.pool + self.prefetch - len(self.inflight) - len(self.backlog)
 
     async def _process(self, job: Job, received: float):
@@ -245,6 +253,7 @@ class PhaseDaemon(Daemon):
             return
         if outcome == "requeue":
             # Run again from scratch on the new policy: the gateway re-dispatches it (attempt + 1).
+            ctx.trajectory["requeue_cause"] = "stale policy version (abort_requeue)"
             msg = Result(job_id=job.job_id, attempt=job.attempt, trajectory=ctx.trajectory, node=self.node, requeue=True)
             await self.push_results.send_multipart(codec.encode(msg.to_wire()), copy=False)
             return
@@ -309,14 +318,41 @@ class PhaseDaemon(Daemon):
     def on_control(self, topic: str, body: dict):
         """Other events this daemon subscribed to."""
 
+    async def _hand_back(self):
+        """Return jobs that never started here to the gateway (stopping): the backlog, and jobs
+        sent before the sender saw our zero credit. Each goes back as a requeue result: run
+        again elsewhere, from init, as a new attempt that does not count against max_attempts."""
+        frames = recv_now(self.inbox)
+        while frames is not None:  # accepted into the backlog: nothing starts while stopping
+            self._accept(frames)
+            frames = recv_now(self.inbox)
+        if not self.backlog:
+            return
+        jobs = list(self.backlog)
+        self.backlog.clear()
+        for job in jobs:
+            log = self.log.bind(job_id=job.job_id, attempt=job.attempt, handler=job.handler)
+            await self._destroy_sandbox(job, log)  # init made it; the next attempt makes its own
+            traj = job.trajectory or empty_trajectory(job.job_id, job.instance_id, job.sample_index)
+            traj["requeue_cause"] = f"handed back unstarted by {self.phase}@{self.node}, which is stopping"
+            msg = Result(job_id=job.job_id, attempt=job.attempt, trajectory=traj, node=self.node, requeue=True)
+            await self.push_results.send_multipart(codec.encode(msg.to_wire()), copy=False)
+        self.log.info("backlog_handed_back", jobs=[[j.job_id, j.attempt] for j in jobs])
+
     async def _drain(self):
         deadline = time.monotonic() + float(self.dcfg["drain_s"])
+        await self._hand_back()
         if self.inflight:
             self.log.info("draining", inflight=len(self.inflight))
         while self.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        abandoned = [[j, a] for j, (a, _) in self.inflight.items()] + [[j.job_id, j.attempt] for j in self.backlog]
-        self.backlog.clear()
+            await self._hand_back()
+        # A job sent just before the sender saw our zero credit may still be crossing.
+        frames = await recv(self.inbox, 0.1)
+        if frames is not None:
+            self._accept(frames)
+        await self._hand_back()
+        abandoned = [[j, a] for j, (a, _) in self.inflight.items()]
         for _, task in list(self.inflight.values()):
             task.cancel()
         if abandoned:

@@ -1,8 +1,10 @@
 """``rolloutd up``: every daemon of one machine as a supervised child process.
 
-Children start receivers first (events, router, gateway, eval, run, init) and stop in the
-reverse order of the pipeline's flow (init, run, eval drain first; then gateway, router,
-events), each with SIGTERM and a deadline before SIGKILL. A child that dies is restarted
+Children start receivers first (events, router, gateway, eval, run, init) and stop one at a
+time in the order of the pipeline's flow (init, run, eval drain first, each handing its work
+on to the next, still running; then gateway, router, and events last, so every other daemon's
+stop notice is published), each with SIGTERM and a deadline before SIGKILL. Each child runs
+in its own process group, so a terminal's Ctrl-C reaches only the supervisor. A child that dies is restarted
 with backoff, and the restart is logged. Children get PR_SET_PDEATHSIG, so a killed
 supervisor leaves no orphans. On exit the ipc files and the written config are removed.
 """
@@ -24,7 +26,11 @@ STOP_ORDER = ["init", "run", "eval", "gateway", "router", "events"]
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent():  # runs in the child between fork and exec
+def _child_setup():  # runs in the child between fork and exec
+    # Its own process group: a terminal's Ctrl-C (SIGINT to the foreground group) or a kill of
+    # the group reaches only the supervisor, which stops the children in order. Signalled all at
+    # once, the events daemon went first and every other daemon's stop notice reached nobody.
+    os.setpgid(0, 0)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
@@ -54,7 +60,7 @@ class Supervisor:
 
     def spawn(self, name: str):
         cmd = [sys.executable, "-m", "rolloutd.daemons.cli", name, "--config", str(self.config_path)]
-        self.procs[name] = subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+        self.procs[name] = subprocess.Popen(cmd, preexec_fn=_child_setup, stdin=subprocess.DEVNULL)
         self.started[name] = time.monotonic()
         self.log.info("daemon_spawned", child=name, pid=self.procs[name].pid)
 

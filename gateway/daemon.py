@@ -409,7 +409,8 @@ class Gateway(Daemon):
                           current=None if rec is None else rec.attempt)
             return
         if msg.requeue:
-            self._redispatch(rec.job_id, rec.attempt, "stale policy version (abort_requeue)", count=False)
+            cause = msg.trajectory.get("requeue_cause") or "stale policy version (abort_requeue)"
+            self._redispatch(rec.job_id, rec.attempt, str(cause), count=False)
             return
         traj = msg.trajectory
         traj["attempts"] = rec.attempt
@@ -473,8 +474,14 @@ class Gateway(Daemon):
         elif topic in ("daemon.died", "daemon.stopped"):
             self.hb_seen.pop(who, None)
             prev = self.daemons.pop(who, None)
-            if prev is not None:
-                self._holder_lost(prev, topic.split(".")[1])
+            if prev is not None and topic == "daemon.died":
+                self._holder_lost(prev, "died")
+            elif prev is not None and "jobs" in prev:
+                # A clean stop drained: what it finished moved on, what never started it handed back
+                # (requeue results), what outlived the drain it abandoned (daemon.abandoned). Its last
+                # heartbeat is stale (jobs moved on since), so nothing is re-dispatched by it; a job
+                # that no live holder lists after another round still comes back.
+                self._suspect_unlisted(who, f"{who}#{prev.get('incarnation')} stopped")
         elif topic == "daemon.abandoned":
             for jid, attempt in body.get("jobs", ()):
                 self._redispatch(jid, attempt, f"abandoned by {who} at its drain deadline")
