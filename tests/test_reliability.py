@@ -3,16 +3,38 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import time
+from pathlib import Path
 
 from rolloutd.bus import codec
 from rolloutd.bus.messages import Result, empty_trajectory
 from rolloutd.bus.sockets import Sockets
-from tests.conftest import synthetic
+from rolloutd.gateway.client import GatewayTimeout
+from tests.conftest import alive, synthetic
 
 
 def slow(i, run=1.0, **kw):
     return synthetic(i, run={"dist": "constant", "value": run}, **kw)
+
+
+def wait_for(pred, timeout_s=30.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = pred()
+        if v:
+            return v
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def phase(c, name: str) -> dict:
+    """The last heartbeat of the ``name`` phase daemon, as status reports it ({} before the first)."""
+    return next((d for d in c.status()["daemons"] if d["daemon"] == name), {})
+
+
+def stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
 
 
 def test_gateway_kill9_recovers_from_the_journal(up_factory, tmp_path):
@@ -48,7 +70,7 @@ def test_dead_run_daemon_jobs_are_redispatched(up_factory):
     up = up_factory("run.pool=4", "gateway.daemon_dead_s=3")
     with up.client() as c:
         ids = c.submit([slow(i, run=1.5) for i in range(4)])
-        time.sleep(0.8)  # all four are in the run phase
+        wait_for(lambda: phase(c, "run").get("inflight") == 4, what="all four in the run phase")
         os.kill(up.daemon_pid("run"), signal.SIGKILL)
         results = list(c.gather(ids, timeout_s=60))
     assert sorted(r["job_id"] for r in results) == sorted(ids)
@@ -60,7 +82,7 @@ def test_attempts_are_bounded(up_factory):
     up = up_factory("run.pool=2", "gateway.max_attempts=1", "gateway.daemon_dead_s=3")
     with up.client() as c:
         ids = c.submit([slow(i, run=2.0) for i in range(2)])
-        time.sleep(0.8)
+        wait_for(lambda: phase(c, "run").get("inflight") == 2, what="both in the run phase")
         os.kill(up.daemon_pid("run"), signal.SIGKILL)
         results = list(c.gather(ids, timeout_s=60))
     assert all(r["status"] == "failed" and r["error"]["type"] == "AttemptsExhausted" for r in results)
@@ -69,7 +91,7 @@ def test_attempts_are_bounded(up_factory):
 def test_late_result_of_a_superseded_attempt_is_discarded(up):
     with up.client() as c:
         (jid,) = c.submit([slow(1, run=1.5, reward=0.75)])
-        time.sleep(0.5)
+        wait_for(lambda: c.status()["dispatched"] == 1, what="the job in flight")
         fake = empty_trajectory(jid, "forged", 0)
         fake.update(reward=99.0)
         s = Sockets(asyncio=False, linger_ms=2000)
@@ -108,7 +130,65 @@ def test_unclaimed_results_are_dropped_after_retention(up_factory):
         while c.status()["done_unacked"] < 3:
             assert time.monotonic() < deadline
             time.sleep(0.1)
-    time.sleep(3.0)  # the client went away
+    # The client went away; its results go once it has been silent for retention_s.
     with up.client() as other:
-        st = other.status()
-    assert st["done_unacked"] == 0 and "unclaimed_results_dropped" in up.log()
+        wait_for(lambda: "unclaimed_results_dropped" in up.log(), what="the drop")
+        assert other.status()["done_unacked"] == 0
+
+
+def test_a_crash_between_dispatch_and_commit_never_reruns_an_attempt(up_factory, tmp_path):
+    """Issue 13.9. The test holds the journal's write lock, so the gateway's next journal write
+    (the one recording the dispatch) waits and then fails: the gateway dies right there. Had the
+    job left before that write was committed, the restarted gateway would find it 'queued' and
+    send the same (job, attempt) again: init would run it twice."""
+    journal = tmp_path / "journal.db"
+    up = up_factory(f"gateway.journal={journal}")
+    with up.client(timeout_s=3.0, retries=20) as c:
+        wait_for(lambda: phase(c, "init"), what="init's first heartbeat")
+        c.pause()
+        (jid,) = c.submit([synthetic(1, init={"dist": "constant", "value": 1.0})])
+        victim = up.daemon_pid("gateway")
+        lock = sqlite3.connect(journal, isolation_level=None)
+        try:
+            lock.execute("BEGIN IMMEDIATE")  # the write lock; the gateway's busy wait gives up after 5 s
+            with up.client(timeout_s=0.5, retries=0) as resume:
+                try:
+                    resume.resume()  # the dispatch happens in the turn that answers this
+                except GatewayTimeout:
+                    pass  # the reply waits for a commit that never comes
+            wait_for(lambda: not alive(victim), what="the gateway to die on the locked journal")
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        (r,) = list(c.gather([jid], timeout_s=60))
+        assert r["status"] == "ok"
+        # Every copy of the job has moved through init once the pipeline is idle.
+        wait_for(lambda: c.status()["dispatched"] == 0 and all(
+            phase(c, p).get("inflight") == 0 for p in ("init", "run", "eval")), what="an idle pipeline")
+        wait_for(lambda: phase(c, "init").get("counts", {}).get("forwarded", 0) >= 1, what="init's counts")
+        assert phase(c, "init")["counts"]["forwarded"] == 1, "init ran the job more than once"
+    assert "daemon_restarted" in up.log()  # the gateway really died and came back
+
+
+def test_hung_run_daemon_jobs_come_back_without_the_lease_timeout(up_factory):
+    """Issue 13.10. A SIGSTOPped run daemon is presumed dead after daemon_dead_s; the jobs init
+    handed it after its last heartbeat are in no heartbeat at all. They are re-dispatched then,
+    not after the lease timeout (300 s here, far beyond this test's waits)."""
+    up = up_factory("run.pool=4", "gateway.daemon_dead_s=3", "gateway.lease_timeout_s=300")
+    with up.client() as c:
+        wait_for(lambda: phase(c, "run"), what="run's first heartbeat")
+        run = up.daemon_pid("run")
+        os.kill(run, signal.SIGSTOP)
+        try:
+            wait_for(lambda: stopped(run), what="the run daemon to stop")
+            # init hands these to the stopped daemon on the credit it announced before it stopped.
+            ids = c.submit([synthetic(i) for i in range(4)])
+            wait_for(lambda: c.status()["totals"].get("redispatched", 0) >= 4, timeout_s=60,
+                     what="the four jobs re-dispatched after the run daemon was presumed dead")
+        finally:
+            os.kill(run, signal.SIGCONT)
+        results = list(c.gather(ids, timeout_s=60))
+    assert sorted(r["job_id"] for r in results) == sorted(ids)
+    assert all(r["status"] == "ok" and r["attempts"] == 2 for r in results)
+    log = up.log()
+    assert "daemon_presumed_dead" in log and "unlisted by every live daemon" in log
