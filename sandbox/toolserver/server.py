@@ -104,18 +104,8 @@ class ToolServer:
         if home:
             os.makedirs(home, exist_ok=True)
         path = self.cfg["socket"]
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o077)  # only the owner (the runtime's uid) may connect
-        try:
-            sock.bind(path)
-        finally:
-            os.umask(old)
-        sock.listen(128)
-        self.sock = sock
+        self._run_dir_mode = os.stat(os.path.dirname(path)).st_mode & 0o7777
+        self._listen(path)
         if os.getpid() == 1:
             # pid 1 of the sandbox's pid namespace (bwrap --as-pid-1): the kernel drops SIGKILL and
             # SIGSTOP sent from inside, and every signal we have no handler for, so `kill -9 $PPID`
@@ -137,12 +127,60 @@ class ToolServer:
                 pass
         log("toolserver_ready", socket=path, sandbox_id=self.cfg.get("sandbox_id"),
             startup_ms=round((time.time() - self.started) * 1000, 1))
+        while True:  # the threads serve; shutdown() ends the process
+            time.sleep(3600)
+
+    def _listen(self, path: str) -> None:
+        """Bind the tool socket at path (replacing whatever is there) and accept on it."""
+        if os.path.isdir(path) and not os.path.islink(path):
+            import shutil
+            shutil.rmtree(path, ignore_errors=True)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o077)  # only the owner (the runtime's uid) may connect
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        sock.listen(128)
+        self._sock_id = (os.stat(path).st_dev, os.stat(path).st_ino)
+        previous, self.sock = getattr(self, "sock", None), sock
+        threading.Thread(target=self._accept, args=(sock,), name="accept", daemon=True).start()
+        if previous is not None:
+            previous.close()  # unreachable by path anyway; its accept thread ends
+
+    def _accept(self, sock: socket.socket) -> None:
         while True:
             try:
                 conn, _ = sock.accept()
             except InterruptedError:
                 continue
+            except OSError:
+                return  # closed: a new socket replaced it
             threading.Thread(target=self._serve_conn, args=(conn,), name="conn", daemon=True).start()
+
+    def _guard_socket(self) -> None:
+        """The agent shares our uid and sees /run/rolloutd: if it removed or replaced the socket or
+        took the dir's permissions away, the host could never reach us again. Put both back."""
+        path = self.cfg["socket"]
+        d = os.path.dirname(path)
+        try:
+            if os.stat(d).st_mode & 0o7777 != self._run_dir_mode:
+                os.chmod(d, self._run_dir_mode)
+                log("tool_socket_dir_repaired", path=d)
+            st = os.lstat(path)
+            ok = (st.st_dev, st.st_ino) == self._sock_id
+        except OSError:
+            ok = False
+        if not ok:
+            try:
+                self._listen(path)
+                log("tool_socket_rebound", socket=path)
+            except OSError as e:
+                log("tool_socket_rebind_failed", socket=path, error=repr(e))
 
     def _start_tools(self) -> None:
         # In the background so "ready" is signalled as early as possible; a first bash
@@ -188,6 +226,7 @@ class ToolServer:
                 self.shutdown("wall_clock")
             if self._tools_ready.is_set() and not self._tools_error:
                 self._reap_orphans()
+            self._guard_socket()
             wait = 1.0 if deadline is None else max(0.01, min(1.0, float(deadline) - time.time()))
             time.sleep(wait)
 

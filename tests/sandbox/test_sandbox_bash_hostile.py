@@ -146,6 +146,33 @@ def test_scratch_area_cannot_be_broken(tool_env, bash):
         bash("chmod 1777 /tmp; rm -f /tmp/.rolloutd")
 
 
+@pytest.mark.parametrize("attack", [
+    "rm -f /run/rolloutd/tool.sock; chmod 000 /run/rolloutd",
+    "rm -f /run/rolloutd/tool.sock; mkdir /run/rolloutd/tool.sock; touch /run/rolloutd/tool.sock/x",
+    "mv /run/rolloutd/tool.sock /run/rolloutd/moved.sock; : > /run/rolloutd/tool.sock",
+])
+def test_tool_socket_is_put_back(tool_env, attack):
+    # The agent shares the tool server's uid and sees /run/rolloutd: without repair the host
+    # could never reach the sandbox again (a dead sandbox that looks alive).
+    _, h, c = tool_env
+    run_dir = os.path.dirname(h.tool_socket)
+    mode = os.stat(run_dir).st_mode & 0o7777
+    r = c.call("bash", {"command": attack + "; echo done", "timeout": 10})
+    assert r.output == "done\n"
+
+    def reachable():
+        try:
+            with ToolClient(h.tool_socket, connect_timeout=1) as fresh:
+                return fresh.ping(timeout=2).output == "pong"
+        except Exception:
+            return False
+
+    wait_for(reachable, timeout=15, what="the tool socket to be rebound")
+    assert os.stat(run_dir).st_mode & 0o7777 == mode
+    with ToolClient(h.tool_socket) as fresh:
+        assert fresh.call("bash", {"command": "echo reached; rm -rf /run/rolloutd/moved.sock", "timeout": 10}).output == "reached\n"
+
+
 @pytest.mark.parametrize("tamper", ["exec 254>&-", "exec 254>/dev/null", "exec 250</dev/null", "exec 251>&-",
                                     "exec 252>/dev/null", "exec 253>&-"])
 def test_closing_the_wrappers_descriptors_restarts_with_a_note(bash, tamper):

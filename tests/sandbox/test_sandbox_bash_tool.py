@@ -11,7 +11,8 @@ def test_exit_code_and_output(bash):
     assert r.duration > 0
 
 
-def test_cwd_and_env_persist(bash):
+def test_cwd_and_env_persist(tool_env, bash):
+    assert tool_env[1].runtime == "bwrap"  # writes /tmp/persist: never on the host
     bash("mkdir -p /tmp/persist && cd /tmp/persist && export ROLL_VAR=42 && myfn() { echo fn-$1; }")
     r = bash("pwd; echo $ROLL_VAR; myfn x")
     assert r.output == "/tmp/persist\n42\nfn-x\n"
@@ -230,6 +231,7 @@ def test_sigpipe_behaves_like_a_terminal(bash):
     assert not int(sigign, 16) & (1 << (13 - 1))  # SIGPIPE not ignored
 
 
-def test_scratch_dir_removal_is_harmless(bash):
+def test_scratch_dir_removal_is_harmless(tool_env, bash):
+    assert tool_env[1].runtime == "bwrap"  # destructive: only ever inside a real mount namespace
     bash("rm -rf /tmp/.rolloutd /tmp/* 2>/dev/null; true")
     assert bash("echo survived").output == "survived\n"
