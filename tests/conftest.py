@@ -122,7 +122,7 @@ class Up:
         self.events = f"ipc://{runtime_dir}/events_out.sock"
         self.children: list[int] = []
 
-    def wait_ready(self, timeout_s: float = 30.0):
+    def wait_ready(self, timeout_s: float = 90.0):  # a bound, not a speed target: loaded CI boxes start slowly
         from rolloutd.daemons.supervisor import wait_ready
 
         st = wait_ready(self.gateway, timeout_s)
