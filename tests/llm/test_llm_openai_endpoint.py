@@ -23,7 +23,7 @@ from rolloutd.llm.policies import Policy, PolicyReply  # noqa: E402
 
 from .conftest import BASH_TOOL  # noqa: E402
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # the first test also builds the Qwen2.5 tokenizer (slow on a busy box)
 
 TOOLS = [BASH_TOOL]
 _TAGS = re.compile(r"(<tool_call>|</tool_call>)")
@@ -419,3 +419,46 @@ def test_unix_socket_models_completions_and_bad_requests(qwen_tokenizer, scripte
     assert len(c.choices[0].logprobs.tokens) == len(kept)
     check_exact(tok, t["segments"][1], ep.seen[1:])
     assert not (tmp_path / "llm.sock").exists()  # stop removes the socket file
+
+
+def test_a_failed_call_sent_again_reuses_the_rendered_prompt(qwen_tokenizer, scripted, arun):
+    """A backend failure after the new messages were rendered: 503 (retryable), nothing sampled;
+    the agent's identical retry continues the same segment."""
+    tok = qwen_tokenizer
+    be = scripted(tok, Script(tok, ["first", "second"]))
+
+    async def main():
+        async with Endpoint(tok, be.url) as ep:
+            msgs = [{"role": "user", "content": "one"}]
+            r = await ep.client.chat.completions.create(model="m", messages=msgs)
+            msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "two"}]
+            be.inject("500")
+            with pytest.raises(openai.APIStatusError) as ei:
+                await ep.client.chat.completions.create(model="m", messages=msgs)
+            assert ei.value.status_code == 503 and ei.value.body["code"] == "backend_unavailable"
+            assert ei.value.response.headers.get("x-should-retry") is None  # the SDK may retry this one
+            r = await ep.client.chat.completions.create(model="m", messages=msgs)
+            assert r.choices[0].message.content == "second"
+            return ep
+
+    ep = arun(main())
+    t = ep.session.trajectory()
+    assert t["metrics"]["segments"] == 1 and be.stats["injected_500"] == 1
+    check_exact(tok, t, ep.seen)
+
+
+def test_api_key_is_checked(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    be = scripted(tok, Script(tok, ["ok"]))
+
+    async def main():
+        async with Endpoint(tok, be.url, api_key="secret") as ep:
+            with pytest.raises(openai.AuthenticationError):
+                await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+            good = ep.client.with_options(api_key="secret")
+            r = await good.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+            assert r.choices[0].message.content == "ok"
+            return ep
+
+    arun(main())
+    assert be.stats["requests"] == 1
