@@ -51,7 +51,7 @@ import structlog
 
 from .client import Generation, SamplingParams
 from .conversation import Conversation
-from .errors import BackendError, ContextOverflow, LLMError, RequestError
+from .errors import BackendError, ContextOverflow, RequestError
 from .openai_wire import (
     EndpointError,
     Msg,
@@ -144,13 +144,14 @@ class EndpointSession:
 
     def __init__(self, generate: GenerateFn, tokenizer: Any, *, parser: str = "hermes", model: str = "rolloutd",
                  limits: EndpointLimits | None = None, api_key: str | None = None,
-                 parser_options: dict | None = None) -> None:
+                 parser_options: dict | None = None, conv_options: dict | None = None) -> None:
         self.generate = generate
         self.tokenizer = tokenizer
         self.parser = get_parser(parser, **(parser_options or {}))
         self.model = model
         self.limits = limits or EndpointLimits()
         self.api_key = api_key
+        self.conv_options = dict(conv_options or {})  # extra Conversation(...) keywords (model-family options)
         self.created = int(time.time())
         self.segments: list[_Segment] = []
         self.fatal: BaseException | None = None
@@ -273,6 +274,9 @@ class EndpointSession:
                         conv.add_messages([m.template_dict() for m in tail])
                     except ContextOverflow as e:
                         raise bad(str(e), "messages", "context_length_exceeded") from None
+                    except Exception as e:  # the template refused them (e.g. raise_exception on role order)
+                        raise bad(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                                  "messages") from None
                     for e in entries:
                         if type(e) is _Gen and not e.reused:
                             e.reused = True
@@ -284,9 +288,10 @@ class EndpointSession:
     def _new_segment(self, msgs: list[Msg], tools: list | None) -> _Segment:
         try:
             conv = Conversation(self.tokenizer, [m.template_dict() for m in msgs], tools,
-                                self.limits.max_context)
-        except LLMError as e:
-            raise bad(f"the chat template cannot render these messages: {e}", "messages") from None
+                                self.limits.max_context, **self.conv_options)
+        except Exception as e:  # TemplateError, or the template's own raise_exception
+            raise bad(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                      "messages") from None
         if conv.remaining_context <= 0:
             raise bad(f"the messages take {conv.num_tokens} tokens; this job's context window is "
                       f"{self.limits.max_context}", "messages", "context_length_exceeded")

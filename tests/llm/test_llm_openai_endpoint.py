@@ -462,3 +462,52 @@ def test_api_key_is_checked(qwen_tokenizer, scripted, arun):
 
     arun(main())
     assert be.stats["requests"] == 1
+
+
+BAD_BODIES = [
+    {"messages": "hello"},
+    {"messages": [{"content": "no role"}]},
+    {"messages": [{"role": "wizard", "content": "x"}]},
+    {"messages": [{"role": "user", "content": 5}]},
+    {"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
+    {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+    {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+    {"messages": [{"role": "user", "content": "x"}], "temperature": 9},
+    {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+    {"messages": [{"role": "user", "content": "x"}], "tools": {"bash": 1}},
+    {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+    {"messages": [{"role": "user", "content": "x"}], "tool_choice": "always"},
+    {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+    {"messages": [{"role": "user", "content": "x"}], "stop": [1, 2]},
+    {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": ["a"]},
+    {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+    [1, 2, 3],
+]
+
+
+def test_bad_requests_get_a_clear_400_and_change_nothing(qwen_tokenizer, scripted, arun):
+    import httpx2
+
+    tok = qwen_tokenizer
+    be = scripted(tok, Script(tok, ["fine"]))
+
+    async def main():
+        async with Endpoint(tok, be.url) as ep:
+            base = ep.server.base_url
+            async with httpx2.AsyncClient(timeout=30) as h:
+                replies = [await h.post(base + "/chat/completions", json=b) for b in BAD_BODIES]
+                replies.append(await h.post(base + "/completions", json={"prompt": {"a": 1}}))
+                replies.append(await h.post(base + "/completions", json={"prompt": [1, "x"]}))
+                ok = await h.post(base + "/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+            return ep, replies, ok
+
+    ep, replies, ok = arun(main())
+    for body, r in zip(BAD_BODIES + ["prompt dict", "prompt mixed"], replies):
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and len(err["message"]) > 10, (body, err)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "fine"
+    assert be.stats["requests"] == 1
+    t = ep.session.trajectory()
+    assert t["metrics"]["segments"] == 1
+    check_exact(tok, t, ep.seen)
