@@ -1,11 +1,13 @@
 """Sandbox benchmarks: bash action latency vs tmux and SWE-ReX, bwrap start-up, 128 sandboxes.
 
-    PYTHONPATH=. .venv/bin/python bench/bench_sandbox.py [--quick] [--json out.json]
+    .venv/bin/python bench/bench_sandbox.py [--quick] [--json out.json] [--ref-toolserver DIR]
 
 1. Action latency of one bash call, client to result, for `true` (pure overhead) and
    `ls -la /usr/bin | head`:
      ours/bwrap   ToolClient -> Unix socket -> tool server in a bwrap sandbox -> pty bash
      ours/local   the same tool server without a sandbox (same footing as the baselines)
+     ours/ref     with --ref-toolserver DIR: another tool server's sources (e.g. a `git archive`
+                  of an older commit's sandbox/toolserver) in a bwrap sandbox: before/after
      tmux         libtmux send-keys + capture-pane polled in a tight loop (no sleep: tmux's
                   best case; real harnesses sleep between polls and are slower)
      swe-rex      SWE-ReX LocalRuntime bash session (pexpect), in-process, no HTTP server
@@ -36,7 +38,7 @@ import structlog  # noqa: E402
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings only
 
-from rolloutd.sandbox import AsyncToolClient, SandboxSpec, ToolClient, get_runtime, procs  # noqa: E402
+from rolloutd.sandbox import AsyncToolClient, SandboxSpec, ToolClient, get_runtime, procs, toollib  # noqa: E402
 
 COMMANDS = {"true": "true", "ls": "ls -la /usr/bin | head"}
 
@@ -63,10 +65,15 @@ def timed(fn: Callable[[], object], n: int, warmup: int = 5) -> List[float]:
 
 # -- latency: the harnesses ----------------------------------------------------------
 class Ours:
-    def __init__(self, kind: str, root: Path) -> None:
-        self.name = "ours_" + kind
-        self.rt = get_runtime(kind, root_dir=root / kind)
-        self.h = self.rt.create("bench-latency")
+    def __init__(self, kind: str, root: Path, src: Optional[Path] = None) -> None:
+        self.name = "ours_" + kind if src is None else "ours_ref"
+        self.rt = get_runtime(kind, root_dir=root / self.name)
+        own = toollib._SRC
+        toollib._SRC = src or own  # the sandbox's tool server is copied from here at create()
+        try:
+            self.h = self.rt.create("bench-latency")
+        finally:
+            toollib._SRC = own
         self.c = ToolClient(self.h.tool_socket)
         self.server_side: List[float] = []
 
@@ -141,13 +148,16 @@ def command_cost(run_script: Callable[[str], str], cmd: str, reps: int = 30) -> 
     return float(run_script(script).strip().splitlines()[-1]) * 1000 / reps
 
 
-def bench_latency(root: Path, n: int, out: Dict[str, object]) -> Dict[str, Dict[str, Dict[str, float]]]:
+def bench_latency(root: Path, n: int, out: Dict[str, object], ref: Optional[Path] = None
+                  ) -> Dict[str, Dict[str, Dict[str, float]]]:
     """All harnesses interleaved call by call, so load drift on a shared machine hits
     them equally; the command's own cost is sampled throughout, inside the sandbox and on
     the host, and its median subtracted to estimate each harness's overhead."""
     import subprocess
 
     harnesses: List[object] = [Ours("bwrap", root), Ours("local", root)]
+    if ref is not None:
+        harnesses.append(Ours("bwrap", root, src=ref))
     for factory in (Tmux, SweRex):
         try:
             harnesses.append(factory())
@@ -175,7 +185,7 @@ def bench_latency(root: Path, n: int, out: Dict[str, object]) -> Dict[str, Dict[
                     times[h.name].append(time.perf_counter() - t0)
             for h in harnesses:
                 res[h.name][name] = summarize(times[h.name])
-                where = "sandbox" if h.name == "ours_bwrap" else "host"
+                where = "sandbox" if h.name in ("ours_bwrap", "ours_ref") else "host"
                 res[h.name][name]["command_cost_ms"] = statistics.median(costs[where][name])
         res["ours_bwrap"]["true_server_side"] = summarize(ours.server_side)
         for h in harnesses:
@@ -230,14 +240,15 @@ def bench_fleet(root: Path, count: int, workers: int) -> Dict[str, object]:
     t_act = time.perf_counter() - t1
     ok = all(r.output.strip() == h.job_id for r, h in zip(results, handles))
     loopbacks = {h.loopback for h in handles}
-    pidns = [int(h.extra["pidns"]) for h in handles]
+    # A sandbox's processes are its namespace init (pids[1]) and the init's descendants.
+    inits = [(h.pids[1], h.extra["pid_starts"][1]) for h in handles]
     all_pids = [p for h in handles for p in h.pids]
     t2 = time.perf_counter()
     with ThreadPoolExecutor(workers) as ex:
         list(ex.map(rt.destroy, handles))
     t_destroy = time.perf_counter() - t2
     total = time.perf_counter() - t0
-    leaked_procs = [p for ns in set(pidns) for p in procs.pids_in_pidns(ns)]
+    leaked_procs = [p for pid, start in inits for p in procs.namespace_pids(pid, start)]
     leaked_pids = [p for p in all_pids if procs.is_running(p)]
     leaked_dirs = list((root / "fleet" / "sb").iterdir())
     leaked_addrs = rt.loopback.allocated()
@@ -252,20 +263,24 @@ def bench_fleet(root: Path, count: int, workers: int) -> Dict[str, object]:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
-    ap.add_argument("--fleet", type=int, default=128, help="sandboxes started at once (default 128)")
+    ap.add_argument("--fleet", type=int, default=None, help="sandboxes started at once (default 128, --quick 8)")
     ap.add_argument("--workers", type=int, default=16, help="threads creating/destroying the fleet")
     ap.add_argument("--json", type=Path, help="also write the raw results here")
+    ap.add_argument("--ref-toolserver", type=Path, metavar="DIR",
+                    help="also time this tool server source dir (before/after), e.g. from "
+                         "`git archive OLD sandbox/toolserver | tar -x -C /tmp/old`: DIR=/tmp/old/sandbox/toolserver")
     ns = ap.parse_args(argv)
-    n_lat, n_start = (20, 10) if ns.quick else (150, 40)
+    n_lat, n_start = (20, 5) if ns.quick else (150, 40)
+    fleet = ns.fleet if ns.fleet is not None else (8 if ns.quick else 128)
     root = Path(tempfile.mkdtemp(prefix="rldb", dir="/tmp"))
     os.chmod(root, 0o755)
     t_all = time.perf_counter()
     out: Dict[str, object] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
                                           "loadavg_at_start": os.getloadavg()}}
     try:
-        out.update(bench_latency(root, n_lat, out))
+        out.update(bench_latency(root, n_lat, out, ns.ref_toolserver))
         out["startup_bwrap"] = bench_startup(root, n_start)
-        out["fleet"] = bench_fleet(root, ns.fleet, ns.workers)
+        out["fleet"] = bench_fleet(root, fleet, ns.workers)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     out["wall_s"] = time.perf_counter() - t_all
@@ -290,8 +305,10 @@ def report(out: Dict[str, object]) -> None:
         s = out[impl][name]
         return max(0.01, s["median_ms"] - s["command_cost_ms"])
 
-    for impl in ("ours_bwrap", "ours_local", "tmux", "swerex"):
+    for impl in ("ours_bwrap", "ours_ref", "ours_local", "tmux", "swerex"):
         res = out.get(impl)
+        if not res and impl == "ours_ref":
+            continue
         if not res:
             t.add_row(impl, "-", "n/a", "n/a", "0", "-", out.get(impl + "_error", "not run"), "-")
             continue
