@@ -1,7 +1,7 @@
 """bubblewrap runtime: daemonless, rootless, one set of namespaces per sandbox.
 
-Process tree on the host:  bwrap (outer, our child) -> bwrap init (pid 1 of the sandbox's
-pid namespace) -> tool server -> bash / python sessions / user processes.
+Process tree on the host:  bwrap (outer, our child) -> tool server (pid 1 of the sandbox's
+pid namespace, --as-pid-1) -> bash / python sessions / user processes.
 Killing the namespace's init (SIGKILL, from the host) makes the kernel kill everything in
 the namespace, so nothing can escape destroy(). --die-with-parent is deliberately off:
 sandboxes survive a daemon restart; state.json records the pids (with start times, to be

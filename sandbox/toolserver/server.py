@@ -1,7 +1,7 @@
 """The tool server: a Unix socket, one thread per connection, tools behind per-tool locks.
 
 Config is a JSON file written by the runtime before start (see sandbox/runtime.py):
-  socket, ctl_dir (unused since the bash tool keeps no scratch files), workdir, home, shell, python, env, limits, apply_nproc, max_output,
+  socket, ctl_dir (ignored: the bash tool keeps no scratch files), workdir, home, shell, python, env, limits, apply_nproc, max_output,
   default_timeout, max_timeout, interrupt_grace, deadline (epoch s or null), ready_fd,
   sandbox_id, job_id
 """
