@@ -156,7 +156,8 @@ class EndpointSession:
         self.segments: list[_Segment] = []
         self.fatal: BaseException | None = None
         self.metrics: dict[str, float] = {"llm_calls": 0, "refused_calls": 0, "assistant_tokens_reused": 0,
-                                          "assistant_tokens_reencoded": 0, "llm_s": 0.0, "aborts": 0}
+                                          "assistant_tokens_reencoded": 0, "llm_s": 0.0, "aborts": 0,
+                                          "malformed_tool_calls": 0}
         self._gens: list[_Gen] = []
         self._lock = asyncio.Lock()
         self._inflight: asyncio.Future | None = None
@@ -233,6 +234,8 @@ class EndpointSession:
             # kept, as in the built-in agent loop; it should then also set ParseResult.content.
             skip = getattr(self.parser, "skip_special_tokens", True)
             res = self.parser.parse(text if skip else self.tokenizer.decode(ids, skip_special_tokens=False))
+            if res.errors:  # a malformed call stays in the content as text (vLLM does the same)
+                self.metrics["malformed_tool_calls"] += len(res.errors)
             if res.calls:
                 n = next(self._call_ids)
                 tool_calls = [{"id": f"call_{n}_{k}", "type": "function",

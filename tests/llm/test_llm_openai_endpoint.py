@@ -392,6 +392,9 @@ def test_unix_socket_models_completions_and_bad_requests(qwen_tokenizer, scripte
             c = await ep.client.completions.create(model="m", prompt=prompt, max_tokens=50, stop=["STOP"],
                                                    logprobs=1)
             await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            stream = await ep.client.completions.create(model="m", prompt="Hello", max_tokens=20, stream=True)
+            streamed = "".join([ch.choices[0].text async for ch in stream if ch.choices])
+            assert streamed == tok.decode(ep.seen[-1][1], skip_special_tokens=True)
             async with httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=sock), timeout=10) as h:
                 bad = await h.post("http://localhost/v1/chat/completions", content=b"{not json")
                 nomsg = await h.post("http://localhost/v1/chat/completions", json={"messages": []})
@@ -409,7 +412,7 @@ def test_unix_socket_models_completions_and_bad_requests(qwen_tokenizer, scripte
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert "image_url" in errs[2].json()["error"]["message"]
     t = ep.session.trajectory()
-    assert t["metrics"]["segments"] == 2
+    assert t["metrics"]["segments"] == 3
     raw = t["segments"][0]
     assert raw["prompt_ids"].tolist() == tok.encode("Once upon a time", add_special_tokens=False)
     # the tokens after the stop string were dropped: the segment ends with the one completing "STOP"
@@ -417,7 +420,8 @@ def test_unix_socket_models_completions_and_bad_requests(qwen_tokenizer, scripte
     assert kept == ep.seen[0][1][: len(kept)] and tok.decode(kept).endswith("STOP")
     assert np.array_equal(raw["logprobs"], ep.seen[0][2][: len(kept)])
     assert len(c.choices[0].logprobs.tokens) == len(kept)
-    check_exact(tok, t["segments"][1], ep.seen[1:])
+    check_exact(tok, t["segments"][1], ep.seen[1:2])
+    assert t["segments"][2]["response_ids"].tolist() == ep.seen[2][1]
     assert not (tmp_path / "llm.sock").exists()  # stop removes the socket file
 
 
