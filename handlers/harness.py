@@ -37,9 +37,11 @@ deadline kill the agent the same way and make the endpoint refuse further calls.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import secrets
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,9 @@ TASK_VIA = ("arg", "file", "stdin")
 TASK_FILE = ".rolloutd_task.md"
 LLM_SOCKET = "llm.sock"
 TAIL_CHARS = 4000
+
+
+_TOKENIZER_LOCK = threading.Lock()
 
 
 class HarnessInstanceError(ValueError):
@@ -266,6 +271,12 @@ class HarnessHandler(AgentHandler):
         return v
 
     def tokenizer(self, ctx: JobContext):
+        # Called from worker threads: transformers' lazy imports are not thread-safe (two first
+        # loads at once fail with "cannot import name 'AutoTokenizer'").
+        with _TOKENIZER_LOCK:
+            return self._tokenizer(ctx)
+
+    def _tokenizer(self, ctx: JobContext):
         from rolloutd.handlers.agent import tokenizer_at
 
         path = self.spec(ctx)["tokenizer"] or self.config.get("tokenizer") or os.environ.get("ROLLOUTD_TOKENIZER")
@@ -360,7 +371,10 @@ class HarnessHandler(AgentHandler):
 
         h = self.spec(ctx)
         sb = ctx.sandbox
-        tok = self.tokenizer(ctx)
+        # Never block the run daemon's loop (its heartbeats stop, it is presumed dead and its
+        # jobs' sandboxes reaped): the first tokenizer load and the uvicorn import take seconds.
+        tok = await asyncio.to_thread(self.tokenizer, ctx)
+        await asyncio.to_thread(importlib.import_module, "uvicorn")
         api_key = "rolloutd-" + secrets.token_hex(16)
         session = EndpointSession(ctx.llm, tok, parser=h["parser"] or self.config.get("parser", "hermes"),
                                   model=str(self.config.get("model_name", "rolloutd")),
@@ -404,9 +418,9 @@ class HarnessHandler(AgentHandler):
         h = self.spec(ctx)
         ev = h["eval"]
         if "scorer" in ev:
-            d = self.domain(ev["scorer"])
+            d = await asyncio.to_thread(self.domain, ev["scorer"])  # imports, grader set-up: off the loop
             v = self.view(ctx)
-            ctx.state["final_text"] = final_text(ctx.trajectory, self.tokenizer(ctx))
+            ctx.state["final_text"] = final_text(ctx.trajectory, await asyncio.to_thread(self.tokenizer, ctx))
             reward, details = await d.evaluate(v)
         else:
             reward, details = await self._eval_command(ctx, ev)

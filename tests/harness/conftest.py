@@ -28,3 +28,85 @@ def sandboxes():
             t.cleanup()
         finally:
             shutil.rmtree(d, ignore_errors=True)
+
+
+# -- the live tests: agent venv, tokenizer, swe tasks, oracle backend, one `rolloutd up` --------
+def _default_venv() -> str:
+    # Not under /root or a private home: bwrap started by root runs the sandbox as nobody, which
+    # must be able to traverse to the venv (mounted read-only at the same path).
+    # ROLLOUTD_TEST_*: the one prefix tests/conftest.py leaves in the environment.
+    return os.environ.get("ROLLOUTD_TEST_AGENT_VENV") or f"/var/tmp/rolloutd-agent-venv-{os.getuid()}"
+
+
+@pytest.fixture(scope="session")
+def agent_venv():
+    """mini-swe-agent and openai from PyPI in a venv of the system python (pip's cache makes a
+    rebuild fast; the venv itself is reused while its package list matches)."""
+    from rolloutd.handlers.harness_presets import build_agent_venv, venv_ready
+
+    path = _default_venv()
+    if not venv_ready(path):
+        try:
+            build_agent_venv(path)
+        except Exception as e:  # noqa: BLE001 - no index / no system python: a skip, said why
+            pytest.skip(f"cannot build the agent venv at {path} (mini-swe-agent, openai from PyPI): {e}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tok_dir(tmp_path_factory):
+    from rolloutd.llm.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tok"), tokenizer_only=True))
+
+
+SWE_TASKS_USED = 2  # the first two of the sorted task list: the oracle gets the second wrong
+
+
+@pytest.fixture(scope="session")
+def swe_built():
+    from rolloutd.handlers.swe_tasks import DownloadError, build_all, task_ids
+
+    try:
+        return build_all(task_ids=sorted(task_ids())[:SWE_TASKS_USED])
+    except DownloadError as e:
+        pytest.skip(f"swe task sdists are not cached and the package index cannot be reached: {e}")
+
+
+@pytest.fixture(scope="module")
+def sandbox_root():
+    d = tempfile.mkdtemp(prefix="rd-hsb-", dir="/tmp")
+    os.chmod(d, 0o711)  # bwrap started by root runs the sandbox as nobody
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def oracle_backend(tok_dir):
+    """Both presets' oracle on an in-process scripted vLLM-API backend: odd keys wrong."""
+    from rolloutd.handlers.harness_presets import HarnessOracle
+    from rolloutd.llm.scripted import ScriptedBackend
+
+    pol = HarnessOracle(wrong_every=2)
+    pol.warm()
+    b = ScriptedBackend(tok_dir, policy=pol)
+    b.start()
+    yield b
+    b.stop()
+
+
+def harness_sets(tok_dir: str, sandbox_root: str, venv: str, **extra) -> list[str]:
+    import json
+
+    cfg = {"harness": dict({"tokenizer": tok_dir, "agent_venv": venv}, **extra)}
+    return ["sandbox.runtime=bwrap", f"sandbox.root_dir={sandbox_root}", "handlers=" + json.dumps(cfg)]
+
+
+@pytest.fixture(scope="module")
+def harness_up(module_up_factory, tok_dir, sandbox_root, agent_venv, oracle_backend):
+    if not bwrap_ok()[0]:
+        pytest.skip("bubblewrap unusable here: %s" % bwrap_ok()[1])
+    up = module_up_factory(*harness_sets(tok_dir, sandbox_root, agent_venv))
+    with up.client() as c:
+        c.add_backend(oracle_backend.url)
+    return up
