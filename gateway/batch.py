@@ -20,6 +20,17 @@ Two sockets share one ``client_id``: one for control requests (submit, cancel, b
 for polls, so a poll held open at the gateway (``wait_s``) never delays a submit. Only the
 poll socket acknowledges results (``after``), so each result is delivered exactly once.
 
+Group sampling (``sample_groups``, ``overprovision``, ``dynamic_sample``): GRPO wants whole
+groups (one task, ``n`` samples). ``overprovision`` submits k% extra groups, keeps the first N
+that complete and cancels the rest; ``dynamic_sample`` (DAPO's dynamic sampling) keeps
+submitting groups until N have a non-zero reward variance. Both stop at a deadline and return a
+:class:`GroupSample` that names every job they cancelled and what the gateway said about it.
+
+Segments: a trajectory of the bring-your-own-agent endpoint may carry ``segments`` (2+ token
+sequences of one episode; the top-level arrays hold the last). :func:`segments_of` lists them,
+:func:`expand_segments` makes one row per segment (same reward, group and job), and ``collate``
+takes ``segments="last"`` (default) or ``"expand"``.
+
 Pure helpers (no sockets):
 
 * :func:`group_by_instance`, :func:`group_advantages` (GRPO: reward minus the group mean,
@@ -33,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import math
 import threading
 import time
 import uuid
@@ -45,7 +57,8 @@ from rolloutd.gateway.client import GatewayError, GatewayTimeout, RolloutClient
 
 __all__ = [
     "Batch", "BatchClient", "collate", "to_torch", "group_by_instance", "group_advantages", "filter_ok",
-    "status_counts", "placeholder", "to_message_log", "GatewayError", "GatewayTimeout",
+    "status_counts", "placeholder", "to_message_log", "GatewayError", "GatewayTimeout", "GroupSample",
+    "has_reward_variance", "segments_of", "expand_segments",
 ]
 
 SUBMIT_CHUNK = 1024           # tasks per submit request (keeps requests far below max_request_bytes)
@@ -98,6 +111,34 @@ class Batch:
 
     def order_key(self, traj: dict) -> tuple[int, int]:
         return self.origin.get(traj["job_id"], (len(self.n), traj.get("sample_index", 0)))
+
+
+@dataclass
+class GroupSample:
+    """What ``sample_groups`` returns. Every job it submitted is in exactly one of ``groups``,
+    ``rejected``, ``surplus``, ``partial`` (delivered before the stop) or ``cancelled``."""
+
+    groups: list[list[dict]]          # the kept groups (<= want), in completion order; each by sample index
+    rejected: list[list[dict]]        # complete groups ``accept`` turned down (e.g. zero reward variance)
+    surplus: list[list[dict]]         # complete groups accepted after ``want`` was reached (same poll)
+    partial: list[dict]               # results of groups that were cut off by the stop
+    cancelled: list[int]              # job ids cancelled at the stop (not delivered), sorted
+    cancel_outcome: dict[int, str]    # the gateway's answer per cancelled job (cancelling, cancelled, ...)
+    submitted_groups: int
+    submitted_jobs: int
+    timed_out: bool                   # the deadline came before ``want`` groups were kept
+    elapsed_s: float
+
+    @property
+    def trajectories(self) -> list[dict]:
+        return [t for g in self.groups for t in g]
+
+
+def has_reward_variance(group: Sequence[dict]) -> bool:
+    """DAPO's filter: at least two ``ok`` members and not all their rewards equal (a group whose
+    rewards are all equal has zero GRPO advantage: no gradient)."""
+    r = [float(t.get("reward", 0.0)) for t in group if t.get("status") == "ok"]
+    return len(r) >= 2 and max(r) > min(r)
 
 
 class BatchClient:
@@ -338,6 +379,105 @@ class BatchClient:
         """``submit`` + ``gather``."""
         return self.gather(self.submit(tasks, n, deadline_s=deadline_s))
 
+    # -- whole groups: over-provisioning and dynamic sampling ------------------------------
+    def sample_groups(self, tasks: Iterable[dict], n: int, *, want: int, accept=None, inflight: int | None = None,
+                      refill: bool = True, deadline_s: float | None = None) -> GroupSample:
+        """Run ``tasks`` as groups of ``n`` samples until ``want`` complete groups pass ``accept``.
+
+        ``inflight`` groups (default ``want``) are submitted at once; with ``refill`` every group
+        ``accept`` rejects is replaced by the next task, while ``tasks`` lasts. A group is complete
+        when all ``n`` results are in (any status). At ``want`` kept groups, at the deadline
+        (``deadline_s`` from now) or when no group can complete any more, every job not yet
+        delivered is cancelled at the gateway, listed in ``cancelled`` with the gateway's answer,
+        and its late result, if any, is acknowledged and dropped."""
+        if want < 1 or n < 1:
+            raise ValueError("sample_groups: want and n must be >= 1")
+        accept = accept or (lambda g: True)
+        source = iter(tasks)
+        inflight = max(1, int(inflight if inflight is not None else want))
+        t0 = time.monotonic()
+        deadline = None if deadline_s is None else t0 + float(deadline_s)
+        batches: list[Batch] = []
+        buffers: dict[tuple[int, int], list[dict]] = {}   # (batch #, task index) -> results so far
+        out = GroupSample([], [], [], [], [], {}, 0, 0, False, 0.0)
+
+        def submit(k: int):
+            chunk = list(itertools.islice(source, k))
+            if chunk:
+                b = self.submit(chunk, n, deadline_s=None)
+                batches.append(b)
+                out.submitted_groups += len(chunk)
+                out.submitted_jobs += len(b)
+
+        submit(inflight)
+        if not batches:
+            raise ValueError("sample_groups: no tasks")
+        while True:
+            got = 0
+            for bi, b in enumerate(batches):
+                for r in self._take(b):
+                    got += 1
+                    ti, _ = b.origin[r["job_id"]]
+                    g = buffers.setdefault((bi, ti), [])
+                    g.append(r)
+                    if len(g) < b.n[ti]:
+                        continue
+                    del buffers[(bi, ti)]
+                    g.sort(key=b.order_key)
+                    if len(out.groups) >= want:
+                        out.surplus.append(g)
+                    elif accept(g):
+                        out.groups.append(g)
+                    else:
+                        out.rejected.append(g)
+                        if refill:
+                            submit(1)
+            if len(out.groups) >= want:
+                break
+            if not any(b.pending for b in batches):
+                break  # the task source ran dry: nothing left that could complete
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                out.timed_out = True
+                break
+            if not got:
+                self._poll(self.poll_wait_s if left is None else min(self.poll_wait_s, max(0.0, left)))
+        # Stop: cancel what is not delivered; results of cut-off groups go to `partial`.
+        missing = sorted(j for b in batches for j in b.pending)
+        if missing:
+            with self._lock:
+                self._abandoned.update(j for j in missing if j in self._outstanding)
+                self._outstanding.difference_update(missing)
+            for b in batches:
+                b.delivered += len(b.pending)
+                b.pending.clear()
+            try:
+                reply = self.cancel(missing)
+                out.cancel_outcome = {int(k): v for k, v in reply.items()}
+            except (GatewayError, GatewayTimeout) as e:
+                out.cancel_outcome = {j: f"unknown ({type(e).__name__})" for j in missing}
+        out.cancelled = missing
+        out.partial = [r for g in buffers.values() for r in g]
+        out.elapsed_s = time.monotonic() - t0
+        return out
+
+    def overprovision(self, tasks: Sequence[dict], n: int, *, want: int, extra: float = 0.25,
+                      deadline_s: float | None = None) -> GroupSample:
+        """Submit ``ceil(want * (1 + extra))`` of ``tasks`` at once, keep the first ``want``
+        groups to complete, cancel the rest (a long tail of slow episodes no longer sets the
+        step time)."""
+        k = min(len(tasks), math.ceil(want * (1 + float(extra)) - 1e-9))
+        if k < want:
+            raise ValueError(f"overprovision: {len(tasks)} tasks for want={want}")
+        return self.sample_groups(tasks[:k], n, want=want, inflight=k, refill=False, deadline_s=deadline_s)
+
+    def dynamic_sample(self, tasks: Iterable[dict], n: int, *, want: int, inflight: int | None = None,
+                       deadline_s: float | None = None, accept=has_reward_variance) -> GroupSample:
+        """DAPO dynamic sampling: keep sampling groups from ``tasks`` until ``want`` of them have a
+        non-zero reward variance (``accept``); ``inflight`` > ``want`` also over-provisions."""
+        return self.sample_groups(tasks, n, want=want, accept=accept, inflight=inflight, refill=True,
+                                  deadline_s=deadline_s)
+
     # -- asyncio ---------------------------------------------------------------------------
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
@@ -487,18 +627,22 @@ def group_advantages(trajs: Sequence[dict], *, key: str = "instance_id", normali
     if normalize not in ("std", "none"):
         raise ValueError("normalize must be 'std' or 'none'")
     adv = np.zeros(len(trajs), np.float32)
-    members: dict[Any, list[int]] = {}
+    # group -> job -> row indices: rows of one job (segments of one trajectory, expand_segments)
+    # are one sample of the group, counted once in its mean and std and given the same advantage.
+    members: dict[Any, dict[Any, list[int]]] = {}
     for i, t in enumerate(trajs):
         if t.get("status") == "ok":
-            members.setdefault(t[key], []).append(i)
-    for idx in members.values():
-        if len(idx) < 2:
+            members.setdefault(t[key], {}).setdefault(t.get("job_id", ("row", i)), []).append(i)
+    for jobs in members.values():
+        if len(jobs) < 2:
             continue
-        r = np.asarray([float(trajs[i]["reward"]) for i in idx], np.float64)
+        rows = list(jobs.values())
+        r = np.asarray([float(trajs[idx[0]]["reward"]) for idx in rows], np.float64)
         a = r - r.mean()
         if normalize == "std":
             a = a / (r.std(ddof=1) + eps)
-        adv[idx] = a.astype(np.float32)
+        for idx, ai in zip(rows, a):
+            adv[idx] = np.float32(ai)
     return adv
 
 
@@ -515,9 +659,41 @@ def token_arrays(traj: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
     return prompt, resp, mask, lps
 
 
+SEGMENT_KEYS = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "turns")
+
+
+def segments_of(traj: dict) -> list[dict]:
+    """The token sequences of a trajectory, in order: its ``segments`` (2+ of them, each
+    ``{"index", "prompt_ids", "response_ids", "loss_mask", "logprobs", "turns"}``), or the
+    trajectory itself as the only one (index 0). The last is always the top-level arrays."""
+    segs = traj.get("segments")
+    if not segs:
+        return [{"index": 0, **{k: traj.get(k, ()) for k in SEGMENT_KEYS}}]
+    out = [dict(sg) for sg in segs]
+    if [int(sg.get("index", i)) for i, sg in enumerate(out)] != list(range(len(out))):
+        raise ValueError(f"trajectory {traj.get('job_id')}: segments are not indexed 0..{len(out) - 1} in order")
+    return out
+
+
+def expand_segments(trajs: Iterable[dict]) -> list[dict]:
+    """One row per segment: a copy of the trajectory (reward, status, job id, instance id: the
+    group) with the segment's arrays, ``segment_index`` and ``num_segments``; no ``segments`` key.
+    A trajectory without segments is one row (``segment_index`` 0, ``num_segments`` 1)."""
+    out = []
+    for t in trajs:
+        segs = segments_of(t)
+        base = {k: v for k, v in t.items() if k != "segments"}
+        for sg in segs:
+            row = dict(base)
+            row.update({k: sg.get(k, ()) for k in SEGMENT_KEYS})
+            row["segment_index"], row["num_segments"] = int(sg.get("index", 0)), len(segs)
+            out.append(row)
+    return out
+
+
 def collate(trajs: Sequence[dict], *, pad_id: int = 0, prompt_length: int | None = None,
             response_length: int | None = None, truncate: bool = False,
-            pad_to_multiple_of: int = 1) -> dict[str, np.ndarray]:
+            pad_to_multiple_of: int = 1, segments: str = "last") -> dict[str, np.ndarray]:
     """Pad trajectories into arrays, the way veRL's agent loop does.
 
     Prompts are **left**-padded to ``P`` and responses **right**-padded to ``R`` (both default
@@ -553,15 +729,24 @@ def collate(trajs: Sequence[dict], *, pad_id: int = 0, prompt_length: int | None
     ``policy_versions``           [B] i64     the first turn's policy version, -1 if none
     ``min_policy_versions``,
     ``max_policy_versions``       [B] i64     over all turns (-1 if none)
-    ``job_ids``, ``sample_index`` [B] i64
+    ``job_ids``, ``sample_index``,
+    ``segment_index``             [B] i64     (segment: which segment of its trajectory the row is)
     ``instance_ids``              [B] object
     ============================  ==========  ==================================================
+
+    ``segments="expand"`` first makes one row per segment of each trajectory (:func:`expand_segments`:
+    same reward on each segment's last token, same ``instance_ids``/``job_ids``; ``segment_index``
+    says which); ``"last"`` (default) keeps the top-level arrays, i.e. the last segment.
 
     A prompt longer than ``prompt_length`` is left-truncated and a response longer than
     ``response_length`` right-truncated when ``truncate`` (veRL's behaviour); otherwise that
     is a ``ValueError``. Rows of failed jobs may be all padding (no tokens): keep them out of
     the model with ``status`` (or ``filter_ok`` before collating).
     """
+    if segments not in ("last", "expand"):
+        raise ValueError("collate: segments must be 'last' or 'expand'")
+    if segments == "expand":
+        trajs = expand_segments(trajs)
     B = len(trajs)
     arrays_in = [token_arrays(t) for t in trajs]
     mult = max(1, int(pad_to_multiple_of))
@@ -588,6 +773,7 @@ def collate(trajs: Sequence[dict], *, pad_id: int = 0, prompt_length: int | None
     vmax = np.full(B, -1, np.int64)
     job_ids = np.zeros(B, np.int64)
     sample_index = np.zeros(B, np.int64)
+    segment_index = np.zeros(B, np.int64)
     instance_ids = np.empty(B, dtype=object)
     for i, t in enumerate(trajs):
         p, r, lm, lp = arrays_in[i]
@@ -628,6 +814,7 @@ def collate(trajs: Sequence[dict], *, pad_id: int = 0, prompt_length: int | None
             vmin[i] = vmax[i] = int(pv)
         job_ids[i] = int(t.get("job_id", -1))
         sample_index[i] = int(t.get("sample_index", 0))
+        segment_index[i] = int(t.get("segment_index", len(t.get("segments") or [None]) - 1))
         instance_ids[i] = t.get("instance_id")
     attention = np.concatenate([pmask, rmask], axis=1)
     position_ids = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
@@ -651,6 +838,7 @@ def collate(trajs: Sequence[dict], *, pad_id: int = 0, prompt_length: int | None
         "max_policy_versions": vmax,
         "job_ids": job_ids,
         "sample_index": sample_index,
+        "segment_index": segment_index,
         "instance_ids": instance_ids,
     }
 

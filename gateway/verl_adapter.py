@@ -34,6 +34,13 @@ calls, reward) and turns the trajectory into veRL's output fields:
                             ``reward_extra_info`` = ``{"rolloutd_ok": 0/1}``
 ==========================  =========================================================
 
+A trajectory with segments (``trajectory["segments"]``, the bring-your-own-agent endpoint: one
+episode whose context was rebuilt, so it is several token sequences) becomes one
+``AgentLoopOutput`` per segment on veRL's V1 path (``segments: all``, the default there:
+``AgentLoopWorkerTQ`` stores each under ``{uid}_{session}_{i}``, same GRPO group, the final reward
+copied to every segment), and only the last segment on the legacy path, whose worker takes one
+output per sample (``segments: last``, its default).
+
 LLM serving stays veRL's: register the rollout replicas' HTTP addresses with the gateway
 (:func:`register_verl_servers`) and re-register them with the new ``policy_version`` after
 each weight sync. See docs/TRAINERS.md.
@@ -43,90 +50,54 @@ Configuration: the extra keys of the agent-loop YAML entry (``examples/verl/agen
     - name: rolloutd
       _target_: rolloutd.gateway.verl_adapter.RolloutdAgentLoop
       gateway: tcp://head:5550        # or ipc://...; default: $ROLLOUTD_GATEWAY, then the config file's
-      handler: swe                    # default handler (a sample may name its own)
+      handler: dialogue               # handler for rows without their own spec (a chat handler)
       deadline_s: 1800                # per-sample client deadline (placeholder "timeout" after it)
       task_timeout_s: 1800            # the job's budget inside the service
       resubmit_failed: 1              # re-run infrastructure failures (not bad rewards) this often
+      tokenizer_path: null            # what the handler renders chat rows with; default model.path
+      segments: null                  # all | last; default: all on V1, last on legacy
+      failed_rows: mask               # mask | raise (V1: the group is marked failure and evicted)
 
 What each dataset row becomes (:meth:`RolloutdAgentLoop.build_task`): ``extra_info["rolloutd"]``
 (or a top-level ``rolloutd`` field) may give ``{"handler", "instance", "instance_id",
-"timeout_s"}`` outright; otherwise the instance is ``{"messages": raw_prompt,
-"ground_truth": reward_model.ground_truth, "data_source", "extra_info"}``. Sampling
-(``temperature``, ``top_p``, ``top_k``, ``max_tokens = rollout.response_length``) goes into
-``instance["sampling"]``, which rolloutd's handlers read. Subclass and override
-``build_task`` for anything else.
+"timeout_s", "sampling"}`` outright; otherwise the row is an ordinary veRL chat row and must go to
+a chat handler (:data:`CHAT_HANDLERS`): the instance is ``{"messages": raw_prompt, "expect":
+reward_model.ground_truth, "ground_truth", "data_source", "extra_info", "tokenizer"}``. A row that
+cannot be run is refused with a ValueError naming what it lacks (the first training step fails
+at once, before any sample is wasted). Sampling: veRL's ``temperature``/``top_p``/``top_k`` (its
+greedy validation settings included) win over the instance's own ``sampling`` values; only the
+row's spec-level ``extra_info.rolloutd.sampling`` overrides veRL (``sampling: false`` there leaves
+the instance untouched, for handlers that take no ``sampling``); ``max_tokens`` is capped at
+``rollout.response_length``.
 
-If veRL cannot be imported (it needs ray, hydra, tensordict, ...), this module still
-imports: ``AgentLoopBase``/``AgentLoopOutput``/``AgentLoopMetrics`` are then stand-ins with
-the fields and signatures of veRL 0.9.1 (``VERL_AVAILABLE`` is False and
-``VERL_IMPORT_ERROR`` says why), so the conversion can be tested without veRL.
+Prompt length: a prompt longer than ``rollout.prompt_length`` is left-truncated by veRL's own
+``AgentLoopBase._cap_text_prompt_length`` (what its single-turn and tool agent loops do to text
+prompts; veRL rejects only multimodal prompts, which rolloutd does not produce), and the row is
+flagged ``extra_fields["rolloutd_prompt_truncated"]``.
+
+``min_global_steps`` / ``max_global_steps`` are always ints (veRL V1 casts them with
+``np.array(..., dtype=int)``): the turns' policy versions, else the trajectory's, else the row's
+``global_steps`` (V1 passes it), else the newest version this process has seen, else 0.
+
+veRL 0.9.1 is required (``pip install 'rolloutd[trainers]' && pip install --no-deps verl==0.9.1``);
+importing this module without it raises ImportError saying so.
 """
 from __future__ import annotations
 
 import os
 import threading
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
-from rolloutd.gateway.batch import BatchClient, token_arrays
+from rolloutd.gateway.batch import BatchClient, segments_of, token_arrays
 
-try:  # the real interface
+try:  # the real interface: no stand-ins, the adapter is only ever tested against veRL itself
     from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
-
-    VERL_AVAILABLE = True
-    VERL_IMPORT_ERROR: str | None = None
 except Exception as _e:  # noqa: BLE001 - ImportError, or a dependency failing at import time
-    VERL_AVAILABLE = False
-    VERL_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
-
-    @dataclass
-    class AgentLoopMetrics:  # stand-in: veRL 0.9.1 fields
-        generate_sequences: float = 0.0
-        tool_calls: float = 0.0
-        compute_score: float = 0.0
-        num_preempted: int = -1
-
-    @dataclass
-    class AgentLoopOutput:  # stand-in: veRL 0.9.1 fields (pydantic there, a dataclass here)
-        prompt_ids: list[int]
-        response_ids: list[int]
-        response_mask: list[int]
-        metrics: AgentLoopMetrics
-        response_logprobs: Optional[list[float]] = None
-        routed_experts: Optional[Any] = None
-        multi_modal_data: Optional[dict[str, Any]] = None
-        reward_score: Optional[float] = None
-        num_turns: int = 0
-        extra_fields: dict[str, Any] = field(default_factory=dict)
-        mm_processor_kwargs: Optional[dict[str, Any]] = None
-        mm_processor_output: Optional[list[dict[str, Any]]] = None
-
-    class AgentLoopBase:  # stand-in: veRL 0.9.1 constructor and abstract run()
-        def __init__(self, trainer_config, server_manager, tokenizer, processor, dataset_cls, data_config,
-                     hf_model_type: str | None = None, **kwargs):
-            self.config = getattr(trainer_config, "config", trainer_config)
-            self.rollout_config = _get(_get(self.config, "actor_rollout_ref"), "rollout")
-            self.server_manager = server_manager
-            self.tokenizer = tokenizer
-            self.processor = processor
-            self.dataset_cls = dataset_cls
-            self.data_config = getattr(data_config, "config", data_config)
-
-        async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
-            raise NotImplementedError
-
-    _registry: dict[str, dict] = {}
-
-    def register(agent_name: str):
-        def decorator(subclass):
-            _registry[agent_name] = {"_target_": f"{subclass.__module__}.{subclass.__qualname__}"}
-            return subclass
-
-        return decorator
-
+    raise ImportError(f"rolloutd.gateway.verl_adapter needs veRL 0.9.1's agent loop ({type(_e).__name__}: {_e}); "
+                      "install it with: pip install 'rolloutd[trainers]' && pip install --no-deps verl==0.9.1") from _e
 
 AGENT_NAME = "rolloutd"
 INFRA_STATUSES = ("failed", "timeout", "cancelled")
@@ -214,6 +185,31 @@ def count_turns(traj: dict) -> int:
     return n
 
 
+class RowRefused(ValueError):
+    """A dataset row the configured handler cannot run (says what the row lacks)."""
+
+
+class SampleFailed(RuntimeError):
+    """``failed_rows: raise``: an infrastructure failure veRL should treat as a failed session."""
+
+
+# Handlers that run an ordinary chat row (``raw_prompt`` messages + ``reward_model``), and the
+# instance fields each needs from it. The harness handler joins this list once it ships.
+CHAT_HANDLERS = {"dialogue": ("messages",)}
+
+_newest_version = [None]  # the newest policy version any adapter in this process saw (fallback steps)
+
+
+def _as_int_steps(*candidates) -> int:
+    for c in candidates:
+        if c is not None:
+            try:
+                return int(c)
+            except (TypeError, ValueError):
+                continue
+    return 0
+
+
 @register(AGENT_NAME)
 class RolloutdAgentLoop(AgentLoopBase):
     """veRL agent loop whose episodes run in rolloutd (see the module doc)."""
@@ -221,7 +217,8 @@ class RolloutdAgentLoop(AgentLoopBase):
     def __init__(self, trainer_config=None, server_manager=None, tokenizer=None, processor=None, dataset_cls=None,
                  data_config=None, *, gateway: str | None = None, handler: str | None = None,
                  deadline_s: float | None = None, task_timeout_s: float | None = None, resubmit_failed: int = 0,
-                 instance_key: str = "rolloutd", client=None, **kwargs):
+                 instance_key: str = "rolloutd", tokenizer_path: str | None = None, segments: str | None = None,
+                 failed_rows: str = "mask", client=None, **kwargs):
         super().__init__(trainer_config, server_manager, tokenizer, processor, dataset_cls, data_config, **kwargs)
         self.gateway = gateway
         self.handler = handler
@@ -230,11 +227,23 @@ class RolloutdAgentLoop(AgentLoopBase):
         self.resubmit_failed = int(resubmit_failed)
         self.instance_key = instance_key
         self._client = client
-        rc = getattr(self, "rollout_config", None)
+        rc = self.rollout_config
         self.response_length = _get(rc, "response_length")
         self.prompt_length = _get(rc, "prompt_length")
-        tok = tokenizer
-        self.pad_token_id = getattr(tok, "pad_token_id", None)
+        self.use_v1 = bool(_get(_get(self.config, "trainer"), "use_v1", False))
+        if segments is None:
+            segments = "all" if self.use_v1 else "last"
+        if segments not in ("all", "last"):
+            raise ValueError(f"RolloutdAgentLoop: segments must be 'all' or 'last', not {segments!r}")
+        if segments == "all" and not self.use_v1:
+            raise ValueError("RolloutdAgentLoop: segments: all needs veRL's V1 path (trainer.use_v1: true); the legacy "
+                             "AgentLoopWorker takes one output per sample")
+        self.segments = segments
+        if failed_rows not in ("mask", "raise"):
+            raise ValueError(f"RolloutdAgentLoop: failed_rows must be 'mask' or 'raise', not {failed_rows!r}")
+        self.failed_rows = failed_rows
+        self.tokenizer_path = tokenizer_path or _get(_get(_get(self.config, "actor_rollout_ref"), "model"), "path")
+        self.pad_token_id = getattr(tokenizer, "pad_token_id", None)
         if self.pad_token_id is None:
             self.pad_token_id = 0
 
@@ -253,52 +262,103 @@ class RolloutdAgentLoop(AgentLoopBase):
         spec = dict(spec or {})
         handler = spec.get("handler") or self.handler
         if not handler:
-            raise ValueError("RolloutdAgentLoop: no handler (set `handler:` in the agent loop config or "
+            raise RowRefused("RolloutdAgentLoop: no handler (set `handler:` in the agent loop config or "
                              f"extra_info[{self.instance_key!r}]['handler'])")
         instance = spec.get("instance")
         if instance is None:
-            reward_model = _plain(kwargs.get("reward_model")) or {}
-            rest = {k: v for k, v in extra_info.items() if k != self.instance_key} if isinstance(extra_info, dict) \
-                else extra_info
-            instance = {"messages": _plain(kwargs.get("raw_prompt")),
-                        "ground_truth": reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
-                        "data_source": _plain(kwargs.get("data_source")), "extra_info": rest}
+            instance = self.chat_instance(handler, kwargs, extra_info)
         instance = dict(_plain(instance))
-        sampling = dict(instance.get("sampling") or {})
-        for k in ("temperature", "top_p", "top_k"):
-            if sampling_params.get(k) is not None:
-                sampling.setdefault(k, _plain(sampling_params[k]))
-        if self.response_length:
-            sampling.setdefault("max_tokens", int(self.response_length))
-        instance["sampling"] = sampling
+        if spec.get("sampling") is not False:  # False: a handler without `sampling` (synthetic ones)
+            # veRL's sampling wins over the instance's values (its greedy validation must stay
+            # greedy); only the row's spec-level `sampling` says otherwise.
+            sampling = dict(instance.get("sampling") or {})
+            for k in ("temperature", "top_p", "top_k"):
+                if sampling_params.get(k) is not None:
+                    sampling[k] = _plain(sampling_params[k])
+            sampling.update(_plain(spec.get("sampling") or {}))
+            if self.response_length:
+                cap = int(self.response_length)
+                sampling["max_tokens"] = min(int(sampling.get("max_tokens", cap)), cap)
+            instance["sampling"] = sampling
         iid = spec.get("instance_id")
         if iid is None:
+            uid = _plain(kwargs.get("uid"))  # V1: veRL's own id of the prompt (its GRPO group)
             idx = extra_info.get("index") if isinstance(extra_info, dict) else None
             idx = _plain(kwargs.get("index", idx))
             ds = _plain(kwargs.get("data_source"))
-            iid = f"{ds}-{idx}" if idx is not None else uuid.uuid4().hex[:12]
+            iid = uid if uid is not None else f"{ds}-{idx}" if idx is not None else uuid.uuid4().hex[:12]
         task = {"handler": handler, "instance": instance, "instance_id": str(iid), "n": 1}
         timeout = spec.get("timeout_s", self.task_timeout_s)
         if timeout is not None:
             task["timeout_s"] = float(timeout)
         return task
 
+    def chat_instance(self, handler: str, row: dict, extra_info) -> dict:
+        """The instance of an ordinary veRL chat row, or RowRefused saying what is missing."""
+        if handler not in CHAT_HANDLERS:
+            raise RowRefused(
+                f"RolloutdAgentLoop: handler {handler!r} cannot run an ordinary veRL chat row (raw_prompt + "
+                f"reward_model): the row lacks extra_info[{self.instance_key!r}]['instance'] (the {handler} "
+                f"instance). Give rows that spec, or use a chat handler: {', '.join(sorted(CHAT_HANDLERS))}")
+        messages = _plain(row.get("raw_prompt"))
+        lacks = []
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m
+                                                                      for m in messages):
+            lacks.append("raw_prompt (a non-empty list of chat messages with role/content)")
+        reward_model = _plain(row.get("reward_model")) or {}
+        ground_truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+        if ground_truth is None:
+            lacks.append("reward_model.ground_truth (the dialogue handler's reward: the last answer contains it)")
+        if not (self.tokenizer_path or os.environ.get("ROLLOUTD_TOKENIZER")):
+            lacks.append("a tokenizer (actor_rollout_ref.model.path or the adapter's tokenizer_path)")
+        if lacks:
+            raise RowRefused(f"RolloutdAgentLoop: handler {handler!r} cannot run this row: it lacks "
+                             + "; ".join(lacks))
+        rest = {k: v for k, v in extra_info.items() if k != self.instance_key} if isinstance(extra_info, dict) \
+            else extra_info
+        inst = {"messages": messages, "expect": str(ground_truth), "ground_truth": ground_truth,
+                "data_source": _plain(row.get("data_source")), "extra_info": rest}
+        if self.tokenizer_path:
+            inst["tokenizer"] = str(self.tokenizer_path)
+        return inst
+
     # -- trajectory -> AgentLoopOutput -----------------------------------------------------
-    def to_output(self, traj: dict) -> AgentLoopOutput:
+    def to_output(self, traj: dict, *, global_steps=None) -> AgentLoopOutput:
+        """The trajectory (its last segment, if it has several) as one AgentLoopOutput."""
+        return self.to_outputs(traj, global_steps=global_steps)[-1]
+
+    def to_outputs(self, traj: dict, *, global_steps=None) -> list[AgentLoopOutput]:
+        """One AgentLoopOutput per segment (``segments: all``), or of the last one."""
+        segs = segments_of(traj)
+        if self.segments == "last":
+            segs = segs[-1:]
+        return [self._segment_output(traj, seg, global_steps) for seg in segs]
+
+    def _segment_output(self, traj: dict, seg: dict, global_steps) -> AgentLoopOutput:
         ok = traj.get("status") == "ok"
-        prompt, resp, mask, lps = token_arrays(traj)
+        prompt, resp, mask, lps = token_arrays(seg)
+        truncated = False
+        if self.prompt_length and len(prompt) > int(self.prompt_length):
+            prompt = np.asarray(self._cap_text_prompt_length(prompt.tolist()), np.int64)  # veRL's own rule
+            truncated = True
         if self.response_length:
             resp, mask, lps = resp[: self.response_length], mask[: self.response_length], lps[: self.response_length]
         if not ok:
             mask = np.zeros_like(mask)
+        if len(prompt) == 0:  # failed before the prompt was rendered: veRL's tensors need a token
+            prompt = np.asarray([self.pad_token_id], np.int64)
         if len(resp) == 0:  # a job that failed before sampling: one masked pad token keeps shapes sane
             resp = np.asarray([self.pad_token_id], np.int64)
             mask = np.zeros(1, np.int64)
             lps = np.zeros(1, np.float32)
         lps = np.where(mask > 0, lps, 0.0).astype(np.float32)
-        versions = [int(t["policy_version"]) for t in traj.get("turns") or () if t.get("policy_version") is not None]
+        versions = [int(t["policy_version"]) for t in seg.get("turns") or () if t.get("policy_version") is not None]
         if not versions and traj.get("policy_version") is not None:
             versions = [int(traj["policy_version"])]
+        if versions:
+            _newest_version[0] = max(versions + ([_newest_version[0]] if _newest_version[0] is not None else []))
+        else:  # no turn ran: the row's own step, so veRL's int cast and staleness metrics stay sane
+            versions = [_as_int_steps(global_steps, _newest_version[0])]
         m = traj.get("metrics") or {}
         timing = traj.get("timing") or {}
         extra = {
@@ -308,13 +368,14 @@ class RolloutdAgentLoop(AgentLoopBase):
             "rolloutd_error": traj.get("error"),
             "rolloutd_policy_version": traj.get("policy_version"),
             "rolloutd_eval_details": traj.get("eval_details") or {},
+            "rolloutd_prompt_truncated": truncated,
+            "rolloutd_segment": int(seg.get("index", 0)),
             "turn_scores": [],
             "tool_rewards": [],
             "reward_extra_info": {"rolloutd_ok": float(ok)},
+            "min_global_steps": min(versions),
+            "max_global_steps": max(versions),
         }
-        if versions:
-            extra["min_global_steps"] = min(versions)
-            extra["max_global_steps"] = max(versions)
         metrics = AgentLoopMetrics(generate_sequences=float(m.get("llm_s", 0.0) or 0.0),
                                    tool_calls=float(m.get("tools_s", 0.0) or 0.0),
                                    compute_score=float(timing.get("eval", 0.0) or 0.0))
@@ -324,13 +385,13 @@ class RolloutdAgentLoop(AgentLoopBase):
             response_mask=mask.tolist(),
             response_logprobs=lps.tolist(),
             reward_score=float(traj.get("reward", 0.0)) if ok else 0.0,
-            num_turns=count_turns(traj),
+            num_turns=count_turns(seg),
             metrics=metrics,
             extra_fields=extra,
         )
 
     # -- the agent loop ----------------------------------------------------------------------
-    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+    async def run(self, sampling_params: dict[str, Any], **kwargs):
         task = self.build_task(dict(sampling_params or {}), **kwargs)
         traj = await self.client.arollout(task, deadline_s=self.deadline_s)
         for _ in range(self.resubmit_failed):
@@ -339,4 +400,9 @@ class RolloutdAgentLoop(AgentLoopBase):
             # An infrastructure failure says nothing about the policy: sample again rather than
             # hand veRL a masked-out row whose reward 0 would shift its GRPO group's baseline.
             traj = await self.client.arollout(task, deadline_s=self.deadline_s)
-        return self.to_output(traj)
+        if self.failed_rows == "raise" and traj.get("status") in INFRA_STATUSES:
+            err = traj.get("error") or {}
+            raise SampleFailed(f"rolloutd job {traj.get('job_id')} {traj.get('status')}: "
+                               f"{err.get('type', '')}: {err.get('message', '')}")
+        outs = self.to_outputs(traj, global_steps=_plain(kwargs.get("global_steps")))
+        return outs if self.segments == "all" and len(outs) > 1 else outs[-1]
