@@ -202,6 +202,12 @@ class ChatRenderer:
             ):
                 self._cont_tools = None
                 self._cont_probe_text = no_tools_probe
+        # Templates that render the LAST assistant message differently (Qwen3 adds an empty
+        # <think></think> to it) change the probe's assistant message once messages follow it.
+        # That is allowed: rolloutd never re-renders an assistant turn, the model keeps seeing
+        # what it sampled. Everything before that message (system, tools, user) must not change.
+        head = self._render(self._probe[:2], add_generation_prompt=False, tools=self._cont_tools)
+        self._cont_head_text = head if self._cont_probe_text.startswith(head) else None
         # Generation prompt, for information (e.g. "<|im_start|>assistant\n").
         with_gp = self._render(self._probe[:2], add_generation_prompt=True)
         without_gp = self._render(self._probe[:2], add_generation_prompt=False)
@@ -289,14 +295,25 @@ class ChatRenderer:
         else:  # structured content, reasoning fields, custom objects: let transformers normalize
             full = self._render_slow(self._probe + msgs, self._cont_tools, True)
         probe = self._cont_probe_text
-        if not full.startswith(probe):
+        if full.startswith(probe):
+            rest = full[len(probe) :]
+        else:
+            rest = self._after_assistant(full)
+        head = self.closer_after_eot if ended_with_eot else self.closer_text
+        text = head + rest
+        return self._encode_marked(text) if marked else self.enc.encode(text)
+
+    def _after_assistant(self, full: str) -> str:
+        """The text after the probe assistant message's closer in ``full``, when only that
+        message rendered differently; TemplateError when earlier turns changed."""
+        h = self._cont_head_text
+        j = full.find(self.MARKER, len(h)) if h is not None and full.startswith(h) else -1
+        if j < 0 or not full.startswith(self.closer_text, j + len(self.MARKER)):
             raise TemplateError(
                 "the chat template renders earlier turns differently once new messages are appended; "
                 "incremental (token-in/token-out) rendering is impossible with it"
             )
-        head = self.closer_after_eot if ended_with_eot else self.closer_text
-        text = head + full[len(probe) :]
-        return self._encode_marked(text) if marked else self.enc.encode(text)
+        return full[j + len(self.MARKER) + len(self.closer_text) :]
 
 
 _RENDERERS: dict[tuple[int, str, bool, str], tuple[Any, ChatRenderer]] = {}
