@@ -40,10 +40,8 @@ def test_printed_markers_do_not_end_the_call(bash):
 def test_readonly_prompt_and_wrapper_names_do_not_hang(bash):
     r = bash("readonly PS1='$ ' PS2='> ' __rld_n=1 __rld_rc=0 2>/dev/null; PROMPT_COMMAND='echo pc'; echo set", timeout=5)
     assert r.output == "set\n" and not r.timed_out
-    t0 = time.monotonic()
     r = bash("echo ok; (exit 4)", timeout=5)
-    assert r.output == "ok\n" and r.exit_code == 4 and not r.timed_out
-    assert time.monotonic() - t0 < 4
+    assert r.output == "ok\n" and r.exit_code == 4 and not r.timed_out  # the old marker hung until the timeout
     bash("unset PROMPT_COMMAND")
     bash(None, restart=True)  # readonly cannot be undone
 
