@@ -35,26 +35,31 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_agent_loop import BASH_TOOL, OBSERVATION, ROOT, start_backend, tokenizer_dir  # noqa: E402
-
-from rolloutd.llm.agent_loop import run_agent_loop  # noqa: E402
-from rolloutd.llm.client import LLMClient, SamplingParams, simple_generate  # noqa: E402
-from rolloutd.llm.conversation import Conversation  # noqa: E402
-from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve  # noqa: E402
-from rolloutd.llm.tokenizer_utils import load_tokenizer  # noqa: E402
-from rolloutd.llm.toolparse import get_parser  # noqa: E402
+from bench_agent_loop import BASH_TOOL, OBSERVATION, ROOT, start_backend, tokenizer_dir
+from rolloutd.llm.agent_loop import run_agent_loop
+from rolloutd.llm.client import LLMClient, SamplingParams, simple_generate
+from rolloutd.llm.conversation import Conversation
+from rolloutd.llm.openai_endpoint import (
+    EndpointLimits,
+    EndpointSession,
+    make_app,
+    serve,
+)
+from rolloutd.llm.tokenizer_utils import load_tokenizer
+from rolloutd.llm.toolparse import get_parser
 
 SYSTEM = "You are a software engineering agent working in a sandbox."
 
 # The agent: an openai-SDK tool loop, one rollout per socket, all at once. READY, then waits for a
 # line on stdin, runs, prints DONE and the number of calls per rollout.
 DRIVER = r"""
-import asyncio, json, sys
-import httpx2, openai
+import asyncio, importlib, json, sys
+import openai
+httpx_lib = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
 socks, turns, obs, tools, system = json.loads(sys.stdin.readline())
 
 async def one(i, sock):
-    http = httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=sock), timeout=120)
+    http = httpx_lib.AsyncClient(transport=httpx_lib.AsyncHTTPTransport(uds=sock), timeout=120)
     c = openai.AsyncOpenAI(base_url="http://localhost/v1", api_key="k", max_retries=0, http_client=http)
     msgs = [{"role": "system", "content": system},
             {"role": "user", "content": f"Task {i}: the test suite fails; find the bug and fix it."}]

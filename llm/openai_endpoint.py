@@ -43,8 +43,9 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import structlog
@@ -74,7 +75,7 @@ from .toolparse import get_parser
 
 log = structlog.get_logger("rolloutd.llm")
 
-__all__ = ["EndpointLimits", "EndpointError", "EndpointSession", "make_app", "serve", "EndpointServer"]
+__all__ = ["EndpointError", "EndpointLimits", "EndpointServer", "EndpointSession", "make_app", "serve"]
 
 GenerateFn = Callable[[Any, SamplingParams], Awaitable[tuple[Generation, str, int]]]
 
@@ -113,7 +114,7 @@ class _Gen:
 class _Segment:
     """A self-consistent token sequence: a Conversation (chat) or one raw completion."""
 
-    __slots__ = ("index", "conv", "tools", "entries", "closed", "raw")
+    __slots__ = ("closed", "conv", "entries", "index", "raw", "tools")
 
     def __init__(self, index: int, conv: Conversation | None, tools: list | None, entries: list) -> None:
         self.index = index
@@ -277,7 +278,7 @@ class EndpointSession:
                         conv.add_messages([m.template_dict() for m in tail])
                     except ContextOverflow as e:
                         raise bad(str(e), "messages", "context_length_exceeded") from None
-                    except Exception as e:  # the template refused them (e.g. raise_exception on role order)
+                    except Exception as e:  # noqa: BLE001 - the template refused them (e.g. raise_exception on role order)
                         raise bad(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                                   "messages") from None
                     for e in entries:
@@ -292,7 +293,7 @@ class EndpointSession:
         try:
             conv = Conversation(self.tokenizer, [m.template_dict() for m in msgs], tools,
                                 self.limits.max_context, **self.conv_options)
-        except Exception as e:  # TemplateError, or the template's own raise_exception
+        except Exception as e:  # noqa: BLE001 - TemplateError, or the template's own raise_exception
             raise bad(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                       "messages") from None
         if conv.remaining_context <= 0:
@@ -403,7 +404,7 @@ class EndpointSession:
             except BackendError as e:
                 raise EndpointError(503, f"no backend could serve the request: {e}", type="service_unavailable",
                                     code="backend_unavailable") from None
-            except Exception as e:  # router/lease failures (StaleLease, RouterError): the job's to decide
+            except Exception as e:  # noqa: BLE001 - router/lease failures (StaleLease, RouterError): the job's to decide
                 self.fatal = e
                 log.warning("endpoint_llm_failed", error=f"{type(e).__name__}: {e}")
                 raise EndpointError(503, f"LLM unavailable for this job: {type(e).__name__}: {e}",

@@ -6,7 +6,7 @@ see it (the ``generate`` callable) and compared with the trajectory, id for id."
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import importlib
 import json
 import re
 import time
@@ -17,11 +17,20 @@ import pytest
 openai = pytest.importorskip("openai", reason="the openai SDK is not installed (pip install rolloutd[harness])")
 pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[daemon])")
 
-from rolloutd.llm.client import LLMClient, simple_generate  # noqa: E402
-from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve  # noqa: E402
-from rolloutd.llm.policies import Policy, PolicyReply  # noqa: E402
+from rolloutd.llm.client import LLMClient, simple_generate
+from rolloutd.llm.openai_endpoint import (
+    EndpointLimits,
+    EndpointSession,
+    make_app,
+    serve,
+)
+from rolloutd.llm.policies import Policy, PolicyReply
 
-from .conftest import BASH_TOOL  # noqa: E402
+from .conftest import BASH_TOOL
+
+# The HTTP library the installed openai SDK is built on (httpx, or httpx2 in openai 3.x): a custom
+# http_client (a Unix-socket transport) must be one of its clients.
+httpx_lib = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
 
 pytestmark = pytest.mark.timeout(300)  # the first test also builds the Qwen2.5 tokenizer (slow on a busy box)
 
@@ -77,10 +86,8 @@ class Endpoint:
         self.session = EndpointSession(generate, self.tok, limits=self.limits or EndpointLimits(max_context=4096),
                                        **self.kw)
         if self.uds:
-            import httpx2
-
             self.server = await serve(make_app(self.session), uds=self.uds)
-            http = httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=self.uds))
+            http = httpx_lib.AsyncClient(transport=httpx_lib.AsyncHTTPTransport(uds=self.uds))
             self.client = openai.AsyncOpenAI(base_url=self.server.base_url, api_key="k", max_retries=0,
                                              http_client=http)
         else:
@@ -378,8 +385,6 @@ def test_call_budget_is_429_and_not_retried(qwen_tokenizer, scripted, arun):
 def test_unix_socket_models_completions_and_bad_requests(qwen_tokenizer, scripted, arun, tmp_path):
     """Over a Unix socket (what the sandbox relay connects to): /v1/models, /v1/completions with a
     token-id prompt (its own segment), stop strings, and clear errors for bad bodies."""
-    import httpx2
-
     tok = qwen_tokenizer
     be = scripted(tok, Script(tok, ["alpha beta STOP gamma", "chat reply"]))
     sock = str(tmp_path / "llm.sock")
@@ -395,7 +400,7 @@ def test_unix_socket_models_completions_and_bad_requests(qwen_tokenizer, scripte
             stream = await ep.client.completions.create(model="m", prompt="Hello", max_tokens=20, stream=True)
             streamed = "".join([ch.choices[0].text async for ch in stream if ch.choices])
             assert streamed == tok.decode(ep.seen[-1][1], skip_special_tokens=True)
-            async with httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=sock), timeout=10) as h:
+            async with httpx_lib.AsyncClient(transport=httpx_lib.AsyncHTTPTransport(uds=sock), timeout=10) as h:
                 bad = await h.post("http://localhost/v1/chat/completions", content=b"{not json")
                 nomsg = await h.post("http://localhost/v1/chat/completions", json={"messages": []})
                 img = await h.post("http://localhost/v1/chat/completions", json={"messages": [
@@ -490,15 +495,13 @@ BAD_BODIES = [
 
 
 def test_bad_requests_get_a_clear_400_and_change_nothing(qwen_tokenizer, scripted, arun):
-    import httpx2
-
     tok = qwen_tokenizer
     be = scripted(tok, Script(tok, ["fine"]))
 
     async def main():
         async with Endpoint(tok, be.url) as ep:
             base = ep.server.base_url
-            async with httpx2.AsyncClient(timeout=30) as h:
+            async with httpx_lib.AsyncClient(timeout=30) as h:
                 replies = [await h.post(base + "/chat/completions", json=b) for b in BAD_BODIES]
                 replies.append(await h.post(base + "/completions", json={"prompt": {"a": 1}}))
                 replies.append(await h.post(base + "/completions", json={"prompt": [1, "x"]}))
