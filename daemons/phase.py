@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
+import os
 import time
 
 from rolloutd.bus import codec
@@ -464,6 +465,22 @@ class RunDaemon(PhaseDaemon):
         # The router's incarnation: a restarted router lost the lease requests it held.
         self.control.setsockopt(_SUBSCRIBE, b"daemon.heartbeat")
         self.control.setsockopt(_SUBSCRIBE, b"daemon.started")
+        await self._preload_tokenizers()
+
+    async def _preload_tokenizers(self):
+        """Load the configured tokenizers before the first heartbeat: loading one takes seconds and
+        pauses the event loop (the JSON parses hold the GIL) even from a thread; at start it only
+        delays the daemon's start, later it would stall every job and the heartbeats."""
+        from rolloutd.llm.tokenizer_utils import preload_tokenizers
+
+        handlers = self.cfg.section("handlers")
+        paths = [c.get("tokenizer") for c in handlers.values() if isinstance(c, dict)]
+        paths.append(os.environ.get("ROLLOUTD_TOKENIZER"))
+        for fut in preload_tokenizers(p for p in paths if p):
+            try:
+                await asyncio.wrap_future(fut)
+            except Exception as e:  # noqa: BLE001 - a job that needs it fails with the error
+                self.log.warning("tokenizer_preload_failed", error=f"{type(e).__name__}: {e}")
 
     async def before_phase(self, ctx, handler):
         if handler.needs_llm:

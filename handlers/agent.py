@@ -7,7 +7,6 @@ opening messages (``messages``) and the score (``score``). The loop itself lives
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 
 from rolloutd.handlers.base import AgentHandler, JobContext
@@ -32,11 +31,19 @@ TOOL_SPECS = {
 OBSERVATION_CHARS = 8000  # what one tool result may add to the context
 
 
-@functools.lru_cache(maxsize=8)
 def tokenizer_at(path: str):
-    from rolloutd.llm.tokenizer_utils import load_tokenizer
+    """The tokenizer at ``path``, loaded once per process (blocking: use ``tokenizer_async`` on
+    an event loop)."""
+    from rolloutd.llm.tokenizer_utils import shared_tokenizer
 
-    return load_tokenizer(path)
+    return shared_tokenizer(path)
+
+
+def tokenizer_path(handler_config: dict, instance: dict) -> str:
+    path = instance.get("tokenizer") or handler_config.get("tokenizer") or os.environ.get("ROLLOUTD_TOKENIZER")
+    if not path:
+        raise ValueError("no tokenizer: set [handlers.<name>] tokenizer, $ROLLOUTD_TOKENIZER or instance.tokenizer")
+    return str(path)
 
 
 class ToolAgentHandler(AgentHandler):
@@ -72,10 +79,15 @@ class ToolAgentHandler(AgentHandler):
 
     # -- the phases --------------------------------------------------------------------------
     def tokenizer(self, ctx: JobContext):
-        path = ctx.instance.get("tokenizer") or self.config.get("tokenizer") or os.environ.get("ROLLOUTD_TOKENIZER")
-        if not path:
-            raise ValueError("no tokenizer: set [handlers.<name>] tokenizer, $ROLLOUTD_TOKENIZER or instance.tokenizer")
-        return tokenizer_at(str(path))
+        """Blocking (for threads); ``run`` on the daemon's loop uses ``tokenizer_async``."""
+        return tokenizer_at(tokenizer_path(self.config, ctx.instance))
+
+    async def tokenizer_async(self, ctx: JobContext):
+        """The job's tokenizer, loaded off the event loop once per daemon (the run daemon
+        preloads the configured ones at start)."""
+        from rolloutd.llm.tokenizer_utils import shared_tokenizer_async
+
+        return await shared_tokenizer_async(tokenizer_path(self.config, ctx.instance))
 
     async def init(self, ctx: JobContext):
         await asyncio.to_thread(self.setup_task, ctx)
@@ -88,10 +100,10 @@ class ToolAgentHandler(AgentHandler):
         from rolloutd.llm.conversation import Conversation
         from rolloutd.llm.toolparse import get_parser
 
-        tok = self.tokenizer(ctx)
+        tok = await self.tokenizer_async(ctx)
         specs = [TOOL_SPECS[t] for t in self.tools]
-        conv = Conversation(tok, self.messages(ctx), tools=specs or None,
-                            max_context=int(ctx.instance.get("max_context", self.max_context)))
+        conv = ctx.conversation = Conversation(tok, self.messages(ctx), tools=specs or None,
+                                               max_context=int(ctx.instance.get("max_context", self.max_context)))
         params = sampling_params(ctx.instance, self.max_tokens)
         client = ctx.tools() if ctx.sandbox else None
         allowed = set(self.tools)

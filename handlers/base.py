@@ -38,6 +38,9 @@ class JobContext:
         self.trajectory["attempts"] = job.attempt
         self.phase = "queue"
         self.llm = None  # set by the run daemon for handlers with needs_llm: an LLM session
+        # The job's token-level conversation (an llm.conversation.Conversation), if the handler
+        # registers it: however the phase ends, a failed result keeps the tokens sampled so far.
+        self.conversation = None
 
     # -- job fields ---------------------------------------------------------------------
     @property
@@ -84,6 +87,19 @@ class JobContext:
         self.trajectory["failed_phase"] = phase
         self.trajectory["error"] = {"type": type(exc).__name__, "message": str(exc)[:2000]}
         self.trajectory["reward"] = 0.0
+        self.keep_conversation()
+
+    def keep_conversation(self):
+        """Copy the registered conversation's tokens and turns into the trajectory (every
+        failure path calls this through ``fail``: a backend error on turn 2, a timeout, a
+        cancel still return turn 1's sampled ids, mask and logprobs)."""
+        conv = self.conversation
+        if conv is None:
+            return
+        self.trajectory.update(conv.arrays())
+        self.trajectory["turns"] = list(conv.turns)
+        if conv.turns and self.trajectory.get("policy_version") is None:
+            self.trajectory["policy_version"] = conv.turns[0].get("policy_version")
 
 
 class Services:

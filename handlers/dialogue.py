@@ -23,9 +23,9 @@ class DialogueHandler(ToolAgentHandler):
     async def run(self, ctx: JobContext):
         from rolloutd.llm.conversation import Conversation
 
-        tok = self.tokenizer(ctx)
-        conv = Conversation(tok, list(ctx.instance["messages"]),
-                            max_context=int(ctx.instance.get("max_context", self.max_context)))
+        tok = await self.tokenizer_async(ctx)
+        conv = ctx.conversation = Conversation(tok, list(ctx.instance["messages"]),
+                                               max_context=int(ctx.instance.get("max_context", self.max_context)))
         params = sampling_params(ctx.instance, self.max_tokens)
         final = ""
         for follow_up in [None, *ctx.instance.get("user_turns", [])]:

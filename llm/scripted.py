@@ -296,9 +296,10 @@ class ScriptedBackend:
         return f"http://{self.host}:{self.port}"
 
     def inject(self, kind: str, count: int = 1) -> None:
-        """Force the next ``count`` generation requests to fail: ``500``, ``drop`` or ``hang``."""
-        if kind not in ("500", "drop", "hang"):
-            raise ValueError("kind must be '500', 'drop' or 'hang'")
+        """Force the next ``count`` generation requests to fail: ``500``, ``400`` (vLLM's invalid
+        request reply), ``drop`` or ``hang``."""
+        if kind not in ("500", "400", "drop", "hang"):
+            raise ValueError("kind must be '500', '400', 'drop' or 'hang'")
         for _ in range(count):
             self._forced.append(kind)
 
@@ -513,6 +514,9 @@ class ScriptedBackend:
         if fail == "500":
             self.stats["injected_500"] += 1
             return _vllm_error(500, "injected failure", "InternalServerError")
+        if fail == "400":
+            self.stats["injected_400"] += 1
+            return _vllm_error(400, "injected bad request")
         if fail == "drop":
             self.stats["injected_drop"] += 1
             conn.closed = True

@@ -14,11 +14,15 @@ is cached on disk (conversion takes a few seconds) and is a regular
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import hashlib
 import os
 import re
 import shutil
 import tempfile
+import threading
+import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -84,6 +88,74 @@ def load_tokenizer(path: str | os.PathLike[str], **kwargs: Any):
 
     kwargs.setdefault("local_files_only", True)
     return AutoTokenizer.from_pretrained(str(path), **kwargs)
+
+
+# -- one shared load per tokenizer directory and process ------------------------------------
+# Loading a real tokenizer takes seconds (transformers parses tokenizer.json twice in Python,
+# then the Rust side parses it again). On a daemon's event loop that stalls every job and the
+# heartbeats, so the gateway presumed the run daemon dead. Loads run in a worker thread, once
+# per directory (concurrent callers share the load), and daemons preload what is configured.
+# A thread is not free: CPython's JSON decoder holds the GIL for one whole parse, so the loop
+# still pauses for the longest single parse; preloading at start avoids even that.
+_SHARED: dict[str, concurrent.futures.Future] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _claim(path: str | os.PathLike[str]) -> tuple[str, concurrent.futures.Future, bool]:
+    key = str(path)
+    with _SHARED_LOCK:
+        fut = _SHARED.get(key)
+        if fut is not None:
+            return key, fut, False
+        fut = _SHARED[key] = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()  # a waiter that is cancelled must not cancel the load
+        return key, fut, True
+
+
+def _fill(key: str, fut: concurrent.futures.Future, why: str) -> None:
+    t0 = time.perf_counter()
+    try:
+        tok = load_tokenizer(key)
+    except BaseException as e:  # noqa: BLE001 - every waiter gets the error; a later call tries again
+        with _SHARED_LOCK:
+            _SHARED.pop(key, None)
+        log.warning("tokenizer_load_failed", path=key, error=f"{type(e).__name__}: {e}", why=why)
+        fut.set_exception(e)
+        return
+    log.info("tokenizer_loaded", path=key, seconds=round(time.perf_counter() - t0, 3), why=why,
+             thread=threading.current_thread().name)
+    fut.set_result(tok)
+
+
+def shared_tokenizer(path: str | os.PathLike[str]):
+    """The tokenizer at ``path``, loaded once per process (blocking; for threads and scripts)."""
+    key, fut, mine = _claim(path)
+    if mine:
+        _fill(key, fut, "first use")
+    return fut.result()
+
+
+async def shared_tokenizer_async(path: str | os.PathLike[str]):
+    """The tokenizer at ``path``, loaded once per process in a worker thread: the event loop
+    keeps running while it loads, and every job that needs it meanwhile waits for that load."""
+    key, fut, mine = _claim(path)
+    if fut.done():
+        return fut.result()
+    if mine:
+        threading.Thread(target=_fill, args=(key, fut, "first use"), name="tokenizer-load", daemon=True).start()
+    return await asyncio.wrap_future(fut)
+
+
+def preload_tokenizers(paths) -> list[concurrent.futures.Future]:
+    """Start loading each of ``paths`` in its own thread (a daemon's configured tokenizers at
+    start); returns the loads' futures."""
+    futs = []
+    for path in dict.fromkeys(str(p) for p in paths if p):
+        key, fut, mine = _claim(path)
+        if mine:
+            threading.Thread(target=_fill, args=(key, fut, "preload"), name="tokenizer-preload", daemon=True).start()
+        futs.append(fut)
+    return futs
 
 
 def _qwen_tiktoken_file() -> Path:

@@ -112,12 +112,13 @@ def test_ctrl_c_stops_daemons_in_pipeline_order_with_events_last():
     """A terminal's Ctrl-C signals the whole foreground process group. Only the supervisor may
     act on it: it stops init, run, eval, gateway, router in turn and events last, so each stop
     notice is published."""
-    import subprocess
     import shutil
+    import subprocess
     import sys
 
     from rolloutd.bus.events import Subscriber
     from rolloutd.daemons.supervisor import wait_ready
+
     from tests.conftest import REPO, children_of, short_tmpdir
 
     rd = short_tmpdir()
