@@ -5,7 +5,6 @@ or leave a dead tool server behind; every shell restart is reported (issue 13 it
 All of it runs in a real bwrap sandbox (tool_env never falls back to the local runtime)."""
 import os
 import socket
-import struct
 import threading
 import time
 
@@ -187,7 +186,7 @@ def test_closing_the_wrappers_descriptors_restarts_with_a_note(bash, tamper):
 
 
 def test_agent_cannot_kill_the_tool_server(tool_env, bash):
-    _, h, c = tool_env
+    _, _, c = tool_env
     pid = c.ping().info["pid"]
     assert pid == 1  # the namespace's init: SIGKILL/SIGSTOP from inside never reach it
     r = bash("kill -9 $PPID; kill -9 1; kill -STOP 1; kill -INT 1; kill -TERM 1; kill -HUP 1; echo survived", timeout=5)
