@@ -83,8 +83,9 @@ def cmd_submit(args) -> int:
             except ValueError as e:
                 print(f"{args.tasks}:{i}: not JSON: {e}", file=sys.stderr)
                 return 2
-            if not isinstance(t, dict) or "handler" not in t:
-                print(f"{args.tasks}:{i}: each line must be an object with a 'handler'", file=sys.stderr)
+            if not isinstance(t, dict) or "handler" not in t or "instance" not in t:
+                print(f"{args.tasks}:{i}: each line must be an object with a 'handler' and an 'instance' "
+                      "(docs/PROTOCOL.md, the task map)", file=sys.stderr)
                 return 2
             tasks.append(t)
     counts: dict[str, int] = {}
