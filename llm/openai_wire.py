@@ -105,6 +105,8 @@ class Msg:
             d["name"] = self.name
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
+        if self.reasoning is not None and self.role == "assistant":  # the template decides what to show
+            d["reasoning_content"] = self.reasoning
         if self.calls:
             d["tool_calls"] = [
                 {"id": cid, "type": "function", "function": {"name": n, "arguments": json.loads(a)}}

@@ -518,3 +518,36 @@ def test_bad_requests_get_a_clear_400_and_change_nothing(qwen_tokenizer, scripte
     t = ep.session.trajectory()
     assert t["metrics"]["segments"] == 1
     check_exact(tok, t, ep.seen)
+
+
+class AbortOnce(Policy):
+    """The first generation is cut by a server-side abort (a weight swap); the rest continues it."""
+
+    def __init__(self, tok):
+        super().__init__()
+        self.tok, self.calls = tok, 0
+
+    def reply(self, request):
+        self.calls += 1
+        if self.calls == 1:
+            return PolicyReply(text="Hello wor", finish="abort")
+        return PolicyReply(text="ld!")
+
+
+def test_a_server_side_abort_is_continued_within_the_request(qwen_tokenizer, scripted, arun):
+    tok = qwen_tokenizer
+    be = scripted(tok, AbortOnce(tok))
+
+    async def main():
+        async with Endpoint(tok, be.url) as ep:
+            r = await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            return ep, r
+
+    ep, r = arun(main())
+    assert r.choices[0].message.content == "Hello world!" and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == sum(len(ids) for _, ids, _ in ep.seen)
+    t = ep.session.trajectory()
+    assert [x["continuation"] for x in t["turns"]] == [False, True]
+    assert [x["finish_reason"] for x in t["turns"]] == ["abort", "stop"]
+    assert t["metrics"]["aborts"] == 1 and t["metrics"]["segments"] == 1
+    check_exact(tok, t, ep.seen)
