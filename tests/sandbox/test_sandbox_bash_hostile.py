@@ -267,3 +267,17 @@ def test_require_bwrap_fails_when_the_run_demands_it(monkeypatch):
     monkeypatch.delenv("ROLLOUTD_REQUIRE_BWRAP")
     with pytest.raises(pytest.skip.Exception, match="denied"):
         sc.require_bwrap()
+
+
+def test_killed_tool_server_without_isolation_is_a_clear_error(local_rt):
+    # The local runtime (development only) has no pid namespace to protect the tool server:
+    # killing it must give the job a transport error at once, never a call that hangs.
+    from rolloutd.sandbox import ToolTransportError
+
+    h = local_rt.create("kill-local")
+    c = local_rt.client(h, timeout=10)
+    assert c.call("bash", {"command": "echo up"}).output == "up\n"
+    with pytest.raises(ToolTransportError, match="closed the connection|failed during"):
+        c.call("bash", {"command": "kill -9 $PPID; sleep 5", "timeout": 10})
+    with pytest.raises(ToolTransportError):  # refused, or reset if it raced the exit
+        ToolClient(h.tool_socket, connect_timeout=2).ping()
