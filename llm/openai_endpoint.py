@@ -163,7 +163,6 @@ class EndpointSession:
         self._lock = asyncio.Lock()
         self._inflight: asyncio.Future | None = None
         self._cancelled: str | None = None
-        self._ids = itertools.count()
         self._call_ids = itertools.count()
         self._decode_cache: dict[int, str] = {}
         self._prev_msgs: tuple[list, list[Msg]] | None = None
