@@ -43,6 +43,7 @@ starts only, through a throw-away ``*.dist-info`` on PYTHONPATH, and says so.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import random
@@ -71,10 +72,14 @@ def log(msg: str):
 
 
 # -- child processes ------------------------------------------------------------------------
-def _die_with_parent():
-    from rolloutd.daemons.supervisor import _die_with_parent as f
+def _die_with_parent():  # runs in the child between fork and exec: no imports here
+    try:
+        _libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the child dies with this script
+    except (OSError, AttributeError):
+        pass
 
-    f()
+
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
 class Child:
