@@ -1,4 +1,4 @@
-"""Isolation on bwrap, for real (skipped when bubblewrap or user namespaces are unusable)."""
+"""Isolation on bwrap, for real (skipped where bubblewrap or user namespaces are unusable; failed then under ROLLOUTD_REQUIRE_BWRAP=1)."""
 import json
 import multiprocessing
 import os

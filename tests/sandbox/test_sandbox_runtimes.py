@@ -132,11 +132,9 @@ def test_doctor_checks_and_cli(short_root, capsys, restore_structlog):
     assert "rolloutd doctor" in capsys.readouterr().out
 
 
-def test_doctor_deep_check_really_starts_a_sandbox(short_root):
-    from rolloutd.sandbox import bwrap_works, doctor
+def test_doctor_deep_check_really_starts_a_sandbox(short_root, need_bwrap):
+    from rolloutd.sandbox import doctor
 
-    if not bwrap_works()[0]:
-        pytest.skip("bubblewrap unusable here")
     checks = {c.name: c for c in doctor.check(short_root, deep=True)}
     assert checks["bwrap_sandbox"].ok, checks["bwrap_sandbox"].detail
     assert not list((Path(short_root) / "sb").iterdir())
