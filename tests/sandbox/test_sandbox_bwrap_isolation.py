@@ -1,4 +1,5 @@
-"""Isolation on bwrap, for real (skipped where bubblewrap or user namespaces are unusable; failed then under ROLLOUTD_REQUIRE_BWRAP=1)."""
+"""Isolation on bwrap, for real (skipped where bubblewrap or user namespaces are unusable;
+failed instead under ROLLOUTD_REQUIRE_BWRAP=1)."""
 import json
 import multiprocessing
 import os
