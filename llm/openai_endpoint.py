@@ -133,7 +133,14 @@ class _Segment:
     def record(self) -> dict:
         if self.conv is not None:
             d: dict[str, Any] = dict(self.conv.arrays())
-            d["turns"] = self.conv.turns
+            d["turns"] = turns = self.conv.turns
+            end = turns[-1]["end"] if turns else 0
+            if turns and len(d["response_ids"]) > end:
+                # messages rendered for a call that never sampled (it failed and was not sent again):
+                # the trajectory ends with the last sampled turn, as the built-in loop's does
+                for k in ("response_ids", "loss_mask", "logprobs"):
+                    d[k] = d[k][:end]
+                turns[-1]["obs_start"] = turns[-1]["obs_end"] = None
         else:
             assert self.raw is not None
             d = dict(self.raw)

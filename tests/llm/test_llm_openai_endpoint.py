@@ -446,6 +446,8 @@ def test_a_failed_call_sent_again_reuses_the_rendered_prompt(qwen_tokenizer, scr
                 await ep.client.chat.completions.create(model="m", messages=msgs)
             assert ei.value.status_code == 503 and ei.value.body["code"] == "backend_unavailable"
             assert ei.value.response.headers.get("x-should-retry") is None  # the SDK may retry this one
+            cut = ep.session.trajectory()  # the messages rendered for the failed call are not in it
+            assert cut["response_ids"].tolist() == ep.seen[0][1] and cut["turns"][0]["obs_start"] is None
             r = await ep.client.chat.completions.create(model="m", messages=msgs)
             assert r.choices[0].message.content == "second"
             return ep
