@@ -23,6 +23,8 @@ Interface (what the harness handler uses)::
   ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``; the ``/v1`` prefix is optional.
   Errors use OpenAI's JSON error shape (:class:`~rolloutd.llm.openai_wire.EndpointError`).
 * Requests of one session are served one at a time (the conversation is one sequence).
+* ``parser`` names a tool-call parser of the registry (``rolloutd.llm.toolparse``); ``conv_options``
+  are extra ``Conversation`` keywords (model-family settings); ``api_key`` is checked when set.
 
 Token capture. Each session keeps its current *segment*: a :class:`Conversation` plus the
 messages it represents, where the assistant messages are the replies we sampled. A request
