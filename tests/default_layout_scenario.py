@@ -20,6 +20,7 @@ from rolloutd.gateway.client import RolloutClient
 from rolloutd.handlers.oracles import Oracle
 from rolloutd.llm.scripted import ScriptedBackend
 from rolloutd.sandbox import get_runtime
+from rolloutd.sandbox.procs import is_running
 
 
 def up(*args: str, log: Path) -> subprocess.Popen:
@@ -87,7 +88,7 @@ def main() -> int:
             while rt.list() and time.monotonic() < deadline:
                 time.sleep(0.2)
             seen["orphan_reaped"] = not rt.list()
-            seen["orphan_pids_alive"] = [p for p in orphan.pids if Path(f"/proc/{p}").exists()]
+            seen["orphan_pids_alive"] = [p for p in orphan.pids if is_running(p)]  # zombies of ours are dead
         finally:
             stop(second)
     finally:

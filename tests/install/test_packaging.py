@@ -41,6 +41,7 @@ def test_no_old_top_level_import_names_anywhere():
 
 @pytest.fixture(scope="session")
 def dist(tmp_path_factory):
+    """The wheel and sdist, built once (the first test that needs them pays for the build)."""
     out = tmp_path_factory.mktemp("dist")
     r = subprocess.run([sys.executable, "-m", "build", "--wheel", "--sdist", "--outdir", str(out), str(REPO)],
                        capture_output=True, text=True, timeout=900)
@@ -88,6 +89,7 @@ def test_sdist_carries_the_source_folders(dist):
         assert any(n.split("/")[1:2] == [folder] for n in names), folder
 
 
+@pytest.mark.timeout(900)
 def test_client_needs_only_pyzmq_msgpack_numpy(dist, up, tmp_path):
     """A trainer node: a venv with the three client packages and the wheel (no extras). The client
     shim and the batch client import, import nothing else of the server stack, and talk to a
@@ -126,6 +128,7 @@ print(json.dumps({{"heavy": heavy, "version": __version__, "protocol": PROTOCOL_
     assert cli.returncode == 2 and "rolloutd[daemon]" in cli.stderr and "Traceback" not in cli.stderr, cli.stderr
 
 
+@pytest.mark.timeout(1800)  # a fresh venv with the daemon and tasks extras, then the demo
 def test_installed_wheel_runs_demo_and_doctor(dist, tmp_path, bwrap_required):
     """Not editable: every template, unit file, chat template, task patch and data file must be
     in the wheel for the demo (math, code, swe on bubblewrap) to pass."""
