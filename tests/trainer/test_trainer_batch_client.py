@@ -130,3 +130,73 @@ def test_async_gather_and_coalesced_submits(gw):
             assert [r["status"] for r in got] == ["timeout", "timeout"]
 
     asyncio.run(asyncio.wait_for(main(), 90))
+
+
+# -- whole groups: over-provisioning and dynamic sampling ---------------------------------------
+def job_ids_of(groups):
+    return {t["job_id"] for g in groups for t in g}
+
+
+def accounted(res):
+    """Every submitted job is in exactly one place."""
+    parts = [job_ids_of(res.groups), job_ids_of(res.rejected), job_ids_of(res.surplus),
+             {t["job_id"] for t in res.partial}, set(res.cancelled)]
+    assert sum(len(p) for p in parts) == len(set().union(*parts)) == res.submitted_jobs, parts
+
+
+def test_overprovision_keeps_the_first_complete_groups_and_cancels_exactly_the_rest(gw):
+    with BatchClient(gw, poll_wait_s=0.2) as c:
+        # four quick groups, two stuck ones (they would take 60 s)
+        tasks = [task(f"fast{k}", run_s=0.02) for k in range(4)] + [task(f"slow{k}", run_s=60.0) for k in range(2)]
+        res = c.overprovision(tasks, n=2, want=4, extra=0.5, deadline_s=120)
+        assert res.submitted_groups == 6 and res.submitted_jobs == 12 and not res.timed_out
+        assert sorted(g[0]["instance_id"] for g in res.groups) == [f"fast{k}" for k in range(4)]
+        assert all(len(g) == 2 and [t["sample_index"] for t in g] == [0, 1] for g in res.groups)
+        assert len(res.cancelled) == 4 and res.partial == [] and res.surplus == []
+        assert set(res.cancel_outcome) == set(res.cancelled)
+        assert set(res.cancel_outcome.values()) <= {"cancelling", "cancelled"}
+        accounted(res)
+        # the cancelled jobs really stop: the gateway reports them cancelled when asked again
+        for _ in range(100):
+            again = c.cancel(res.cancelled)
+            if set(again.values()) == {"cancelled"}:
+                break
+            time.sleep(0.1)
+        assert set(again.values()) == {"cancelled"}, again
+        with pytest.raises(ValueError, match="tasks for want"):
+            c.overprovision(tasks[:2], n=2, want=4)
+
+
+def test_dynamic_sample_refills_until_enough_groups_pass(gw):
+    with BatchClient(gw, poll_wait_s=0.2) as c:
+        tasks = (task(f"{'good' if k % 3 == 0 else 'flat'}{k}", run_s=0.01) for k in range(30))
+        res = c.dynamic_sample(tasks, n=2, want=3, accept=lambda g: g[0]["instance_id"].startswith("good"))
+        assert len(res.groups) == 3 and all(g[0]["instance_id"].startswith("good") for g in res.groups)
+        assert res.rejected and all(g[0]["instance_id"].startswith("flat") for g in res.rejected)
+        # refill: exactly one new group per rejected one
+        assert res.submitted_groups == 3 + len(res.rejected)
+        accounted(res)
+        # the source runs dry: returns what it has, not a hang
+        res = c.dynamic_sample([task(f"flat{k}", run_s=0.01) for k in range(4)], n=2, want=2,
+                               accept=lambda g: False)
+        assert res.groups == [] and len(res.rejected) == 4 and not res.timed_out and res.cancelled == []
+        accounted(res)
+
+
+def test_dynamic_sample_deadline_cancels_everything_outstanding(gw):
+    with BatchClient(gw, poll_wait_s=0.2) as c:
+        tasks = [task("quick", run_s=0.01)] + [task(f"stuck{k}", run_s=60.0) for k in range(2)]
+        res = c.dynamic_sample(tasks, n=2, want=2, inflight=3, accept=lambda g: True, deadline_s=1.5)
+        assert res.timed_out and [g[0]["instance_id"] for g in res.groups] == ["quick"]
+        assert len(res.cancelled) == 4 and set(res.cancel_outcome) == set(res.cancelled)
+        accounted(res)
+
+
+def test_has_reward_variance():
+    from rolloutd.gateway.batch import has_reward_variance
+
+    ok = lambda r: {"status": "ok", "reward": r}  # noqa: E731
+    assert has_reward_variance([ok(0.0), ok(1.0)])
+    assert not has_reward_variance([ok(1.0), ok(1.0), ok(1.0)])
+    assert not has_reward_variance([ok(1.0), {"status": "failed", "reward": 0.0}])  # failures do not count
+    assert not has_reward_variance([ok(0.5)])

@@ -159,3 +159,39 @@ def test_to_message_log_for_nemo_rl():
     assert to_message_log(traj(2, "i", 0, [1], []))[0]["token_ids"].tolist() == [1]
     torch = pytest.importorskip("torch")
     assert to_message_log(t, as_torch=True)[1]["token_ids"].dtype == torch.int64
+
+
+def test_segments_expand_into_rows_sharing_reward_and_group():
+    import numpy as np
+
+    from rolloutd.gateway.batch import collate, expand_segments, group_advantages, segments_of
+
+    def traj(job, reward, segs):
+        last = segs[-1]
+        t = {"job_id": job, "instance_id": "g", "sample_index": job, "status": "ok", "reward": reward,
+             "policy_version": 1, "turns": [], **{k: np.asarray(v) for k, v in last.items()}}
+        if len(segs) > 1:
+            t["segments"] = [dict({k: np.asarray(v) for k, v in sg.items()}, index=i, turns=[])
+                             for i, sg in enumerate(segs)]
+        return t
+
+    seg = lambda p, r: {"prompt_ids": p, "response_ids": r, "loss_mask": [1] * len(r),  # noqa: E731
+                        "logprobs": [-0.5] * len(r)}
+    a = traj(1, 1.0, [seg([1, 2], [3]), seg([1, 2, 3, 9], [4, 5])])
+    b = traj(2, 0.0, [seg([1], [6, 7])])
+    assert [s["index"] for s in segments_of(a)] == [0, 1] and len(segments_of(b)) == 1
+    rows = expand_segments([a, b])
+    assert [(r["job_id"], r["segment_index"], r["num_segments"]) for r in rows] == [(1, 0, 2), (1, 1, 2), (2, 0, 1)]
+    assert all("segments" not in r for r in rows)
+    last = collate([a, b])
+    assert last["responses"].tolist() == [[4, 5], [6, 7]] and last["segment_index"].tolist() == [1, 0]
+    ex = collate([a, b], segments="expand")
+    assert ex["responses"].tolist() == [[3, 0], [4, 5], [6, 7]]
+    assert ex["token_level_rewards"].tolist() == [[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]
+    assert ex["job_ids"].tolist() == [1, 1, 2] and ex["segment_index"].tolist() == [0, 1, 0]
+    # one vote per trajectory: two segments of job 1 do not count twice in the group's mean/std
+    adv = group_advantages(rows)
+    assert adv[0] == adv[1] and np.isclose(adv[0], -adv[2]) and adv[0] > 0
+    bad = dict(a, segments=[dict(s, index=1 - i) for i, s in enumerate(a["segments"])])
+    with pytest.raises(ValueError, match="not indexed"):
+        segments_of(bad)
