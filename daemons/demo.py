@@ -16,6 +16,10 @@ One command on a fresh machine:
    (JSONL, one result per line) were written;
 6. stops everything it started, also on Ctrl-C (outstanding jobs are cancelled first).
 
+``--domains math,code,swe,harness`` adds the harness section: mini-swe-agent (from PyPI, in a venv
+built with pip on first use, mounted read-only into the sandboxes) on a few swe tasks through the
+``harness`` handler and its per-job OpenAI endpoint; the oracle answers in mini-swe-agent's format.
+
 Exit code: 0 when every job came back ``ok`` (whatever its reward), 1 when some job failed,
 timed out or was cancelled, 2 when the system could not be started.
 """
@@ -35,6 +39,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 DOMAINS = ("math", "code", "swe")
+# Opt-in (--domains ...,harness): mini-swe-agent from PyPI on swe tasks, through the harness handler.
+HARNESS = "harness"
+HARNESS_JOBS = 3  # at most: mini-swe-agent's start-up (LiteLLM) is ~5 s of CPU per job
 MATH_DATASETS = ("basic_arithmetic", "chain_sum", "gsm_symbolic")
 
 
@@ -98,7 +105,7 @@ def build_tasks(per_domain: int, domains: list[str], hf: bool) -> list[dict]:
     tasks: list[dict] = []
     limits = {"max_turns": 3, "max_context": 4096, "sampling": {"max_tokens": 96}} if hf else {}
     swe_ids: list[str] = []
-    if "swe" in domains:
+    if "swe" in domains or HARNESS in domains:
         from rolloutd.handlers.swe_tasks import task_ids
 
         swe_ids = sorted(task_ids())
@@ -111,6 +118,14 @@ def build_tasks(per_domain: int, domains: list[str], hf: bool) -> list[dict]:
             elif d == "code":
                 inst = {"task_id": f"HumanEval/{i % 164}"}
                 iid = f"code/HumanEval/{i % 164}"
+            elif d == HARNESS:
+                if i >= HARNESS_JOBS:
+                    continue
+                tid = swe_ids[i % len(swe_ids)]
+                tasks.append({"handler": d, "instance_id": f"harness/mini-swe-agent/{tid}", "instance": {
+                    "preset": "mini-swe-agent", "setup": {"domain": "swe", "instance": {"task_id": tid}},
+                    "limits": {"max_llm_calls": 3 if hf else 8, "wall_s": 120}}})
+                continue
             else:
                 tid = swe_ids[i % len(swe_ids)]
                 inst = {"task_id": tid}
@@ -270,7 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Run the whole system on this machine with a mixed batch of math, code "
                                             "and swe tasks, then print a summary.")
     p.add_argument("--per-domain", type=int, default=4, help="jobs per domain (default 4)")
-    p.add_argument("--domains", default=",".join(DOMAINS), help="comma-separated subset of math,code,swe")
+    p.add_argument("--domains", default=",".join(DOMAINS),
+                   help="comma-separated subset of math,code,swe,harness (harness: mini-swe-agent on swe tasks, "
+                        "needs its venv: built with pip on first use)")
+    p.add_argument("--agent-venv", default=None,
+                   help="the harness's agent venv (default: $ROLLOUTD_AGENT_VENV or /var/tmp/rolloutd-agent-venv-UID)")
     p.add_argument("--backend", choices=["scripted", "hf"], default="scripted",
                    help="scripted: the oracle policy (default); hf: the tiny random model via rolloutd serve-hf")
     p.add_argument("--wrong-every", type=int, default=3,
@@ -293,9 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     if not console.is_terminal:
         console = Console(width=max(console.width, 120))
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
-    bad = [d for d in domains if d not in DOMAINS]
+    bad = [d for d in domains if d not in DOMAINS + (HARNESS,)]
     if bad or not domains or args.per_domain < 1:
-        console.print(f"[red]rolloutd demo: --domains must be a subset of {','.join(DOMAINS)} and "
+        console.print(f"[red]rolloutd demo: --domains must be a subset of {','.join(DOMAINS + (HARNESS,))} and "
                       f"--per-domain >= 1[/]")
         return 2
     children = Children()
@@ -355,7 +374,7 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
 
     model_dir = tiny_model_dir(cache, need_model=hf, console=console)
     runtime = choose_runtime(args.runtime, console)
-    if "swe" in domains:
+    if "swe" in domains or HARNESS in domains:
         from rolloutd.handlers.swe_tasks import build_all, task_ids
 
         wanted = sorted(task_ids())[:min(args.per_domain, 12)]
@@ -364,13 +383,15 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
         except Exception as e:  # noqa: BLE001 - e.g. no network on a cold cache
             console.print(f"[yellow]warning:[/] swe tasks could not be built ({type(e).__name__}: {e}); "
                           "skipping the swe domain.")
-            domains = [d for d in domains if d != "swe"]
+            domains = [d for d in domains if d not in ("swe", HARNESS)]
             if not domains:
                 raise DemoError("nothing left to run") from None
 
     # -- start the system ----------------------------------------------------------------------
     run_dir = workdir / "run"
     hcfg = {d: {"tokenizer": str(model_dir)} for d in DOMAINS}
+    if HARNESS in domains:
+        hcfg[HARNESS] = {"tokenizer": str(model_dir), "agent_venv": harness_venv(args, console)}
     # Sandboxes in the demo's own work dir: nothing of them outlives the demo.
     sets = [f"sandbox.runtime={runtime}", f"sandbox.root_dir={workdir / 'sb'}", "handlers=" + json.dumps(hcfg),
             "logging.format=json"]
@@ -384,10 +405,10 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
         children.add("serve-hf", hf_proc)
         backend_desc = f"tiny random model via serve-hf at {url}"
     else:
-        from rolloutd.handlers.oracles import Oracle
+        from rolloutd.handlers.harness_presets import HarnessOracle
         from rolloutd.llm.scripted import ScriptedBackend
 
-        policy = Oracle(wrong_every=args.wrong_every)
+        policy = HarnessOracle(wrong_every=args.wrong_every)  # the domain oracle, and mini-swe-agent's
         policy.warm()
         backend = children.add("scripted backend", ScriptedBackend(str(model_dir), policy=policy))
         backend.start()
@@ -430,6 +451,20 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
     if missing_n:
         console.print(f"[red]{missing_n} jobs did not finish before the deadline[/]")
     return 0 if n_ok == len(ids) else 1
+
+
+def harness_venv(args, console) -> str:
+    """The agent venv of the harness section: reused, or built with pip (mini-swe-agent, openai)."""
+    from rolloutd.handlers.harness_presets import build_agent_venv, venv_ready
+
+    path = args.agent_venv or os.environ.get("ROLLOUTD_AGENT_VENV") or f"/var/tmp/rolloutd-agent-venv-{os.getuid()}"
+    if not venv_ready(path):
+        console.print(f"building the agent venv for the harness section at {path} (pip: mini-swe-agent, openai) ...")
+        try:
+            build_agent_venv(path)
+        except Exception as e:  # noqa: BLE001 - no index on a cold pip cache: say so
+            raise DemoError(f"cannot build the agent venv at {path}: {e}; run without the harness domain") from None
+    return path
 
 
 def _collect(client, ids, dom_of, domains, results, out_path, args, console, to_jsonable):
