@@ -208,15 +208,14 @@ def test_synthetic_refuses_unknown_instance_keys(shared_up):
 @pytest.mark.parametrize("argv", [["status"], ["cancel", "1"], ["backend", "list"]])
 def test_cli_without_a_gateway_says_so_in_one_line(tmp_path, argv):
     for where in (["--runtime-dir", str(tmp_path)], ["--gateway", "tcp://127.0.0.1:9"]):
-        t0 = time.monotonic()
+        # With --timeout 10 the old client tried 4 x 10 s; the probe gives up after 3 s, so the
+        # subprocess timeout (30 s, generous for a loaded machine) only trips on the old behaviour.
         p = subprocess.run([sys.executable, "-m", "rolloutd.daemons.cli", *argv, *where, "--timeout", "10"],
-                           capture_output=True, text=True, timeout=60, cwd=REPO)
-        took = time.monotonic() - t0
+                           capture_output=True, text=True, timeout=30, cwd=REPO)
         assert p.returncode == 3, (p.returncode, p.stderr)
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
         assert "no gateway answers at" in lines[0] and "rolloutd up" in lines[0]
-        assert took < 30, took  # not 4 x --timeout: the probe gives up after a few seconds
 
 
 def test_cli_status_prints_versions(shared_up):
