@@ -20,8 +20,10 @@ keep-alive, which vLLM and SGLang use) are dropped, so the server never closes a
 connection we are about to reuse, and an idle connection is polled once before reuse (a
 restarted server's FIN may still be unread when the loop was busy). At the cap, a request
 for one host closes the longest-idle connection to another host rather than wait for it.
-There is no silent retry: a connection that closes before the response is an error
-(``RemoteProtocolError``), for the caller to fail over. Request bodies are sent whole with
+A connection that closes before the response is an error (``RemoteProtocolError``), for
+the caller to fail over, with one exception: a reused keep-alive connection that closes
+without one byte of reply is retried once on a new connection (the server's keep-alive
+timer beat us; the request was not answered, and generation has no side effects). Request bodies are sent whole with
 a Content-Length (a streamed body is read first); HEAD replies have no body.
 Cancelling the awaiting task, an error
 or a timeout aborts the connection (the server sees the disconnect, which is how
@@ -305,10 +307,12 @@ class FastTransport(httpx.AsyncBaseTransport):
         self._open -= 1  # the slot goes to the caller, not to a waiter
         return True
 
-    async def _connect(self, key: tuple[str, int], timeouts: dict, request: httpx.Request) -> tuple[_Conn, bool]:
+    async def _connect(
+        self, key: tuple[str, int], timeouts: dict, request: httpx.Request, fresh: bool = False
+    ) -> tuple[_Conn, bool]:
         loop = asyncio.get_running_loop()
         while True:
-            c = self._take_idle(key, loop.time())
+            c = None if fresh else self._take_idle(key, loop.time())
             if c is not None:
                 return c, True
             if self._open < self.max_connections or self._evict_idle():
@@ -367,20 +371,31 @@ class FastTransport(httpx.AsyncBaseTransport):
         head.append(b"\r\n")
         data = b"".join(head) + body
         loop = asyncio.get_running_loop()
-        conn, _reused = await self._connect(key, timeouts, request)
-        try:
-            status, reason, headers, content, keep = await conn.roundtrip(
-                data, timeouts.get("read"), request.method == "HEAD"
-            )
-        except _Stale:
-            self._discard(conn)
-            raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request) from None
-        except TimeoutError:
-            self._discard(conn)
-            raise httpx.ReadTimeout("timed out waiting for the response", request=request) from None
-        except BaseException:  # cancellation included: abort the request by closing the connection
-            self._discard(conn)
-            raise
+        conn, reused = await self._connect(key, timeouts, request)
+        while True:
+            try:
+                status, reason, headers, content, keep = await conn.roundtrip(
+                    data, timeouts.get("read"), request.method == "HEAD"
+                )
+                break
+            except _Stale:
+                self._discard(conn)
+                if not reused:
+                    raise httpx.RemoteProtocolError(
+                        "server disconnected without sending a response", request=request
+                    ) from None
+                # A kept-alive connection closed with not one byte of reply: the server's keep-alive
+                # timer ran out as we reused it (its clock starts when it sends, ours when this loop
+                # reads the reply, seconds later on a lagging loop). Once more on a new connection;
+                # failing here would report a healthy backend as failed to the router.
+                self.stats["stale_retries"] += 1
+                conn, reused = await self._connect(key, timeouts, request, fresh=True)
+            except TimeoutError:
+                self._discard(conn)
+                raise httpx.ReadTimeout("timed out waiting for the response", request=request) from None
+            except BaseException:  # cancellation included: abort the request by closing the connection
+                self._discard(conn)
+                raise
         if keep and not conn.closed and not self._closed:
             conn.last_used = loop.time()
             self._idle.setdefault(key, []).append(conn)

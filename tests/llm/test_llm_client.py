@@ -135,15 +135,27 @@ def test_http_500_is_a_backend_error(api, qwen_tokenizer, scripted, arun):
 @pytest.mark.parametrize("api", APIS)
 def test_dropped_connection_is_a_backend_error(api, qwen_tokenizer, scripted, arun):
     be = scripted(qwen_tokenizer, "echo")
-    be.inject("drop")
 
     async def main():
-        async with LLMClient(be.url, api, timeout=5) as c:
+        async with LLMClient(be.url, api, model="scripted", timeout=5) as c:
+            be.inject("drop")  # a new connection closed without a reply: an error at once
             with pytest.raises(BackendError):
                 await c.generate([1, 2, 3], SamplingParams(8))
+        assert be.stats["injected_drop"] == 1
+        async with LLMClient(be.url, api, model="scripted", timeout=5) as c:
+            await c.generate([1, 2, 3], SamplingParams(8))
+            # a kept-alive connection closed without a reply as it is reused (what a server's keep-alive
+            # timeout looks like): sent once more on a new connection
+            be.inject("drop")
+            assert (await c.generate([1, 2, 3], SamplingParams(8))).finish_reason in ("stop", "length")
+            assert be.stats["injected_drop"] == 2
+            # dropped again on the new connection too: a BackendError, not a loop
+            be.inject("drop", count=2)
+            with pytest.raises(BackendError):
+                await c.generate([1, 2, 3], SamplingParams(8))
+        assert be.stats["injected_drop"] == 4
 
     arun(main())
-    assert be.stats["injected_drop"] == 1
 
 
 def test_refused_connection_is_a_backend_error(arun):

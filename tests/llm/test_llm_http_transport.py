@@ -217,3 +217,34 @@ def test_cancel_aborts_the_connection(arun):
             assert c._transport.num_open == 0
 
     arun(main())
+
+
+def test_reused_connection_closed_without_reply_is_retried_once(arun):
+    seen = []
+
+    async def handler(path, body):
+        seen.append(path)
+        if path == "/drop-once" and seen.count(path) == 1:
+            return None  # a kept-alive connection closed as it was reused: not one byte of reply
+        if path == "/drop-always":
+            return None
+        return ok(b"fine")
+
+    async def main():
+        async with RawServer(handler) as srv:
+            t = FastTransport()
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{srv.port}", transport=t, timeout=5) as c:
+                assert (await c.get("/warm")).text == "fine"
+                assert (await c.post("/drop-once", content=b"x")).text == "fine"
+                assert t.stats["stale_retries"] == 1 and srv.connections == 2
+                # the retry goes on a new connection and is not repeated
+                with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
+                    await c.get("/drop-always")
+                assert t.stats["stale_retries"] == 2 and seen.count("/drop-always") == 2
+            # a new connection that closes without a reply is an error at once, never retried
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{srv.port}", transport=FastTransport(), timeout=5) as c:
+                with pytest.raises(httpx.RemoteProtocolError):
+                    await c.get("/drop-always")
+            assert seen.count("/drop-always") == 3
+
+    arun(main())
