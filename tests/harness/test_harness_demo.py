@@ -15,10 +15,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def test_demo_harness_section(tmp_path, agent_venv, swe_built):
-    from tests.harness.conftest import bwrap_ok
+    from tests.harness.conftest import need_bwrap
 
-    if not bwrap_ok()[0]:
-        pytest.skip("bubblewrap unusable here: %s" % bwrap_ok()[1])
+    need_bwrap()
     out = tmp_path / "traj.jsonl"
     before = set(demo_pids())
     p = subprocess.run([sys.executable, "-m", "rolloutd.daemons.cli", "demo", "--domains", "swe,harness",

@@ -35,10 +35,9 @@ def hf_server(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def hf_up(module_up_factory, tiny_model_dir, sandbox_root, agent_venv, hf_server):
-    from tests.harness.conftest import bwrap_ok
+    from tests.harness.conftest import need_bwrap
 
-    if not bwrap_ok()[0]:
-        pytest.skip("bubblewrap unusable here: %s" % bwrap_ok()[1])
+    need_bwrap()
     up = module_up_factory(*harness_sets(tiny_model_dir, sandbox_root, agent_venv))
     with up.client() as c:
         c.add_backend(hf_server.url)
