@@ -102,8 +102,14 @@ class ToolAgentHandler(AgentHandler):
 
         tok = await self.tokenizer_async(ctx)
         specs = [TOOL_SPECS[t] for t in self.tools]
+        # model-family options (docs/LLM.md, "Model families"): template variables, reasoning
+        # keep|drop, and the parser of the tokenizer's family unless one is configured
+        opt = lambda k, d=None: ctx.instance.get(k, self.config.get(k, d))  # noqa: E731
         conv = ctx.conversation = Conversation(tok, self.messages(ctx), tools=specs or None,
-                                               max_context=int(ctx.instance.get("max_context", self.max_context)))
+                                               max_context=int(ctx.instance.get("max_context", self.max_context)),
+                                               template_kwargs=opt("template_kwargs"), reasoning=opt("reasoning", "keep"))
+        fam = conv.renderer.family
+        parser = self.config.get("parser") or (fam.parser if fam is not None and self.parser == "hermes" else self.parser)
         params = sampling_params(ctx.instance, self.max_tokens)
         client = ctx.tools() if ctx.sandbox else None
         allowed = set(self.tools)
@@ -119,7 +125,7 @@ class ToolAgentHandler(AgentHandler):
             return observation(r)
 
         try:
-            res = await run_agent_loop(ctx.llm, conv, get_parser(self.parser), execute, params,
+            res = await run_agent_loop(ctx.llm, conv, get_parser(parser), execute, params,
                                        int(ctx.instance.get("max_turns", self.max_turns)), tok,
                                        tool_timeout=self.tool_timeout_s + 10)
         finally:

@@ -37,8 +37,13 @@ def _calls_json(style: str) -> str:
     raise ValueError(style)
 
 
-def script(family: str) -> list[str]:
+def script(family: str, thinking: bool = False) -> list[str]:
     """The texts of the assistant turns, each ending with the family's end token."""
+    if family == "deepseek_v31" and thinking:  # the generation prompt ends with <think>
+        calls = "".join(f"<｜tool▁call▁begin｜>python<｜tool▁sep｜>{json.dumps({'code': c})}<｜tool▁call▁end｜>"
+                        for c in CODES)
+        return [THINK + "</think>Checking.<｜tool▁calls▁begin｜>" + calls + "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>",
+                ANSWER + "<｜end▁of▁sentence｜>"]
     if family == "qwen3":
         return ["<think>\n" + THINK + "\n</think>\n\n" + _calls_json("hermes") + "<|im_end|>",
                 "<think>\nBoth print 42.\n</think>\n\n" + ANSWER + "<|im_end|>"]
@@ -102,18 +107,30 @@ def sandbox_root():
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_family_token_fidelity_through_run_daemon(family, up_factory, bwrap_required, sandbox_root):
+CASES = [(f, "keep", None) for f in sorted(FAMILIES)] + [
+    ("qwen3", "drop", None),
+    ("deepseek_v31", "drop", {"thinking": True}),
+    ("deepseek_v31", "keep", {"thinking": True}),
+]
+
+
+@pytest.mark.parametrize("family,reasoning,template_kwargs", CASES)
+def test_family_token_fidelity_through_run_daemon(family, reasoning, template_kwargs, up_factory, bwrap_required,
+                                                  sandbox_root):
     from rolloutd.llm.scripted import ScriptedBackend
 
     tok_dir = str(family_dir_or_skip(family))
     tok = family_or_skip(family)
-    turns = [tok.encode(t, add_special_tokens=False) for t in script(family)]
+    turns = [tok.encode(t, add_special_tokens=False) for t in script(family, bool(template_kwargs))]
     pol = Scripted(turns)
     backend = ScriptedBackend(tok_dir, policy=pol)
     backend.start()
     try:
-        hcfg = {"math": {"tokenizer": tok_dir, "parser": get_family(family).parser, "max_turns": 4}}
+        hcfg = {"math": {"tokenizer": tok_dir, "max_turns": 4, "reasoning": reasoning}}
+        if template_kwargs:
+            hcfg["math"]["template_kwargs"] = template_kwargs
+        if reasoning == "keep":  # the drop cases take the parser from the tokenizer's family
+            hcfg["math"]["parser"] = get_family(family).parser
         up = up_factory("sandbox.runtime=bwrap", f"sandbox.root_dir={sandbox_root}", "handlers=" + json.dumps(hcfg))
         with up.client() as c:
             c.add_backend(backend.url)
@@ -141,6 +158,23 @@ def test_family_token_fidelity_through_run_daemon(family, up_factory, bwrap_requ
     # every generation request carried exactly the trajectory so far
     # (the backend may see a context more than once: the client's retries, the run daemon's probes)
     prompt = list(r["prompt_ids"])
-    want = [prompt + resp[: t["start"]].tolist() for t in ts]
+    full = prompt + resp.tolist()
+    p = len(prompt)
+    hidden = [t["hidden"] for t in ts if t["hidden"] is not None]
+    if reasoning == "drop":  # the first turn's reasoning is hidden from the second generation
+        assert len(hidden) == 1 and ts[0]["hidden"] is not None
+        s, e = ts[0]["hidden"]
+        assert THINK in tok.decode(full[p + s:p + e]) and ts[0]["start"] - 1 <= s < e <= ts[0]["end"]
+    else:
+        assert hidden == []
+
+    def context(upto: int) -> list[int]:
+        keep = np.ones(p + upto, bool)
+        for s, e in hidden:
+            if p + e <= p + upto:
+                keep[p + s:p + e] = False
+        return [i for i, k in zip(full[: p + upto], keep) if k]
+
+    want = [context(t["start"]) for t in ts]
     assert all(p in want for p in pol.prompts)
     assert all(w in pol.prompts for w in want)
