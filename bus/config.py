@@ -41,7 +41,8 @@ DEFAULTS: dict = {
     "router": {"policy": "least_inflight", "health_interval_s": 5.0, "health_failures": 3,
                "lease_ttl_s": 30.0, "node_affinity": 0.1, "max_policy_lag": 0,
                "stale_policy": "finish"},
-    "sandbox": {"runtime": "auto", "root_dir": "", "janitor_interval_s": 5.0, "janitor_grace_s": 10.0},
+    "sandbox": {"runtime": "auto", "root_dir": "", "janitor_interval_s": 5.0, "janitor_grace_s": 10.0,
+                "quota_interval_s": 1.0},
     "handlers": {},                # per-handler config, by name
 }
 

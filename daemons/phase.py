@@ -401,6 +401,7 @@ class InitDaemon(PhaseDaemon):
         self.held_elsewhere: dict[str, tuple[set, float]] = {}
         self._strikes: set[str] = set()
         self._janitor = asyncio.create_task(self._janitor_loop())
+        self._quota = asyncio.create_task(self._quota_loop())
 
     def on_control(self, topic: str, body: dict):
         if topic == "daemon.heartbeat" and body.get("node") == self.node and body.get("daemon") in ("run", "eval"):
@@ -437,8 +438,23 @@ class InitDaemon(PhaseDaemon):
             self.log.warning("orphan_sandboxes_reaped", sandboxes=sorted(reaped))
             self.events.publish("sandbox.reaped", sandboxes=sorted(reaped))
 
+    async def _quota_loop(self):
+        """Limits.disk_mb: the workspace is a host dir, so the node measures it (docs/SANDBOX.md)."""
+        while True:
+            await asyncio.sleep(float(self.cfg.section("sandbox")["quota_interval_s"]))
+            if not self.cfg.sandbox_root().exists():
+                continue
+            try:
+                stopped = await asyncio.to_thread(self.services.runtime().enforce_disk_quotas)
+            except Exception as e:  # noqa: BLE001 - a failed measurement must not take the daemon down
+                self.log.warning("disk_quota_check_failed", error=f"{type(e).__name__}: {e}")
+                continue
+            for info in stopped:
+                self.events.publish("sandbox.disk_quota_exceeded", node=self.node, **info)
+
     async def teardown(self):
         self._janitor.cancel()
+        self._quota.cancel()
 
 
 class RunDaemon(PhaseDaemon):

@@ -68,7 +68,7 @@ class CodeHandler(DomainHandler):
         from rolloutd.sandbox import Limits, SandboxSpec
 
         return SandboxSpec(limits=Limits(memory_mb=1024, nproc=128, cpu_seconds=300, file_size_mb=64,
-                                         wall_seconds=1200))
+                                         wall_seconds=1200, disk_mb=512))
 
     def setup_task(self, ctx: JobContext) -> None:
         task_id = ctx.instance.get("task_id")

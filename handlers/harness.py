@@ -300,7 +300,8 @@ class HarnessHandler(AgentHandler):
             spec = domain.sandbox_spec(v)
             task_text = h["task"] or domain.user_message(v)
         else:
-            spec = SandboxSpec(limits=Limits(memory_mb=4096, nproc=512, cpu_seconds=3600, file_size_mb=512))
+            spec = SandboxSpec(limits=Limits(memory_mb=4096, nproc=512, cpu_seconds=3600, file_size_mb=512,
+                                                disk_mb=4096))
             task_text = h["task"]
         ctx.state["task_text"] = task_text
         wall = h["limits"]["wall_s"]

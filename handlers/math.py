@@ -195,7 +195,7 @@ class MathHandler(DomainHandler):
         from rolloutd.sandbox import Limits, SandboxSpec
 
         return SandboxSpec(limits=Limits(memory_mb=1024, nproc=64, cpu_seconds=120, file_size_mb=64,
-                                         wall_seconds=900))
+                                         wall_seconds=900, disk_mb=256))
 
     def setup_task(self, ctx: JobContext) -> None:
         inst = ctx.instance

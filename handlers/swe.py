@@ -66,7 +66,8 @@ class SWEHandler(DomainHandler):
     def sandbox_spec(self, ctx: JobContext):
         from rolloutd.sandbox import Limits, SandboxSpec
 
-        limits = Limits(memory_mb=2048, nproc=256, cpu_seconds=900, file_size_mb=256, wall_seconds=3600)
+        limits = Limits(memory_mb=2048, nproc=256, cpu_seconds=900, file_size_mb=256, wall_seconds=3600,
+                        disk_mb=4096)
         if ctx.services.runtime().name == "local":
             return SandboxSpec(limits=limits, env={"PYTHONPATH": pytest_link_dir(),
                                                    "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})

@@ -16,8 +16,8 @@ import threading
 from typing import Any, Dict, Optional, Tuple
 
 from .client import AsyncToolClient, ToolClient, ToolResult
-from .errors import (RuntimeUnavailable, SandboxError, SandboxSpecError, SandboxStartError,
-                     ToolTransportError)
+from .errors import (DiskQuotaExceeded, RuntimeUnavailable, SandboxError, SandboxNoSpace, SandboxSpecError,
+                     SandboxStartError, ToolTransportError)
 from .log import log
 from .runtime import Runtime, default_root
 from .spec import Limits, SandboxHandle, SandboxSpec
@@ -68,4 +68,5 @@ __all__ = [
     "SandboxSpec", "Limits", "SandboxHandle",
     "ToolClient", "AsyncToolClient", "ToolResult",
     "SandboxError", "SandboxSpecError", "SandboxStartError", "RuntimeUnavailable", "ToolTransportError",
+    "DiskQuotaExceeded", "SandboxNoSpace",
 ]

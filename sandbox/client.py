@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import os
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .errors import ToolTransportError
+from .errors import DiskQuotaExceeded, ToolTransportError
 from .log import log
 from .toolserver.wire import HEADER, FrameError, check_length, decode_body, encode, recv_frame
 
@@ -93,6 +95,12 @@ class ToolClient(_Base):
         return s
 
     def call(self, tool: str, args: Optional[Dict[str, Any]] = None, timeout: Optional[float] = None) -> ToolResult:
+        try:
+            return self._call(tool, args, timeout)
+        except ToolTransportError as e:
+            raise _why_gone(self.socket_path, e) from e
+
+    def _call(self, tool: str, args: Optional[Dict[str, Any]], timeout: Optional[float]) -> ToolResult:
         frame, wait = self._prepare(tool, args, timeout)
         with self._lock:
             sock = self._idle.pop() if self._idle else None
@@ -135,6 +143,22 @@ class ToolClient(_Base):
         self.close()
 
 
+def _why_gone(socket_path: str, e: ToolTransportError) -> ToolTransportError:
+    """A sandbox the node stopped for its disk quota says so in its state.json (next to run/,
+    where the socket lives): the caller gets DiskQuotaExceeded instead of a bare transport error."""
+    if isinstance(e, DiskQuotaExceeded):
+        return e
+    try:
+        with open(os.path.join(os.path.dirname(os.path.dirname(socket_path)), "state.json"), encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return e
+    if not isinstance(state, dict) or state.get("status") != "disk_quota_exceeded":
+        return e
+    return DiskQuotaExceeded("sandbox %s was stopped: its workspace held %d bytes, over its disk quota of %s MB"
+                             % (state.get("sandbox_id"), int(state.get("disk_used_bytes") or 0), state.get("disk_mb")))
+
+
 def _logged(tool: str, r: ToolResult, socket_path: str) -> ToolResult:
     if r.timed_out:
         log.info("tool_call_timed_out", tool=tool, duration_ms=round(r.duration * 1000, 1), socket=socket_path)
@@ -168,6 +192,12 @@ class AsyncToolClient(_Base):
             raise ToolTransportError("tool server at %s is not reachable: %r" % (self.socket_path, e)) from e
 
     async def call(self, tool: str, args: Optional[Dict[str, Any]] = None, timeout: Optional[float] = None) -> ToolResult:
+        try:
+            return await self._call(tool, args, timeout)
+        except ToolTransportError as e:
+            raise _why_gone(self.socket_path, e) from e
+
+    async def _call(self, tool: str, args: Optional[Dict[str, Any]], timeout: Optional[float]) -> ToolResult:
         frame, wait = self._prepare(tool, args, timeout)
         conn = self._idle.pop() if self._idle else await self._connect()
         reader, writer = conn

@@ -13,6 +13,10 @@ class SandboxStartError(SandboxError):
     """The sandbox or its tool server did not come up; the message carries the log tail."""
 
 
+class SandboxNoSpace(SandboxStartError):
+    """The node's sandbox root is full: the sandbox was not created (nothing half-made is left)."""
+
+
 class RuntimeUnavailable(SandboxError):
     """The requested runtime cannot work on this machine (binary missing, userns denied...)."""
 
@@ -22,4 +26,12 @@ class ToolTransportError(SandboxError, ConnectionError):
 
     This is an infrastructure failure (the sandbox is gone or wedged), never something to
     show the agent as a tool observation.
+    """
+
+
+class DiskQuotaExceeded(ToolTransportError):
+    """The sandbox's workspace outgrew Limits.disk_mb and the node stopped the sandbox.
+
+    A ToolTransportError (the sandbox is gone), named for the cause so the job's
+    error.type says why.
     """

@@ -13,6 +13,7 @@ tool server sees them).
 from __future__ import annotations
 
 import abc
+import errno
 import json
 import os
 import re
@@ -28,7 +29,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from . import procs, toollib
 from .client import ToolClient
-from .errors import SandboxError, SandboxSpecError, SandboxStartError, ToolTransportError
+from .errors import SandboxError, SandboxNoSpace, SandboxSpecError, SandboxStartError, ToolTransportError
 from .log import log
 from .loopback import LoopbackAllocator
 from .spec import SandboxHandle, SandboxSpec
@@ -134,8 +135,13 @@ class Runtime(abc.ABC):
             "created_at": time.time(), "creator_pid": os.getpid(),
             "creator_start": procs.start_time(os.getpid()), "pids": [], "extra": {},
             "workspace": str(d / "workspace"), "tool_socket": str(sock), "loopback": None, "deadline": None,
+            "disk_mb": spec.limits.disk_mb,
         }
-        self._write_state(d, state)
+        try:
+            self._write_state(d, state)
+        except OSError as e:  # a full sandbox root: leave nothing half-made behind
+            _rmtree(d)
+            raise _start_error(self.name, job_id, self.root_dir, e) from e
         ready_r = ready_w = None
         try:
             if len(str(sock).encode()) > MAX_SOCKET_PATH:
@@ -180,6 +186,8 @@ class Runtime(abc.ABC):
                         error=repr(e), log_tail=tail)
             if isinstance(e, SandboxSpecError) or not isinstance(e, Exception):
                 raise
+            if isinstance(e, OSError) and e.errno in _NO_SPACE:
+                raise _start_error(self.name, job_id, self.root_dir, e) from e
             raise SandboxStartError("%s sandbox for job %s did not start: %s%s" % (
                 self.name, job_id, e, ("\n--- sandbox log ---\n" + tail) if tail else "")) from e
         if ready_r is not None:
@@ -250,6 +258,37 @@ class Runtime(abc.ABC):
         self.loopback.reclaim_stale()
         self._poll_children()
         return reaped
+
+    def enforce_disk_quotas(self) -> List[Dict[str, Any]]:
+        """Stop every running sandbox whose workspace holds more than its Limits.disk_mb.
+
+        The state says why before the processes die (a tool client that loses its connection
+        reads it and raises DiskQuotaExceeded); the workspace is emptied at once so the node
+        gets its space back before the job's holder destroys the sandbox."""
+        stopped: List[Dict[str, Any]] = []
+        for d in sorted(self.sb_dir.iterdir()) if self.sb_dir.is_dir() else []:
+            if not _SID.match(d.name):
+                continue
+            state = self._read_state(d)
+            if not state or state.get("runtime") != self.name or state.get("status") != "running":
+                continue
+            if not state.get("disk_mb"):
+                continue
+            limit = int(float(state["disk_mb"]) * 1024 * 1024)
+            used = disk_usage(d / "workspace", stop_above=limit)
+            if used <= limit:
+                continue
+            state.update(status=DISK_QUOTA_STATUS, disk_used_bytes=used, stopped_at=time.time())
+            self._write_state(d, state)
+            try:
+                self._kill(state)
+            finally:
+                _empty_dir(d / "workspace")
+            info = {"job_id": state.get("job_id"), "sandbox_id": d.name, "disk_mb": state["disk_mb"],
+                    "used_bytes": used}
+            log.warning("sandbox_disk_quota_exceeded", runtime=self.name, **info)
+            stopped.append(info)
+        return stopped
 
     def get(self, sandbox_id: str) -> Optional[SandboxHandle]:
         if not _SID.match(sandbox_id):
@@ -369,6 +408,62 @@ class Runtime(abc.ABC):
                 raise SandboxStartError("tool server did not answer a ping: %s" % e) from e
         if r.output != "pong":
             raise SandboxStartError("unexpected ping answer: %r" % (r,))
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+DISK_QUOTA_STATUS = "disk_quota_exceeded"
+
+
+def _start_error(runtime: str, job_id: str, root: Path, e: OSError) -> SandboxError:
+    if e.errno in _NO_SPACE:
+        return SandboxNoSpace("%s sandbox for job %s not created: no space left on the sandbox root %s (%s)"
+                              % (runtime, job_id, root, e))
+    return SandboxStartError("%s sandbox for job %s did not start: %s" % (runtime, job_id, e))
+
+
+def disk_usage(path: Path, stop_above: Optional[int] = None) -> int:
+    """Bytes allocated under path (st_blocks, hard links once, symlinks not followed);
+    stops counting once past stop_above. Files vanishing mid-walk are skipped."""
+    total = 0
+    seen = set()
+    stack = [str(path)]
+    while stack:
+        top = stack.pop()
+        try:
+            it = os.scandir(top)
+        except OSError:
+            continue
+        with it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                except OSError:
+                    continue
+                if st.st_nlink > 1:
+                    if (st.st_dev, st.st_ino) in seen:
+                        continue
+                    seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+                if stop_above is not None and total > stop_above:
+                    return total
+    return total
+
+
+def _empty_dir(d: Path) -> None:
+    try:
+        entries = list(d.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        if p.is_dir() and not p.is_symlink():
+            _rmtree(p)
+        else:
+            try:
+                p.unlink()
+            except OSError:
+                pass
 
 
 def _chmod_traversable(d: Path) -> None:

@@ -20,6 +20,13 @@ class Limits:
     (RLIMIT_NPROC in the sandbox's own user namespace); wall_seconds kills the whole
     sandbox. Where a writable cgroup v2 is configured, memory_mb and nproc also apply to
     the sandbox as a whole.
+
+    disk_mb bounds what the sandbox's /workspace holds in total (allocated blocks of every
+    file). The workspace is a host directory (init fills it, eval reads it), so the quota is
+    enforced from the host: the node's init daemon measures every running sandbox's
+    workspace each sandbox.quota_interval_s and stops one that holds more; its tool calls
+    then raise DiskQuotaExceeded. file_size_mb (RLIMIT_FSIZE: EFBIG at once) bounds how far
+    one file can overshoot between two measurements. See docs/SANDBOX.md, "Disk quota".
     """
 
     memory_mb: Optional[int] = None
@@ -27,6 +34,7 @@ class Limits:
     cpu_seconds: Optional[int] = None
     file_size_mb: Optional[int] = None
     wall_seconds: Optional[float] = None
+    disk_mb: Optional[int] = None
 
     def __post_init__(self) -> None:
         for f in fields(self):

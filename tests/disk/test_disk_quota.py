@@ -1,0 +1,101 @@
+"""Limits.disk_mb: a sandbox whose workspace outgrows its quota is stopped by the node, its
+job fails with error.type DiskQuotaExceeded, its neighbours are untouched (issue 17.1)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from rolloutd.sandbox import (
+    DiskQuotaExceeded,
+    Limits,
+    SandboxSpec,
+    ToolClient,
+    ToolTransportError,
+    get_runtime,
+)
+from rolloutd.sandbox.runtime import disk_usage
+from rolloutd.sandbox.spec import SandboxSpecError
+
+from tests.conftest import alive, remove_tree, short_tmpdir
+
+# Writes 1 MiB files until stopped (each file well under file_size_mb, so only the quota stops it).
+HOG = "i=0; while true; do head -c 1048576 /dev/zero > f$i || true; i=$((i+1)); done"
+
+
+def test_disk_mb_validated():
+    assert Limits(disk_mb=10).disk_mb == 10
+    assert Limits.from_dict({"disk_mb": 7}).disk_mb == 7
+    for bad in (0, -1, "10", True):
+        with pytest.raises(SandboxSpecError):
+            Limits(disk_mb=bad)
+
+
+def test_disk_usage_counts_blocks_and_hard_links_once(tmp_path):
+    (tmp_path / "a").write_bytes(b"x" * 100_000)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b").write_bytes(b"y" * 50_000)
+    (tmp_path / "sub" / "link").hardlink_to(tmp_path / "a")
+    (tmp_path / "sym").symlink_to("/usr")  # not followed
+    used = disk_usage(tmp_path)
+    assert 150_000 <= used < 150_000 + 4 * 8192
+    assert disk_usage(tmp_path, stop_above=10) > 10
+
+
+@pytest.fixture
+def bwrap_rt(bwrap_required):
+    root = short_tmpdir("rd-dq-")
+    rt = get_runtime("bwrap", root_dir=root, ready_timeout=20.0)
+    yield rt
+    for h in rt.list():
+        rt.destroy(h)
+    remove_tree(root)
+
+
+def test_runtime_stops_the_sandbox_over_quota_and_spares_the_neighbour(bwrap_rt):
+    rt = bwrap_rt
+    hog = rt.create("1.1", SandboxSpec(limits=Limits(disk_mb=8, file_size_mb=4)))
+    calm = rt.create("2.1", SandboxSpec(limits=Limits(disk_mb=8)))
+    sandbox_pids = list(hog.pids)
+    with ToolClient(calm.tool_socket) as c:
+        assert c.call("bash", {"command": "head -c 2000000 /dev/zero > keep && echo ok", "timeout": 20}).output.strip() == "ok"
+    with ToolClient(hog.tool_socket) as c:
+        # RLIMIT_FSIZE stops one big file at once (EFBIG) ...
+        r = c.call("bash", {"command": "head -c 6000000 /dev/zero > big; echo rc=$?", "timeout": 20})
+        assert "rc=1" in r.output or "File too large" in r.output, r.output
+        # ... and many small ones go past the quota, which only the measurement catches.
+        c.call("bash", {"command": "rm -f big; for i in $(seq 12); do head -c 1048576 /dev/zero > f$i; done", "timeout": 20})
+    assert rt.enforce_disk_quotas() and not rt.enforce_disk_quotas()  # stopped once
+    assert all(not alive(p) for p in sandbox_pids)
+    assert disk_usage(hog.workspace) < 64 * 1024  # the space is back at once
+    with pytest.raises(DiskQuotaExceeded, match="disk quota of 8 MB"):
+        ToolClient(hog.tool_socket, connect_timeout=2).call("bash", {"command": "true", "timeout": 5})
+    with ToolClient(calm.tool_socket) as c:  # the neighbour under its quota is untouched
+        assert c.call("bash", {"command": "wc -c < keep", "timeout": 20}).output.strip() == "2000000"
+    assert rt.destroy(hog)  # the holder still destroys it as usual
+
+
+def test_a_plain_dead_sandbox_is_still_a_transport_error(bwrap_rt):
+    h = bwrap_rt.create("3.1", SandboxSpec(limits=Limits(disk_mb=8)))
+    bwrap_rt.destroy(h)
+    with pytest.raises(ToolTransportError) as ei:
+        ToolClient(h.tool_socket, connect_timeout=2).call("bash", {"command": "true", "timeout": 5})
+    assert not isinstance(ei.value, DiskQuotaExceeded)
+
+
+def test_agent_writing_until_stopped_fails_its_job_neighbour_ok(up_factory, bwrap_required, diskhog_entry_point):
+    up = up_factory("sandbox.runtime=bwrap", "sandbox.quota_interval_s=0.2")
+    with up.client(timeout_s=10) as c:
+        hog, calm = c.submit([
+            {"handler": "diskhog", "instance_id": "hog", "instance": {"disk_mb": 16, "command": HOG}},
+            {"handler": "diskhog", "instance_id": "calm",
+             "instance": {"disk_mb": 16, "command": "head -c 4000000 /dev/zero > data && wc -c < data"}},
+        ])
+        results = {r["job_id"]: r for r in c.gather([hog, calm], timeout_s=120)}
+    bad, good = results[hog], results[calm]
+    assert bad["status"] == "failed", bad
+    assert bad["failed_phase"] == "run"
+    assert bad["error"]["type"] == "DiskQuotaExceeded", bad["error"]
+    assert "disk quota of 16 MB" in bad["error"]["message"]
+    assert good["status"] == "ok", good
+    assert good["eval_details"]["output"].strip() == "4000000"
+    assert "sandbox_disk_quota_exceeded" in up.log()
