@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -86,17 +85,23 @@ def require_tool(tool: str, package: str) -> str:
     return path
 
 
-@pytest.fixture(scope="session")
-def bwrap_required():
-    """bubblewrap must work: skip with the reason where it does not, unless the run demands it
-    (CI sets ROLLOUTD_REQUIRE_BWRAP=1), then fail."""
+def require_bwrap() -> None:
+    """For tests that need a real sandbox: skip with the reason where bubblewrap does not work,
+    but fail when the run demands it (CI sets ROLLOUTD_REQUIRE_BWRAP=1). Never a fallback to the
+    local runtime: it has no mount namespace, so a test's rm -rf /tmp/* would hit the host."""
     from rolloutd.sandbox import bwrap_works
 
     ok, detail = bwrap_works()
-    if not ok:
-        if os.environ.get("ROLLOUTD_REQUIRE_BWRAP") == "1":
-            pytest.fail(f"ROLLOUTD_REQUIRE_BWRAP=1 but bubblewrap does not work here: {detail}")
-        pytest.skip(f"bubblewrap does not work here: {detail}")
+    if ok:
+        return
+    if os.environ.get("ROLLOUTD_REQUIRE_BWRAP") == "1":
+        pytest.fail(f"ROLLOUTD_REQUIRE_BWRAP=1 but bubblewrap does not work here: {detail}", pytrace=False)
+    pytest.skip(f"bubblewrap does not work here: {detail}")
+
+
+@pytest.fixture(scope="session")
+def bwrap_required():
+    require_bwrap()
 
 
 def children_of(pid: int) -> list[int]:

@@ -19,6 +19,7 @@ if str(ROOT) not in sys.path:  # until the project is pip-installed
 
 from rolloutd.sandbox import SandboxSpec, ToolClient, bwrap_works  # noqa: E402
 from rolloutd.sandbox import procs  # noqa: E402
+from tests.conftest import require_bwrap  # noqa: E402,F401 - one rule for every folder
 
 # Short timeouts everywhere: a stuck test should fail, not hang.
 FAST = dict(ready_timeout=20.0, interrupt_grace=0.5, default_timeout=20.0)
@@ -27,18 +28,6 @@ FAST = dict(ready_timeout=20.0, interrupt_grace=0.5, default_timeout=20.0)
 def bwrap_ok():
     ok, detail = bwrap_works()
     return ok, detail
-
-
-def require_bwrap():
-    """For tests that need a real sandbox: skip with the reason where bubblewrap does not work,
-    but fail when the run demands it (CI sets ROLLOUTD_REQUIRE_BWRAP=1). Never a fallback to the
-    local runtime: it has no mount namespace, so a test's rm -rf /tmp/* would hit the host."""
-    ok, detail = bwrap_ok()
-    if ok:
-        return
-    if os.environ.get("ROLLOUTD_REQUIRE_BWRAP") == "1":
-        pytest.fail("ROLLOUTD_REQUIRE_BWRAP=1 but bubblewrap does not work here: %s" % detail, pytrace=False)
-    pytest.skip("bubblewrap unusable here: %s" % detail)
 
 
 @pytest.fixture

@@ -258,9 +258,10 @@ def test_restart_in_a_cancelled_call_is_reported_to_the_next_call(tool_env):
 
 
 def test_require_bwrap_fails_when_the_run_demands_it(monkeypatch):
-    from tests.sandbox import conftest as sc
+    import rolloutd.sandbox
+    from tests import conftest as sc
 
-    monkeypatch.setattr(sc, "bwrap_works", lambda *a, **k: (False, "user namespaces denied (test)"))
+    monkeypatch.setattr(rolloutd.sandbox, "bwrap_works", lambda *a, **k: (False, "user namespaces denied (test)"))
     monkeypatch.setenv("ROLLOUTD_REQUIRE_BWRAP", "1")
     with pytest.raises(pytest.fail.Exception, match="denied"):
         sc.require_bwrap()
