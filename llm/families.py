@@ -222,12 +222,39 @@ def _add(backend, tokens: list[tuple[str, bool]], first_id: int) -> None:
             raise ValueError(f"added token {content!r} got id {backend.token_to_id(content)}, expected {first_id + i}")
 
 
-def _build(family: Family):
-    from tokenizers import Tokenizer, normalizers
+def _build(family: Family, vocab_cache: Path | None = None):
+    """The family's ``PreTrainedTokenizerFast``. The vocabulary part (the slow conversion) is
+    kept in ``vocab_cache`` (a tokenizer.json plus its special-token names) and shared by the
+    families that use the same vocabulary (qwen3 and qwen3_coder)."""
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    src = _source_files(family.vocabulary)[0]
-    v = family.vocabulary
+    if vocab_cache is not None and (vocab_cache / "kw.json").exists():
+        backend = Tokenizer.from_file(str(vocab_cache / "tokenizer.json"))
+        kw = json.loads((vocab_cache / "kw.json").read_text(encoding="utf-8"))
+    else:
+        backend, kw = _vocabulary(family.vocabulary)
+        if vocab_cache is not None:
+            def save_vocab(tmp: Path) -> None:
+                backend.save(str(tmp / "tokenizer.json"))
+                (tmp / "kw.json").write_text(json.dumps(kw), encoding="utf-8")
+
+            _atomic_save_dir(vocab_cache, save_vocab)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        chat_template=template_text(family.name),
+        model_max_length=131072,
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+        **kw,
+    )
+
+
+def _vocabulary(v: str):
+    """``(tokenizers.Tokenizer, special-token kwargs)`` of a vocabulary, built from its package."""
+    from tokenizers import Tokenizer, normalizers
+
+    src = _source_files(v)[0]
     kw: dict[str, Any] = {}
     if v == "qwen3":
         ranks = {}
@@ -289,14 +316,7 @@ def _build(family: Family):
         kw = dict(eos_token="<|return|>", pad_token="<|endoftext|>", bos_token=None)
     else:  # pragma: no cover
         raise KeyError(v)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        chat_template=template_text(family.name),
-        model_max_length=131072,
-        clean_up_tokenization_spaces=False,
-        split_special_tokens=False,
-        **kw,
-    )
+    return backend, kw
 
 
 def family_tokenizer_dir(
@@ -320,8 +340,13 @@ def family_tokenizer_dir(
     if (target / SIDE_CAR).exists():
         return target
 
+    vocab_cache = None
+    if out_dir is None:
+        vh = hashlib.sha256(f"{srcs}{[(s.stat().st_size, s.stat().st_mtime_ns) for s in srcs]}{BUILD_VERSION}".encode())
+        vocab_cache = target.parent / f"vocab-{fam.vocabulary}-{vh.hexdigest()[:12]}"
+
     def save(tmp: Path) -> None:
-        _build(fam).save_pretrained(str(tmp))
+        _build(fam, vocab_cache).save_pretrained(str(tmp))
         (tmp / SIDE_CAR).write_text(json.dumps({"family": name}), encoding="utf-8")
 
     log.info("family_tokenizer_building", family=name, target=str(target))

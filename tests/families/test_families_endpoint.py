@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from rolloutd.llm.families import FAMILIES, get_family
 from rolloutd.llm.policies import Policy, PolicyReply
 
@@ -20,7 +19,7 @@ from .conftest import BASH, family_dir_or_skip, family_or_skip
 pytest.importorskip("openai", reason="the openai SDK is not installed (pip install rolloutd[harness])")
 pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[daemon])")
 
-from tests.llm.test_llm_openai_endpoint import Endpoint, check_exact  # noqa: E402
+from tests.llm.test_llm_openai_endpoint import Endpoint, check_exact
 
 pytestmark = pytest.mark.timeout(600)
 

