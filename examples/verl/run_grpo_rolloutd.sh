@@ -23,7 +23,8 @@ python -m verl.trainer.main_ppo \
   actor_rollout_ref.rollout.response_length=16384 \
   actor_rollout_ref.rollout.temperature=1.0 \
   actor_rollout_ref.rollout.calculate_log_probs=true \
-  `# --- rolloutd: every sample goes through the adapter ---` \
+  `# --- rolloutd: every sample goes through the adapter (V1, veRL 0.9.1's default, and legacy alike) ---` \
+  trainer.use_v1=true \
   actor_rollout_ref.rollout.agent.agent_loop_config_path="$HERE/agent_loop.yaml" \
   actor_rollout_ref.rollout.agent.default_agent_loop=rolloutd \
   `# --- the service's logprobs are the behaviour policy's: correct for staleness with them ---` \

@@ -253,6 +253,9 @@ def test_run_through_rolloutd(up, backends, tiny_tokenizer):
         outs = await asyncio.gather(*(loop.run({"temperature": 1.0}, **synthetic_row(i)) for i in range(6)))
         failing = make_loop(tiny_tokenizer, gateway=up.gateway, deadline_s=60, resubmit_failed=1)
         bad = await failing.run({}, **synthetic_row(99, fail={"run": 1.0}))
+        raising = make_loop(tiny_tokenizer, gateway=up.gateway, deadline_s=60, failed_rows="raise", use_v1=True)
+        with pytest.raises(va.SampleFailed, match="failed"):  # V1 then marks the group "failure"
+            await raising.run({}, **synthetic_row(98, fail={"init": 1.0}))
         return outs, bad
 
     try:
