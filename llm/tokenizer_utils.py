@@ -99,6 +99,9 @@ def load_tokenizer(path: str | os.PathLike[str], **kwargs: Any):
 # still pauses for the longest single parse; preloading at start avoids even that.
 _SHARED: dict[str, concurrent.futures.Future] = {}
 _SHARED_LOCK = threading.Lock()
+# One load at a time: transformers' lazy imports are not thread-safe (two first loads at once
+# fail with "cannot import name 'AutoTokenizer'"), and the loads are GIL-bound anyway.
+_LOAD_LOCK = threading.Lock()
 
 
 def _claim(path: str | os.PathLike[str]) -> tuple[str, concurrent.futures.Future, bool]:
@@ -115,7 +118,8 @@ def _claim(path: str | os.PathLike[str]) -> tuple[str, concurrent.futures.Future
 def _fill(key: str, fut: concurrent.futures.Future, why: str) -> None:
     t0 = time.perf_counter()
     try:
-        tok = load_tokenizer(key)
+        with _LOAD_LOCK:
+            tok = load_tokenizer(key)
     except BaseException as e:  # noqa: BLE001 - every waiter gets the error; a later call tries again
         with _SHARED_LOCK:
             _SHARED.pop(key, None)

@@ -143,3 +143,22 @@ def test_run_daemon_preloads_configured_tokenizers_and_loads_others_once(up_fact
     preload = next(i for i, e in enumerate(events) if e.get("why") == "preload")
     started = next(i for i, e in enumerate(events) if e.get("event") == "daemon_started" and e.get("daemon") == "run")
     assert preload < started
+
+
+def test_two_tokenizers_loading_at_once_in_a_fresh_process(tiny_tokenizer_dir, tmp_path):
+    """transformers' lazy imports are not thread-safe: two first loads in parallel threads of a
+    fresh process can fail with "cannot import name 'AutoTokenizer'". Preloading several
+    configured tokenizers must not hit that."""
+    import subprocess
+    import sys
+
+    a = shutil.copytree(tiny_tokenizer_dir, tmp_path / "a")
+    b = shutil.copytree(tiny_tokenizer_dir, tmp_path / "b")
+    code = ("import sys\n"
+            "from rolloutd.llm.tokenizer_utils import preload_tokenizers\n"
+            "futs = preload_tokenizers(sys.argv[1:])\n"
+            "print(len({id(f.result()) for f in futs}))\n")
+    for _ in range(3):  # a fresh interpreter each time: the race is on the first import
+        out = subprocess.run([sys.executable, "-c", code, str(a), str(b)], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip() == "2", out.stdout  # two distinct tokenizers loaded
