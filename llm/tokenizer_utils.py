@@ -116,9 +116,9 @@ def _claim(path: str | os.PathLike[str]) -> tuple[str, concurrent.futures.Future
 
 
 def _fill(key: str, fut: concurrent.futures.Future, why: str) -> None:
-    t0 = time.perf_counter()
     try:
         with _LOAD_LOCK:
+            t0 = time.perf_counter()  # the load itself, not the wait for another
             tok = load_tokenizer(key)
     except BaseException as e:  # noqa: BLE001 - every waiter gets the error; a later call tries again
         with _SHARED_LOCK:
