@@ -43,6 +43,7 @@ ERROR_CODES = {
     "not_found": "no such job",
     "already_finished": "the job already has a result",
     "unavailable": "the service cannot do that now (no router, draining)",
+    "journal_full": "the gateway cannot write its journal (disk full); nothing was applied, retry later",
     "internal": "an unexpected error in the service; the request was not applied",
 }
 

@@ -113,9 +113,9 @@ class Gateway(Daemon):
             self._dispatch()
             # Everything this turn decided (jobs, results, acks, what the replies will carry, which
             # jobs leave as which attempt) is durable before any reply or job goes out.
-            self.journal.commit()
-            self._flush_replies()
-            self._send_dispatched()
+            if self._commit():
+                self._flush_replies()
+                self._send_dispatched()
             now = time.monotonic()
             if now - last_sweep > 1.0:
                 last_sweep = now
@@ -152,6 +152,7 @@ class Gateway(Daemon):
             self.malformed["requests"] += 1
             self._error(route, req_id, getattr(e, "code", "malformed"), str(e))
             return
+        held, pending = len(self.replies), len(self.journal.pending)
         try:
             getattr(self, f"_op_{msg.KIND}")(route, msg)
         except MessageError as e:
@@ -159,6 +160,11 @@ class Gateway(Daemon):
         except Exception as e:  # noqa: BLE001 - a bug still owes the client its one reply
             self.log.error("request_failed", kind=msg.KIND, error=f"{type(e).__name__}: {e}")
             self._error(route, msg.req_id, "internal", f"{type(e).__name__}: {e}")
+        if self.journal.failing and len(self.journal.pending) == pending:
+            # It wrote nothing (status, say): its reply need not wait for the disk.
+            for r, frames in self.replies[held:]:
+                self.front.send_multipart(r + frames, copy=False)
+            del self.replies[held:]
 
     def _reply(self, route, req_id: int, **body):
         frames = codec.encode(Reply(req_id=req_id, body=body).to_wire())
@@ -166,7 +172,32 @@ class Gateway(Daemon):
 
     def _error(self, route, req_id: int, code: str, message: str):
         self.log.info("request_rejected", code=code, error=message[:300])
-        self.replies.append((route, codec.encode(Error(code=code, message=message, req_id=req_id).to_wire())))
+        frames = codec.encode(Error(code=code, message=message, req_id=req_id).to_wire())
+        if self.journal.failing:  # an error promises nothing durable: it need not wait for the disk
+            self.front.send_multipart(route + frames, copy=False)
+        else:
+            self.replies.append((route, frames))
+
+    def _commit(self) -> bool:
+        """Commit the journal; False while the disk is full (replies and jobs then wait: see journal.py)."""
+        was = self.journal.failing
+        ok = self.journal.commit()
+        if ok and was:
+            self.log.warning("journal_writable_again", free_bytes=self.journal.free_bytes(), held_replies=len(self.replies))
+            self.events.publish("gateway.journal_recovered", path=self.journal.path, free_bytes=self.journal.free_bytes())
+        elif not ok and not was:
+            self.log.error("journal_full", error=self.journal.error, path=self.journal.path,
+                           free_bytes=self.journal.free_bytes(), pending=len(self.journal.pending))
+            self.events.publish("gateway.journal_full", path=self.journal.path, error=self.journal.error,
+                                free_bytes=self.journal.free_bytes())
+        return ok
+
+    def _refuse_if_journal_full(self):
+        if self.journal.failing:
+            raise MessageError("journal_full", f"the gateway cannot write its journal {self.journal.path} "
+                               f"({self.journal.error}; {self.journal.free_bytes()} bytes free): this request "
+                               "was not applied; retry once space is back (a submit with the same idempotency_key: "
+                               "an earlier try of it may yet be committed)")
 
     def _flush_replies(self):
         for route, frames in self.replies:
@@ -174,6 +205,7 @@ class Gateway(Daemon):
         self.replies.clear()
 
     def _op_submit(self, route, msg):
+        self._refuse_if_journal_full()
         key = (msg.client_id, msg.idempotency_key) if msg.idempotency_key else None
         if key and key in self.table.idem:
             self._reply(route, msg.req_id, job_ids=self.table.idem[key], duplicate=True)
@@ -209,6 +241,7 @@ class Gateway(Daemon):
         self._reply(route, msg.req_id, job_ids=job_ids, duplicate=False)
 
     def _op_poll(self, route, msg):
+        self._refuse_if_journal_full()  # a poll journals its acks and what it delivers
         c = self.table.touch(msg.client_id)
         if msg.after > c.sent:
             # Acknowledging what no reply carried would delete results the client never saw.
@@ -253,6 +286,7 @@ class Gateway(Daemon):
     def _op_cancel(self, route, msg):
         """Idempotent: the answer is the job's outcome, not what this call did, so a retried
         cancel says the same (or, once the job finished, what it finished as)."""
+        self._refuse_if_journal_full()
         out, outcome = {}, {}
         to_broadcast = []
         for jid in msg.job_ids:
@@ -292,7 +326,7 @@ class Gateway(Daemon):
             d.pop("jobs", None)
         self._reply(route, msg.req_id, version=__version__, protocol=PROTOCOL_VERSION, paused=self.paused,
                     **self.table.counts(), totals=dict(self.table.totals), daemons=daemons, backends=self.backends,
-                    journal=self.journal.path or "", handlers=sorted(self.handlers), malformed=dict(self.malformed))
+                    journal=self.journal.path or "", journal_full=self.journal.failing, handlers=sorted(self.handlers), malformed=dict(self.malformed))
 
     def _op_start(self, route, msg):
         self.paused = False
@@ -360,7 +394,7 @@ class Gateway(Daemon):
         the commit would leave them ``queued`` in the journal and recovery would run the same
         (job, attempt) a second time; journalled first, recovery finds them in flight and a re-run
         gets attempt + 1."""
-        if self.paused:
+        if self.paused or self.journal.failing:
             return
         q = self.table.queue
         room = self.to_init.credit()
@@ -564,8 +598,8 @@ class Gateway(Daemon):
             if not self.stream_silent:
                 self.stream_silent = True
                 self.log.warning("events_stream_silent", silent_s=round(now - self.last_event_at, 1))
-            self.journal.commit()
-            self._flush_replies()
+            if self._commit():
+                self._flush_replies()
             return
         if self.stream_silent:
             self.stream_silent = False
@@ -584,8 +618,8 @@ class Gateway(Daemon):
         for rec in list(self.table.jobs.values()):
             if rec.state == "dispatched" and now - rec.last_seen > lease:
                 self._redispatch(rec.job_id, rec.attempt, f"unseen in any heartbeat for {lease:.0f}s")
-        self.journal.commit()
-        self._flush_replies()
+        if self._commit():
+            self._flush_replies()
 
     def _expire_clients(self, wall: float):
         """Results nobody came for within the retention period are dropped (and the client forgotten)."""
@@ -609,5 +643,7 @@ class Gateway(Daemon):
     async def teardown(self):
         for _, route, msg in self.waiters:
             self._poll_reply(route, msg, [])
-        self._flush_replies()
+        self.journal.failing = False  # a last try, whatever the retry clock says
+        if self._commit():
+            self._flush_replies()
         self.journal.close()

@@ -5,9 +5,17 @@ commits once per loop turn (a group commit), then sends the replies that depend 
 ``synchronous=NORMAL`` in WAL mode survives a killed process (kill -9), which is what the
 daemon must survive; set ``journal_sync = "full"`` to survive power loss as well.
 ``Journal(None)`` keeps nothing on disk (benchmarks, throwaway runs).
+
+A full disk: writes are kept as pending statements and run in one transaction at commit.
+When the commit fails for want of space (SQLite rolls the whole transaction back), the
+statements stay pending, ``commit`` returns False and ``failing`` is set; the gateway then
+sends nothing that depends on them and refuses new work (error ``journal_full``). Each
+later commit (at most every RETRY_S) runs them again; once one sticks, the turn's replies go
+out. Committed rows are never touched by a failed commit.
 """
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -47,11 +55,27 @@ CREATE TABLE IF NOT EXISTS clients (
 """
 
 
+# SQLITE_IOERR (ENOSPC on a WAL truncate or fsync surfaces as one) and SQLITE_FULL.
+_NO_SPACE_CODES = (10, 13)
+RETRY_S = 0.5  # a failing commit is retried at most this often (each try writes until ENOSPC)
+
+
+def no_space(e: BaseException) -> bool:
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None:
+        return (code & 0xFF) in _NO_SPACE_CODES
+    return isinstance(e, sqlite3.OperationalError) and ("disk is full" in str(e) or "disk I/O" in str(e))
+
+
 class Journal:
     def __init__(self, path: str | Path | None, sync: str = "normal"):
         self.path = str(path) if path else None
         self.db = None
         self.dirty = False
+        self.pending: list[tuple[str, object, bool]] = []  # (sql, params, executemany) not yet committed
+        self.failing = False   # the last commit failed for want of space; pending holds its statements
+        self.error = ""        # why (SQLite's message), while failing
+        self._retry_at = 0.0
         if self.path:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -63,93 +87,122 @@ class Journal:
                 # A journal from before ``sent`` was kept: trust every sequence number it issued.
                 self.db.execute("ALTER TABLE clients ADD COLUMN sent INTEGER NOT NULL DEFAULT 0")
                 self.db.execute("UPDATE clients SET sent = next_seq - 1")
-            self.db.execute("BEGIN")
 
     @property
     def durable(self) -> bool:
         return self.db is not None
 
-    # -- writes (buffered in the open transaction until commit) ----------------------------
+    def free_bytes(self) -> int | None:
+        """Bytes an unprivileged writer can still use on the journal's filesystem."""
+        if not self.path:
+            return None
+        try:
+            st = os.statvfs(Path(self.path).parent)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
+
+    # -- writes (pending until commit runs them in one transaction) ----------------------------
+    def _write(self, sql: str, params, many: bool = False):
+        self.pending.append((sql, params, many))
+        self.dirty = True
+
     def add_jobs(self, rows: list[tuple[int, str, dict]]):
         if self.db:
             now = time.time()
-            self.db.executemany("INSERT INTO jobs(job_id, client_id, spec, attempt, state, updated) VALUES (?,?,?,?,?,?)",
-                                [(jid, cid, codec.pack(spec), 1, "queued", now) for jid, cid, spec in rows])
-            self.dirty = True
+            self._write("INSERT INTO jobs(job_id, client_id, spec, attempt, state, updated) VALUES (?,?,?,?,?,?)",
+                        [(jid, cid, codec.pack(spec), 1, "queued", now) for jid, cid, spec in rows], many=True)
 
     def set_state(self, job_id: int, state: str, attempt: int | None = None):
         if self.db:
             if attempt is None:
-                self.db.execute("UPDATE jobs SET state=?, updated=? WHERE job_id=?", (state, time.time(), job_id))
+                self._write("UPDATE jobs SET state=?, updated=? WHERE job_id=?", (state, time.time(), job_id))
             else:
-                self.db.execute("UPDATE jobs SET state=?, attempt=?, updated=? WHERE job_id=?", (state, attempt, time.time(), job_id))
-            self.dirty = True
+                self._write("UPDATE jobs SET state=?, attempt=?, updated=? WHERE job_id=?", (state, attempt, time.time(), job_id))
 
     def add_result(self, job_id: int, seq: int, frames: list):
         if self.db:
             blob = codec.pack([bytes(_buf(f)) for f in frames])
-            self.db.execute("UPDATE jobs SET state='done', seq=?, result=?, updated=? WHERE job_id=?", (seq, blob, time.time(), job_id))
-            self.dirty = True
+            self._write("UPDATE jobs SET state='done', seq=?, result=?, updated=? WHERE job_id=?", (seq, blob, time.time(), job_id))
 
     def ack(self, client_id: str, upto_seq: int):
         if self.db:
-            self.db.execute("UPDATE jobs SET state='acked', result=NULL WHERE client_id=? AND state='done' AND seq<=?", (client_id, upto_seq))
-            self.db.execute("UPDATE clients SET acked=MAX(acked, ?), seen=? WHERE client_id=?", (upto_seq, time.time(), client_id))
-            self.dirty = True
+            self._write("UPDATE jobs SET state='acked', result=NULL WHERE client_id=? AND state='done' AND seq<=?", (client_id, upto_seq))
+            self._write("UPDATE clients SET acked=MAX(acked, ?), seen=? WHERE client_id=?", (upto_seq, time.time(), client_id))
 
     def set_client(self, client_id: str, next_seq: int, acked: int):
         if self.db:
-            self.db.execute("INSERT INTO clients(client_id, next_seq, acked, seen) VALUES (?,?,?,?) "
-                            "ON CONFLICT(client_id) DO UPDATE SET next_seq=excluded.next_seq, seen=excluded.seen",
-                            (client_id, next_seq, acked, time.time()))
-            self.dirty = True
+            self._write("INSERT INTO clients(client_id, next_seq, acked, seen) VALUES (?,?,?,?) "
+                        "ON CONFLICT(client_id) DO UPDATE SET next_seq=excluded.next_seq, seen=excluded.seen",
+                        (client_id, next_seq, acked, time.time()))
 
     def set_sent(self, client_id: str, sent: int):
         """The highest sequence number a poll reply carried to the client (written before the reply goes)."""
         if self.db:
-            self.db.execute("UPDATE clients SET sent=MAX(sent, ?) WHERE client_id=?", (sent, client_id))
-            self.dirty = True
+            self._write("UPDATE clients SET sent=MAX(sent, ?) WHERE client_id=?", (sent, client_id))
 
     def add_idempotency(self, client_id: str, key: str, job_ids: list[int]):
         if self.db:
-            self.db.execute("INSERT OR IGNORE INTO idempotency VALUES (?,?,?,?)", (client_id, key, codec.pack(job_ids), time.time()))
-            self.dirty = True
+            self._write("INSERT OR IGNORE INTO idempotency VALUES (?,?,?,?)", (client_id, key, codec.pack(job_ids), time.time()))
 
     def set_backend(self, address: str, spec: dict | None):
         """Remember a backend registration (None forgets it; address "" with None forgets all)."""
         if self.db:
             if spec is not None:
-                self.db.execute("INSERT OR REPLACE INTO backends VALUES (?,?)", (address, codec.pack(spec)))
+                self._write("INSERT OR REPLACE INTO backends VALUES (?,?)", (address, codec.pack(spec)))
             elif address:
-                self.db.execute("DELETE FROM backends WHERE address=?", (address,))
+                self._write("DELETE FROM backends WHERE address=?", (address,))
             else:
-                self.db.execute("DELETE FROM backends")
-            self.dirty = True
+                self._write("DELETE FROM backends", ())
 
     def backends(self) -> dict[str, dict]:
         if not self.db:
             return {}
         return {a: codec.unpack(spec) for a, spec in self.db.execute("SELECT address, spec FROM backends")}
 
-    def commit(self):
-        """The group commit: one fsync point for everything written this loop turn."""
-        if self.db and self.dirty:
-            self.db.execute("COMMIT")
+    def commit(self) -> bool:
+        """The group commit: one fsync point for everything written this loop turn (and any
+        turn whose commit failed before). True once all of it is durable; False when the disk
+        is full (the statements stay pending; see the module docstring)."""
+        if not self.db or not self.pending:
+            return True
+        if self.failing and time.monotonic() < self._retry_at:
+            return False
+        try:
             self.db.execute("BEGIN")
-            self.dirty = False
+            for sql, params, many in self.pending:
+                (self.db.executemany if many else self.db.execute)(sql, params)
+            self.db.execute("COMMIT")
+        except sqlite3.Error as e:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            if not no_space(e):
+                raise
+            self._retry_at = time.monotonic() + RETRY_S
+            self.failing, self.error = True, f"{e}"
+            return False
+        self.pending.clear()
+        self.dirty = self.failing = False
+        self.error = ""
+        return True
 
     def prune(self, older_than_s: float) -> int:
         """Drop acknowledged jobs and old idempotency keys: the journal's disk use stays bounded."""
-        if not self.db:
+        if not self.db or not self.commit():
             return 0
         cutoff = time.time() - older_than_s
-        n = self.db.execute("DELETE FROM jobs WHERE state IN ('acked','dropped') AND updated < ?", (cutoff,)).rowcount
-        self.db.execute("DELETE FROM idempotency WHERE created < ?", (cutoff,))
-        self.dirty = True
-        self.commit()
-        self.db.execute("COMMIT")
-        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        self.db.execute("BEGIN")
+        try:
+            self.db.execute("BEGIN")
+            n = self.db.execute("DELETE FROM jobs WHERE state IN ('acked','dropped') AND updated < ?", (cutoff,)).rowcount
+            self.db.execute("DELETE FROM idempotency WHERE created < ?", (cutoff,))
+            self.db.execute("COMMIT")
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error as e:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            if not no_space(e):
+                raise
+            return 0  # pruning is an optimisation: the next prune tries again
         return n
 
     # -- recovery ----------------------------------------------------------------------------
@@ -177,6 +230,7 @@ class Journal:
         """A job's journalled state (``acked`` and ``dropped`` rows stay until pruned); None if unknown."""
         if not self.db:
             return None
+        self.commit()  # this turn's writes first (they are what the answer must reflect)
         row = self.db.execute("SELECT state FROM jobs WHERE job_id=?", (job_id,)).fetchone()
         return row[0] if row else None
 
@@ -187,8 +241,7 @@ class Journal:
 
     def close(self):
         if self.db:
-            self.commit()
-            self.db.execute("COMMIT")
+            self.commit()  # if it fails nothing pending was acknowledged: the statements may go
             self.db.close()
             self.db = None
 
