@@ -2,8 +2,6 @@
 job fails with error.type DiskQuotaExceeded, its neighbours are untouched (issue 17.1)."""
 from __future__ import annotations
 
-import time
-
 import pytest
 from rolloutd.sandbox import (
     DiskQuotaExceeded,
@@ -99,3 +97,25 @@ def test_agent_writing_until_stopped_fails_its_job_neighbour_ok(up_factory, bwra
     assert good["status"] == "ok", good
     assert good["eval_details"]["output"].strip() == "4000000"
     assert "sandbox_disk_quota_exceeded" in up.log()
+
+
+def test_full_sandbox_root_refuses_cleanly_and_the_janitor_still_reaps(bwrap_required):
+    from rolloutd.sandbox import SandboxNoSpace
+    from tests.disk.fs import Filler, small_tmpfs
+
+    with small_tmpfs(32 * 1024, prefix="rd-sbfs-") as root:
+        rt = get_runtime("bwrap", root_dir=root, ready_timeout=20.0)
+        old = rt.create("7.1", SandboxSpec(limits=Limits(disk_mb=8)))  # also lays down the tool library
+        filler = Filler(root)
+        filler.fill()
+        before = sorted(p.name for p in rt.sb_dir.iterdir())
+        for spec in (SandboxSpec(), SandboxSpec(workspace_files={"a.txt": "x" * 100_000})):
+            with pytest.raises(SandboxNoSpace, match="no space left on the sandbox root"):
+                rt.create("8.1", spec)
+            assert sorted(p.name for p in rt.sb_dir.iterdir()) == before  # nothing half-made
+        assert [h.job_id for h in rt.list()] == ["7.1"]
+        assert rt.reap(keep=()) == ["7.1"]  # the janitor's sweep works on a full disk
+        assert not rt.list() and all(not alive(p) for p in old.pids)
+        filler.release()
+        h = rt.create("9.1")  # and space back means sandboxes again
+        rt.destroy(h)

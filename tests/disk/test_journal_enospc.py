@@ -6,7 +6,6 @@ from __future__ import annotations
 import sqlite3
 import time
 
-import pytest
 from rolloutd.gateway.client import GatewayError, GatewayTimeout
 from rolloutd.gateway.journal import Journal
 
