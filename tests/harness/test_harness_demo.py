@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,11 @@ def test_demo_harness_section(tmp_path, agent_venv, swe_built):
 
     need_bwrap()
     out = tmp_path / "traj.jsonl"
-    before = set(demo_pids())
+    tag = f"harness-demo-{uuid.uuid4().hex}"  # inherited by everything the demo starts
     p = subprocess.run([sys.executable, "-m", "rolloutd.daemons.cli", "demo", "--domains", "swe,harness",
                         "--per-domain", "2", "--no-progress", "--agent-venv", agent_venv, "--out", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=360, env=dict(os.environ, COLUMNS="160"))
+                       cwd=REPO, capture_output=True, text=True, timeout=360,
+                       env=dict(os.environ, COLUMNS="160", ROLLOUTD_TEST_DEMO_TAG=tag))
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     harness = [r for r in rows if r["handler"] == "harness"]
@@ -32,10 +34,20 @@ def test_demo_harness_section(tmp_path, agent_venv, swe_built):
     assert [r["reward"] for r in harness] == [1.0, 1.0], [r["eval_details"] for r in harness]
     assert all(len(r["turns"]) == 3 and r["eval_details"]["agent"]["exit_code"] == 0 for r in harness)
     assert "harness" in p.stdout
-    # nothing the demo started survives it (its daemons name its work dir /tmp/rd-demo-*)
-    left = set(demo_pids()) - before
+    # nothing the demo started survives it (found by the tag in their environment: other
+    # demos may run on this machine at the same time)
+    left = tagged_pids(tag)
     assert not left, left
 
 
-def demo_pids() -> list[str]:
-    return subprocess.run(["pgrep", "-f", "/tmp/rd-demo-"], capture_output=True, text=True).stdout.split()
+def tagged_pids(tag: str) -> list[int]:
+    needle = f"ROLLOUTD_TEST_DEMO_TAG={tag}".encode()
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if needle in (p / "environ").read_bytes():
+                    out.append(int(p.name))
+            except OSError:
+                pass
+    return out

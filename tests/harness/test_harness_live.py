@@ -203,3 +203,19 @@ def test_32_concurrent_harness_jobs(harness_up, tiny_tokenizer):
         assert r["metrics"]["assistant_tokens_reencoded"] == 0
         assert r["reward"] == 1.0
     assert len({r["job_id"] for r in results}) == 32
+
+
+def test_task_by_file_and_a_stdout_reward(harness_up):
+    cmd = ["bash", "-c", 'cat "$ROLLOUTD_TASK_FILE" > seen.txt; cat {task_file} >> seen.txt; pwd >> seen.txt']
+    task = {"handler": "harness", "instance_id": "file", "instance": {
+        "command": cmd, "task": "hello task\n", "task_via": "file",
+        "setup": {"files": {"notes/readme.txt": "workspace file\n"}},
+        "eval": {"command": ["bash", "-c", "cat notes/readme.txt seen.txt; grep -c 'hello task' seen.txt"],
+                 "reward": "stdout", "timeout_s": 30}}}
+    (r,) = gather(harness_up, [task])
+    assert r["status"] == "ok", r
+    assert r["reward"] == 2.0  # the task file, read twice (by $ROLLOUTD_TASK_FILE and by {task_file})
+    out = r["eval_details"]["eval_output"]
+    assert out.startswith("workspace file\nhello task\nhello task\n/workspace\n"), out
+    assert r["eval_details"]["eval_exit_code"] == 0
+    assert len(r["turns"]) == 0 and r["metrics"]["llm_calls"] == 0  # an agent that never called the LLM
