@@ -1,0 +1,395 @@
+"""Control-plane load (issue 16): heartbeats and lease traffic of 100, 1,000 and 5,000 nodes
+against a real events proxy, router and gateway, with a real client measuring submit and poll.
+
+    python bench/bench_control_plane.py --quick          # 100 and 1,000 nodes, 8 s windows (~3 min)
+    python bench/bench_control_plane.py                  # 100, 1,000, 5,000 nodes, 20 s windows
+    python bench/bench_control_plane.py --nodes 1000 --seconds 30 --json out.json --root /patched/copy
+
+Per size, three fresh head daemons (``rolloutd events|router|gateway --set ...``, tcp on
+loopback, as the Slurm launcher starts them) and one generator process that plays every worker
+node's init, run and eval daemon with the exact wire formats:
+
+* the jobs are real: the bench submits ``nodes x (init + run + eval) held`` jobs (``run.pool``
+  512 + prefetch 64, init and eval 32 + 4: the defaults) and the generator takes them from the
+  gateway over the init credit hand-off (``ready`` announcements, as ``CreditReceiver``), so the
+  gateway's table holds them as dispatched, as in a cluster that is full; above
+  ``--populate-max`` jobs the heartbeats list ids the gateway does not know (said in the output);
+* every simulated daemon publishes ``daemon.heartbeat`` once per ``heartbeat_s`` on the events
+  stream with the fields a phase daemon sends (``jobs`` = its held [id, attempt] pairs; the run
+  daemon also ``leases`` = [lease_id, backend_id, job_id, version] per held slot, which the router
+  adopts and renews), spread over the second;
+* lease traffic: ``lease`` + ``release`` requests to the router at ``nodes x run_pool / job_s``
+  per second (one lease per job, held for the job's run phase), against one registered scripted
+  backend, so the router publishes its ``backend.load`` event per lease and release;
+* a real ``RolloutClient`` alternates ``submit`` (one job) and ``poll`` (wait 0) at 20 Hz;
+  latency percentiles over the window.
+
+Figures: each head daemon's CPU as a fraction of one core over the window (from /proc), the
+generator's achieved heartbeat rate (it is on the same two loaded cores; a shortfall is printed,
+not hidden), submit/poll p50/p99. A same-run baseline with 0 nodes gives the gateway's idle CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+HERE = Path(__file__).resolve()
+PHASES = (("init", 32), ("run", 512), ("eval", 32))
+
+
+def held_per_node(run_pool: int) -> dict[str, int]:
+    pools = {"init": 32, "run": run_pool, "eval": 32}
+    return {p: n + max(1, n // 8) for p, n in pools.items()}  # pool + default prefetch (pool // 8)
+
+
+# ---- the generator (a child process) -------------------------------------------------------
+def generator(a):
+    import zmq
+
+    from rolloutd.bus import codec
+    from rolloutd.bus.messages import PROTOCOL_VERSION, Lease, Release
+
+    ctx = zmq.Context()
+    held = held_per_node(a.run_pool)
+    per_node = sum(held.values())
+    want = min(a.nodes * per_node, a.populate_max)
+    got: list[tuple[int, int]] = []
+    if want:
+        inbox = ctx.socket(zmq.DEALER)
+        inbox.setsockopt(zmq.IDENTITY, f"init@gen#{os.getpid()}".encode())
+        inbox.setsockopt(zmq.RCVHWM, 0)
+        inbox.connect(a.init)
+        last = 0.0
+        deadline = time.monotonic() + a.populate_timeout
+        while len(got) < want and time.monotonic() < deadline:
+            now = time.monotonic()
+            if now - last > 0.3:  # the real receiver's protocol: free slots, count received
+                inbox.send(codec.pack({"v": PROTOCOL_VERSION, "kind": "ready", "free": want - len(got),
+                                       "received": len(got), "info": {"node": "gen"}}))
+                last = now
+            if inbox.poll(100):
+                while True:
+                    try:
+                        frames = inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    h = codec.unpack(frames[0].bytes)
+                    got.append((h["job_id"], h["attempt"]))
+        inbox.send(codec.pack({"v": PROTOCOL_VERSION, "kind": "ready", "free": 0, "received": len(got),
+                               "info": {"node": "gen"}}))
+    fake = iter(range(10**12, 10**13))
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 100000)
+    pub.connect(a.events_in)
+    router = ctx.socket(zmq.DEALER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.connect(a.router)
+    # One body per simulated daemon, packed once with a sentinel ts patched in per publish.
+    sentinel = 1234567.0
+    sent_bytes = struct.pack(">d", sentinel)
+    bodies = []
+    ids = iter(got)
+    for n in range(a.nodes):
+        node = f"sim{n:05d}"
+        for phase, pool in (("init", 32), ("run", a.run_pool), ("eval", 32)):
+            jobs = [list(next(ids, None) or (next(fake), 1)) for _ in range(held[phase])]
+            inc = f"{100000 + n}-{int(time.time() * 1000)}"
+            body = {"daemon": phase, "node": node, "pid": 100000 + n, "ts": sentinel, "incarnation": inc,
+                    "uptime_s": 1.0, "phase": phase, "pool": pool, "inflight": min(pool, len(jobs)),
+                    "jobs": jobs, "counts": {"done": 0, "failed": 0, "timeout": 0, "cancelled": 0,
+                                             "forwarded": 0, "malformed": 0}}
+            if phase == "run":
+                body["leases"] = [[f"Lsim{n}-{i}", a.backend_id, j[0], 0] for i, j in enumerate(jobs[:pool])]
+            packed = codec.pack(body)
+            off = packed.index(b"\xcb" + sent_bytes) + 1
+            bodies.append((packed[:off], packed[off + 8:]))
+    Path(a.ready_file).write_text(json.dumps({"populated": len(got), "wanted": a.nodes * per_node,
+                                              "bytes_per_s": sum(len(x) + len(y) + 8 for x, y in bodies) / a.hb_s}))
+    slices = 20
+    per_slice = max(1, -(-len(bodies) // slices))
+    lease_rate = a.nodes * a.run_pool / a.job_s
+    stop = time.monotonic() + a.duration
+    published = 0
+    leases = releases = refused = 0
+    lease_carry = 0.0
+    t0 = time.monotonic()
+    k = 0
+    req = 0
+    stopped = []
+    signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
+    while time.monotonic() < stop and not stopped:
+        tick = t0 + k * a.hb_s / slices
+        k += 1
+        chunk = bodies[((k - 1) % slices) * per_slice:((k - 1) % slices + 1) * per_slice]
+        ts = struct.pack(">d", time.time())
+        for head, tail in chunk:
+            try:
+                pub.send_multipart([b"daemon.heartbeat", head + ts + tail], zmq.NOBLOCK)
+                published += 1
+            except zmq.Again:
+                pass
+        lease_carry += lease_rate * a.hb_s / slices
+        while lease_carry >= 1:
+            lease_carry -= 1
+            req += 1
+            try:
+                router.send_multipart([b""] + codec.encode(Lease(job_id=req, requester="run@simlease", node="simlease",
+                                                                  wait_s=0.0, req_id=req).to_wire()), zmq.NOBLOCK)
+                leases += 1
+            except zmq.Again:  # the router is not keeping up: its queue is full
+                refused += 1
+        while router.poll(0):  # a grant is released at once: the lease's hold time is in the heartbeats
+            frames = router.recv_multipart()
+            body = codec.decode(frames[1:]).get("body") or {}
+            if "lease_id" in body:
+                try:
+                    router.send_multipart([b""] + codec.encode(Release(lease_id=body["lease_id"]).to_wire()), zmq.NOBLOCK)
+                    releases += 1
+                except zmq.Again:
+                    refused += 1
+        delay = tick + a.hb_s / slices - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+    wall = time.monotonic() - t0
+    print(json.dumps({"hb_per_s": published / wall, "hb_target_per_s": len(bodies) / a.hb_s,
+                      "leases_per_s": leases / wall, "releases_per_s": releases / wall,
+                      "refused": refused}), flush=True)
+    ctx.destroy(linger=0)
+
+
+# ---- the head -------------------------------------------------------------------------------
+class Head:
+    """events, router and gateway as the launcher starts them (``rolloutd <daemon> --set ...``)."""
+
+    def __init__(self, root: Path, port: int, sets: dict):
+        self.root = root
+        self.tmp = common.short_tmpdir("cp-")
+        self.port = port
+        self.sets = {"node": "head", "endpoints.head": "127.0.0.1", "endpoints.base_port": port,
+                     "endpoints.runtime_dir": str(self.tmp / "run"), "logging.level": "warning", **sets}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def addr(self, name: str) -> str:
+        i = ["gateway", "gateway_results", "init", "router", "events_in", "events_out"].index(name)
+        return f"tcp://127.0.0.1:{self.port + i}"
+
+    def start(self):
+        env = dict(os.environ, PYTHONPATH=str(self.root), PYTHONUNBUFFERED="1")
+        for name in ("events", "router", "gateway"):
+            cmd = [sys.executable, "-m", "rolloutd.daemons.cli", name]
+            for k, v in self.sets.items():
+                cmd += ["--set", f"{k}={v}"]
+            self.procs[name] = subprocess.Popen(cmd, cwd=self.root, env=env, stdin=subprocess.DEVNULL,
+                                                stdout=open(self.tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+        self.wait_for({"gateway", "router", "events"} - {"events"})
+        return self
+
+    def wait_for(self, daemons: set, timeout_s: float = 60.0):
+        """Until the gateway has seen a heartbeat of each of ``daemons`` (the stream works)."""
+        from rolloutd.gateway.client import GatewayTimeout, RolloutClient
+
+        deadline = time.monotonic() + timeout_s
+        with RolloutClient(self.addr("gateway"), timeout_s=1.0, retries=0) as c:
+            while time.monotonic() < deadline:
+                try:
+                    if daemons <= {d.get("daemon") for d in c.status().get("daemons", [])}:
+                        return
+                except GatewayTimeout:
+                    pass
+                time.sleep(0.1)
+        raise TimeoutError(f"head daemons {sorted(daemons)} not seen within {timeout_s}s")
+
+    def pids(self) -> dict[str, int]:
+        return {n: p.pid for n, p in self.procs.items()}
+
+    def stop(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        import shutil
+
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def free_port_block(n: int = 6) -> int:
+    import socket
+
+    for _ in range(100):
+        base = random.randint(20000, 60000)
+        ok = True
+        for i in range(n):
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", base + i))
+            except OSError:
+                ok = False
+            finally:
+                s.close()
+        if ok:
+            return base
+    raise RuntimeError("no free port block")
+
+
+def run_size(a, nodes: int, backend) -> dict:
+    from rolloutd.gateway.client import GatewayTimeout, RolloutClient
+
+    head = Head(Path(a.root), free_port_block(), {"daemon.heartbeat_s": a.hb_s,
+                # Populating a full cluster takes longer than a lease: jobs handed out early must not
+                # expire before their first heartbeat. The sweep's cost per job does not depend on it.
+                "gateway.lease_timeout_s": 3600}).start()
+    gen = None
+    try:
+        client = RolloutClient(head.addr("gateway"), timeout_s=30.0)
+        client.add_backend(backend.url)
+        backend_id = ""
+        for _ in range(100):
+            bl = client.status().get("backends") or []
+            if bl:
+                backend_id = bl[0]["id"]
+                break
+            time.sleep(0.1)
+        held = sum(held_per_node(a.run_pool).values())
+        want = min(nodes * held, a.populate_max)
+        ready = head.tmp / "gen.json"
+        env = dict(os.environ, PYTHONPATH=str(a.root))
+        gen = subprocess.Popen([sys.executable, str(HERE), "--_gen", "--nodes", str(nodes), "--run-pool", str(a.run_pool),
+                                "--populate-max", str(a.populate_max), "--init", head.addr("init"),
+                                "--events-in", head.addr("events_in"), "--router", head.addr("router"),
+                                "--ready-file", str(ready), "--backend-id", backend_id, "--hb-s", str(a.hb_s),
+                                "--job-s", str(a.job_s), "--duration", str(a.seconds + a.warmup + 30)],
+                               env=env, stdout=subprocess.PIPE, text=True)
+        t_pop = time.monotonic()
+        left = want
+        while left > 0:  # submits of 4096-job tasks, 64 tasks a request
+            tasks = []
+            while left > 0 and len(tasks) < 64:
+                n = min(4096, left)
+                tasks.append({"handler": "synthetic_llm", "instance": {"llm_calls": 1}, "n": n})
+                left -= n
+            client.submit(tasks)
+        while not ready.exists():
+            if gen.poll() is not None:
+                raise RuntimeError("generator exited early")
+            time.sleep(0.2)
+        info = json.loads(ready.read_text())
+        populate_s = time.monotonic() - t_pop
+        time.sleep(a.warmup)
+        meter = common.CpuMeter({**head.pids(), "generator": gen.pid}).start()
+        prof = common.pyspy_start(head.pids(), a.seconds, Path(a.profile) / str(nodes)) if a.profile else []
+        sub, pol = [], []
+        lost = 0
+        probe = RolloutClient(head.addr("gateway"), timeout_s=a.probe_timeout, retries=0)
+        end = time.monotonic() + a.seconds
+        while time.monotonic() < end:
+            for xs, call in ((sub, lambda: probe.submit([{"handler": "synthetic_llm", "instance": {"llm_calls": 1}}])),
+                             (pol, lambda: probe.poll(wait_s=0.0))):
+                t = time.perf_counter()
+                try:
+                    call()
+                except GatewayTimeout:  # counted at the timeout: a p99 must not hide a request never answered
+                    lost += 1
+                    probe.close()
+                    probe = RolloutClient(head.addr("gateway"), timeout_s=a.probe_timeout, retries=0)
+                xs.append((time.perf_counter() - t) * 1000)
+                time.sleep(0.025)
+        probe.close()
+        meter.stop()
+        util = meter.utilisation()
+        profile = common.pyspy_report(prof) if prof else {}
+        try:
+            st = client.status()
+        except GatewayTimeout:
+            st = {}
+        gstats = {"dispatched": st.get("dispatched"), "queued": st.get("queued"),
+                  "redispatched": (st.get("totals") or {}).get("redispatched", 0)}
+        client.close()
+        gen.send_signal(signal.SIGTERM)
+        out = {"nodes": nodes, "populated": info["populated"], "held": info["wanted"],
+               "hb_mb_per_s": info["bytes_per_s"] / 1e6, "populate_s": round(populate_s, 1),
+               "cpu": {k: round(v, 4) for k, v in util.items()},
+               "submit_ms": {"p50": common.percentile(sub, 50), "p99": common.percentile(sub, 99), "n": len(sub)},
+               "poll_ms": {"p50": common.percentile(pol, 50), "p99": common.percentile(pol, 99), "n": len(pol)},
+               "unanswered": lost,
+               "gateway": gstats, "load": common.loadavg(), "profile": profile}
+        try:
+            gout = gen.communicate(timeout=30)[0]
+            out["generator"] = json.loads(gout.strip().splitlines()[-1])
+        except (subprocess.TimeoutExpired, IndexError, ValueError) as e:
+            print(f"  (generator report unreadable: {type(e).__name__}: {gout[-500:] if 'gout' in dir() else ''})")
+            out["generator"] = {}
+        return out
+    finally:
+        if gen is not None and gen.poll() is None:
+            gen.kill()
+            gen.wait(5)
+        head.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--nodes", default=None, help="comma list (default 100,1000,5000; quick 100,1000)")
+    ap.add_argument("--seconds", type=float, default=None)
+    ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--run-pool", type=int, default=512)
+    ap.add_argument("--job-s", type=float, default=30.0, help="run-phase length: one lease per job")
+    ap.add_argument("--hb-s", type=float, default=1.0)
+    ap.add_argument("--probe-timeout", type=float, default=5.0, help="a probe unanswered this long counts as lost")
+    ap.add_argument("--populate-max", type=int, default=700_000)
+    ap.add_argument("--populate-timeout", type=float, default=240.0)
+    ap.add_argument("--root", default=str(common.REPO))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, help="py-spy the head daemons during each window into this dir")
+    # generator mode
+    ap.add_argument("--_gen", action="store_true", help=argparse.SUPPRESS)
+    for k in ("--init", "--events-in", "--router", "--ready-file", "--backend-id"):
+        ap.add_argument(k, default="", help=argparse.SUPPRESS)
+    ap.add_argument("--duration", type=float, default=60.0, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a._gen:
+        a.nodes = int(a.nodes)
+        return generator(a)
+    sizes = [int(x) for x in (a.nodes or ("100,1000" if a.quick else "100,1000,5000")).split(",")]
+    a.seconds = a.seconds or (8.0 if a.quick else 20.0)
+    from rolloutd.llm.scripted import ScriptedBackend
+
+    print(f"control plane: sizes {sizes}, {a.seconds:.0f} s windows, heartbeat {a.hb_s} s, run pool {a.run_pool}, "
+          f"tree {common.revision(a.root)}, {common.machine()}, load {common.loadavg()}", flush=True)
+    rows = []
+    with ScriptedBackend() as backend:
+        for n in [0] + sizes:
+            r = run_size(a, n, backend)
+            rows.append(r)
+            c = r["cpu"]
+            g = r.get("generator", {})
+            print(f"  {n:>5} nodes ({r['held']:,} held jobs, {r['populated']:,} in the gateway, "
+                  f"{r['hb_mb_per_s']:.1f} MB/s of heartbeats): gateway {c.get('gateway', 0):.1%} "
+                  f"router {c.get('router', 0):.1%} events {c.get('events', 0):.1%} of a core | "
+                  f"submit p50/p99 {r['submit_ms']['p50']:.1f}/{r['submit_ms']['p99']:.1f} ms, "
+                  f"poll p50/p99 {r['poll_ms']['p50']:.1f}/{r['poll_ms']['p99']:.1f} ms, {r['unanswered']} unanswered | generator "
+                  f"{g.get('hb_per_s', 0):,.0f}/{g.get('hb_target_per_s', 0):,.0f} hb/s, "
+                  f"{g.get('leases_per_s', 0):,.0f} leases/s ({g.get('refused', 0)} refused), redispatched {r['gateway'].get('redispatched')} "
+                  f"| load {r['load']}", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"rows": rows, "args": {k: v for k, v in vars(a).items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
