@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutd.handlers.base import AgentHandler, JobContext, PhaseTimeout
-from rolloutd.handlers.harness_presets import PRESETS, AGENT_DIR, agent_script_binds
+from rolloutd.handlers.harness_presets import AGENT_DIR, PRESETS, agent_script_binds
 
 TOP_KEYS = {"preset", "command", "env", "task_via", "task", "setup", "limits", "eval", "tokenizer", "parser",
             "task_tag", "cwd"}
@@ -367,8 +367,8 @@ class HarnessHandler(AgentHandler):
                               max_tokens=lim["max_tokens"], deadline=time.monotonic() + min(left))
 
     async def run(self, ctx: JobContext):
-        from rolloutd.llm.openai_endpoint import EndpointSession, make_app, serve
         from rolloutd.handlers.tasks import give_to_sandbox
+        from rolloutd.llm.openai_endpoint import EndpointSession, make_app, serve
 
         h = self.spec(ctx)
         sb = ctx.sandbox

@@ -20,7 +20,8 @@ handler mounts it read-only at the same path (``[handlers.harness] agent_venv``)
 
 ``MiniSWEOracle`` (policy ``mini_swe_oracle``): for the scripted backend, solves the SWE tasks
 as mini-swe-agent expects: a bash block that applies the task's fix (or its wrong fix), one
-that runs a failing test, then the submit command.
+that runs a failing test, then the submit command. ``HarnessOracle`` (``harness_oracle``): that
+for mini-swe-agent prompts, the domain oracle (hermes tool calls) for everything else.
 """
 from __future__ import annotations
 
@@ -160,6 +161,29 @@ class MiniSWEOracle(Policy):
             return "Let me run the failing test.\n\n" + _block(" ".join(shlex.quote(a) for a in argv)
                                                                + " 2>&1 | tail -n 3")
         return "The fix is in place; submitting.\n\n" + _block("echo " + MINI_SUBMIT)
+
+
+class HarnessOracle(Policy):
+    """Both presets' oracle in one policy (one scripted backend serves every harness job): prompts
+    in mini-swe-agent's text format go to :class:`MiniSWEOracle`, the rest (the openai-tools loop's
+    hermes tool calls) to the domain :class:`~rolloutd.handlers.oracles.Oracle`."""
+
+    name = "harness_oracle"
+
+    def __init__(self, **options: Any) -> None:
+        from rolloutd.handlers.oracles import Oracle
+
+        super().__init__(**options)
+        self.mini = MiniSWEOracle(**options)
+        self.tools = Oracle(**options)
+
+    def warm(self) -> None:
+        self.tools.warm()
+
+    def reply(self, request: PolicyRequest) -> str:
+        if "```mswea_bash_command" in request.prompt_text:
+            return self.mini.reply(request)
+        return self.tools.reply(request)
 
 
 def _block(cmd: str) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict
 
 from .cancel import Canceller
 from .errors import ArgError
@@ -88,9 +88,9 @@ def _child_setup() -> None:
 
 def kill_agent(pid: int) -> None:
     """Kill the agent, every descendant and every process left in its session."""
-    from .procs import kill_pids, kill_tree, session_members
-
     import signal
+
+    from .procs import kill_pids, kill_tree, session_members
 
     kill_tree(pid, include_root=True)
     for _ in range(3):  # double-forked strays that left the tree but kept the session

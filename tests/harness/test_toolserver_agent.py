@@ -9,9 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from rolloutd.sandbox import AsyncToolClient, SandboxSpec
-from rolloutd.sandbox.procs import descendants, is_running
+from rolloutd.sandbox.procs import descendants
 
 
 def sandbox_cmdlines(h) -> list[str]:
