@@ -25,10 +25,11 @@ from rolloutd.daemons.monitor import OUTCOMES, PHASES, STATUSES, TIMING_KEYS, St
 class StateCollector:
     """prometheus_client collector over a ``State`` guarded by ``lock``."""
 
-    def __init__(self, state: State, lock: threading.Lock, address: str = ""):
+    def __init__(self, state: State, lock: threading.Lock, address: str = "", disk: dict | None = None):
         self.state = state
         self.lock = lock
         self.address = address
+        self.disk = {} if disk is None else disk  # (node, what) -> last node.disk event (fold_disk)
 
     def describe(self):
         return []
@@ -38,6 +39,8 @@ class StateCollector:
 
         with self.lock:
             snap = self.state.snapshot()
+            journal = {k: self.state.gateway.get(k) for k in ("journal_full", "journal_free_bytes")}
+            disk = sorted(self.disk.items())
 
         up = GaugeMetricFamily("rolloutd_exporter_stream_up", "1 when an event arrived within the last 5 s", labels=["events"])
         age = snap["last_event_age_s"]
@@ -96,6 +99,18 @@ class StateCollector:
         if gw.get("paused") is not None:
             g.add_metric([], 1.0 if gw["paused"] else 0.0)
         yield g
+        g = GaugeMetricFamily("rolloutd_gateway_journal_full", "1 while the gateway cannot commit its journal")
+        if journal["journal_full"] is not None:
+            g.add_metric([], 1.0 if journal["journal_full"] else 0.0)
+        yield g
+        free = GaugeMetricFamily("rolloutd_disk_free_bytes", "free bytes where a node keeps sandboxes (node.disk "
+                                 "events) and where the gateway keeps its journal (gateway heartbeat)",
+                                 labels=["node", "what"])
+        for (node, what), body in disk:
+            free.add_metric([node, what], float(body["free_bytes"]))
+        if journal["journal_free_bytes"] is not None:
+            free.add_metric(["gateway", "journal"], float(journal["journal_free_bytes"]))
+        yield free
 
         infl = GaugeMetricFamily("rolloutd_phase_inflight", "jobs held by a phase daemon", labels=["phase", "node"])
         pool = GaugeMetricFamily("rolloutd_phase_pool", "slots of a phase daemon", labels=["phase", "node"])
@@ -136,6 +151,12 @@ class StateCollector:
             yield g
 
 
+def fold_disk(disk: dict, topic: str, body: dict):
+    """node.disk / node.disk_low events -> disk[(node, what)] (the last one wins)."""
+    if topic in ("node.disk", "node.disk_low") and isinstance(body.get("free_bytes"), (int, float)):
+        disk[(str(body.get("node", "?")), str(body.get("what", "?")))] = body
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rolloutd exporter", description="Prometheus exporter fed by the events stream")
     stream_args(p)
@@ -160,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     log = logs.get("rolloutd.exporter")
     state, lock = State(dead_after_s=a.dead_after), threading.Lock()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StateCollector(state, lock, address))
+    disk: dict = {}
+    registry.register(StateCollector(state, lock, address, disk))
     try:
         server, thread = start_http_server(a.port, addr=a.addr, registry=registry)
     except OSError as e:
@@ -180,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             with lock:
                 state.apply(ev[0], ev[1])
+                fold_disk(disk, ev[0], ev[1])
             if ev[0] == "job.done" and not warned and "timing" not in ev[1]:
                 warned = True
                 log.warning("job_done_without_timing",

@@ -439,9 +439,29 @@ class InitDaemon(PhaseDaemon):
             self.events.publish("sandbox.reaped", sandboxes=sorted(reaped))
 
     async def _quota_loop(self):
-        """Limits.disk_mb: the workspace is a host dir, so the node measures it (docs/SANDBOX.md)."""
+        """Limits.disk_mb: the workspace is a host dir, so the node measures it (docs/SANDBOX.md).
+        Also the sandbox root's free space: node.disk every 10 s, node.disk_low while below
+        [sandbox] disk_low_mb (on entering, then each minute)."""
+        from rolloutd.sandbox.runtime import free_space
+
+        next_report, low_since, low_told = 0.0, None, 0.0
         while True:
             await asyncio.sleep(float(self.cfg.section("sandbox")["quota_interval_s"]))
+            now = time.monotonic()
+            if now >= next_report:
+                next_report = now + 10.0
+                fs = await asyncio.to_thread(free_space, self.cfg.sandbox_root())
+                self.events.publish("node.disk", node=self.node, what="sandboxes", **fs)
+                low_b = float(self.cfg.section("sandbox")["disk_low_mb"]) * 2**20
+                if fs["free_bytes"] < low_b:
+                    if low_since is None or now - low_told >= 60:
+                        low_since, low_told = low_since or now, now
+                        self.log.warning("node_disk_low", what="sandboxes", **fs)
+                        self.events.publish("node.disk_low", node=self.node, what="sandboxes",
+                                            threshold_bytes=int(low_b), **fs)
+                elif low_since is not None:
+                    low_since = None
+                    self.log.info("node_disk_ok", what="sandboxes", **fs)
             if not self.cfg.sandbox_root().exists():
                 continue
             try:

@@ -92,7 +92,8 @@ class Gateway(Daemon):
 
     def heartbeat(self):
         return {"paused": self.paused, **self.table.counts(), "clients": len(self.table.clients),
-                "malformed": dict(self.malformed)}
+                "malformed": dict(self.malformed), "journal_full": self.journal.failing,
+                "journal_free_bytes": self.journal.free_bytes()}
 
     # -- main loop ------------------------------------------------------------------------
     async def serve(self):

@@ -14,9 +14,9 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
-from .runtime import MAX_SOCKET_PATH, default_root
+from .runtime import MAX_SOCKET_PATH, default_root, free_space
 
 MIN_FREE_GB = 10.0
 
@@ -148,6 +148,22 @@ def _disk(root_dir: Path) -> Check:
                  optional=True)
 
 
+def disk_checks(places: Dict[str, Optional[os.PathLike]], low_mb: float) -> List[Check]:
+    """Free space where sandboxes, images and the journal live; not ok below low_mb
+    (the [sandbox] disk_low_mb threshold that also raises node.disk_low events)."""
+    out = []
+    for what, path in places.items():
+        if not path:
+            out.append(Check("disk_free_%s" % what, True, "not configured"))
+            continue
+        fs = free_space(path)
+        ok = fs["free_bytes"] >= low_mb * 2**20
+        out.append(Check("disk_free_%s" % what, ok, "%.2f GB free of %.2f GB at %s%s" % (
+            fs["free_bytes"] / 1e9, fs["total_bytes"] / 1e9, fs["probe"],
+            "" if ok else " (below %d MB: disk low)" % low_mb), optional=True))  # a warning
+    return out
+
+
 def _socket_path(root_dir: Path) -> Check:
     example = root_dir / "sb" / ("0" * 12) / "run" / "tool.sock"
     n = len(str(example).encode())
@@ -209,6 +225,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--config", default=None, help="the deployment's TOML config (default: $ROLLOUTD_CONFIG)")
     p.add_argument("--runtime-dir", default=None, help="the deployment's runtime directory")
     p.add_argument("--quick", action="store_true", help="skip the full sandbox start test")
+    p.add_argument("--images-dir", default=os.environ.get("ROLLOUTD_IMAGE_CACHE"),
+                   help="where .sif images are built and cached (default: $ROLLOUTD_IMAGE_CACHE)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ns = p.parse_args(argv)
     import structlog
@@ -224,7 +242,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if ns.runtime_dir:
         cfg = Config(dict(cfg.data, endpoints=dict(cfg.data["endpoints"], runtime_dir=ns.runtime_dir)), cfg.path)
-    checks = check(ns.root_dir or cfg.sandbox_root(), deep=not ns.quick, runtime_dir=cfg.runtime_dir)
+    root = ns.root_dir or cfg.sandbox_root()
+    checks = check(root, deep=not ns.quick, runtime_dir=cfg.runtime_dir)
+    checks += disk_checks({"sandboxes": root, "images": ns.images_dir, "journal": cfg.section("gateway")["journal"]},
+                          float(cfg.section("sandbox")["disk_low_mb"]))
     if ns.json:
         print(json.dumps([asdict(c) for c in checks], indent=1))
     else:

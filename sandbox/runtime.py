@@ -451,6 +451,16 @@ def disk_usage(path: Path, stop_above: Optional[int] = None) -> int:
     return total
 
 
+def free_space(path: os.PathLike) -> Dict[str, Any]:
+    """Free and total bytes of the filesystem holding path (its nearest existing ancestor)."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    st = os.statvfs(probe)
+    return {"path": str(path), "probe": str(probe), "free_bytes": st.f_bavail * st.f_frsize,
+            "total_bytes": st.f_blocks * st.f_frsize}
+
+
 def _empty_dir(d: Path) -> None:
     try:
         entries = list(d.iterdir())
