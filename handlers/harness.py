@@ -41,7 +41,6 @@ import importlib
 import os
 import secrets
 import shutil
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -59,9 +58,6 @@ TASK_VIA = ("arg", "file", "stdin")
 TASK_FILE = ".rolloutd_task.md"
 LLM_SOCKET = "llm.sock"
 TAIL_CHARS = 4000
-
-
-_TOKENIZER_LOCK = threading.Lock()
 
 
 class HarnessInstanceError(ValueError):
@@ -270,19 +266,17 @@ class HarnessHandler(AgentHandler):
             raise ValueError(f"agent_venv {v!r} is not a virtual environment (no bin/python)")
         return v
 
-    def tokenizer(self, ctx: JobContext):
-        # Called from worker threads: transformers' lazy imports are not thread-safe (two first
-        # loads at once fail with "cannot import name 'AutoTokenizer'").
-        with _TOKENIZER_LOCK:
-            return self._tokenizer(ctx)
-
-    def _tokenizer(self, ctx: JobContext):
-        from rolloutd.handlers.agent import tokenizer_at
-
+    def tokenizer_path(self, ctx: JobContext) -> str:
         path = self.spec(ctx)["tokenizer"] or self.config.get("tokenizer") or os.environ.get("ROLLOUTD_TOKENIZER")
         if not path:
             raise ValueError("no tokenizer: set [handlers.harness] tokenizer, $ROLLOUTD_TOKENIZER or instance.tokenizer")
-        return tokenizer_at(str(path))
+        return str(path)
+
+    async def tokenizer_async(self, ctx: JobContext):
+        """The job's tokenizer, loaded off the event loop once per daemon (shared with every handler)."""
+        from rolloutd.llm.tokenizer_utils import shared_tokenizer_async
+
+        return await shared_tokenizer_async(self.tokenizer_path(ctx))
 
     # -- init ----------------------------------------------------------------------------------
     async def init(self, ctx: JobContext):
@@ -374,7 +368,7 @@ class HarnessHandler(AgentHandler):
         sb = ctx.sandbox
         # Never block the run daemon's loop (its heartbeats stop, it is presumed dead and its
         # jobs' sandboxes reaped): the first tokenizer load and the uvicorn import take seconds.
-        tok = await asyncio.to_thread(self.tokenizer, ctx)
+        tok = await self.tokenizer_async(ctx)
         await asyncio.to_thread(importlib.import_module, "uvicorn")
         api_key = "rolloutd-" + secrets.token_hex(16)
         session = EndpointSession(ctx.llm, tok, parser=h["parser"] or self.config.get("parser", "hermes"),
@@ -421,7 +415,7 @@ class HarnessHandler(AgentHandler):
         if "scorer" in ev:
             d = await asyncio.to_thread(self.domain, ev["scorer"])  # imports, grader set-up: off the loop
             v = self.view(ctx)
-            ctx.state["final_text"] = final_text(ctx.trajectory, await asyncio.to_thread(self.tokenizer, ctx))
+            ctx.state["final_text"] = final_text(ctx.trajectory, await self.tokenizer_async(ctx))
             reward, details = await d.evaluate(v)
         else:
             reward, details = await self._eval_command(ctx, ev)
