@@ -119,3 +119,16 @@ def test_full_sandbox_root_refuses_cleanly_and_the_janitor_still_reaps(bwrap_req
         filler.release()
         h = rt.create("9.1")  # and space back means sandboxes again
         rt.destroy(h)
+
+
+def test_apptainer_workspace_is_the_measured_host_dir():
+    """Apptainer (argv only: no apptainer binary here): /workspace is a bind of the host dir the
+    node measures for Limits.disk_mb; the rest of the container's writable layer is
+    --writable-tmpfs, in RAM and bounded by apptainer.conf's node-wide `sessiondir max size`."""
+    from rolloutd.sandbox.apptainer import instance_start_argv
+
+    argv = instance_start_argv(binary="apptainer", image="/img.sif", instance="rd-x", workspace="/sb/ab/workspace",
+                               run_dir="/sb/ab/run", lib_dir="/sb/lib/h")
+    assert argv[:5] == ["apptainer", "instance", "start", "--containall", "--writable-tmpfs"]
+    assert argv[argv.index("/sb/ab/workspace:/workspace") - 1] == "--bind"
+    assert not [a for a in argv if a.startswith("--overlay")]  # no disk-backed writable layer to fill
