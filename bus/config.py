@@ -22,7 +22,9 @@ DEFAULTS: dict = {
     "node": "",                # defaults to the host name
     "endpoints": {},           # see rolloutd.bus.endpoints.Endpoints.from_config
     "keys_dir": "",            # CURVE keys from `rolloutd keys generate`; empty = no CURVE
-    "daemon": {"heartbeat_s": 1.0, "drain_s": 10.0, "poll_s": 0.2},
+    # A holder lists all its jobs in a heartbeat when it holds at most full_listing_max of them, else
+    # only the changes, with a full listing at least every full_listing_s (docs/PROTOCOL.md).
+    "daemon": {"heartbeat_s": 1.0, "drain_s": 10.0, "poll_s": 0.2, "full_listing_s": 5.0, "full_listing_max": 128},
     "logging": {"format": "auto", "level": "info"},
     "gateway": {
         "max_request_bytes": 16 << 20,

@@ -45,11 +45,59 @@ def parse(frames) -> tuple[str, dict] | None:
         return None
     if not isinstance(body, dict) or not all(isinstance(body.get(k), str) for k in ("daemon", "node")):
         return None
-    jobs = body.get("jobs")
-    if jobs is not None and not (isinstance(jobs, list) and all(
-            isinstance(j, list) and len(j) == 2 and all(isinstance(x, int) for x in j) for j in jobs)):
+    for key in ("jobs", "jobs_added", "jobs_removed"):
+        jobs = body.get(key)
+        if jobs is not None and not (isinstance(jobs, list) and all(
+                isinstance(j, list) and len(j) == 2 and all(isinstance(x, int) for x in j) for j in jobs)):
+            return None
+    seq = body.get("jobs_seq")
+    if seq is not None and not isinstance(seq, int):
         return None
+    if ("jobs_added" in body or "jobs_removed" in body) and (seq is None or "jobs" in body):
+        return None  # changes mean nothing without their place in the sequence, or beside a full listing
     return topic, body
+
+
+class HeldJobs:
+    """One holder's jobs as its heartbeats describe them (docs/PROTOCOL.md, heartbeat listings).
+
+    A heartbeat with ``jobs`` is a full listing and replaces the set; one with ``jobs_added`` /
+    ``jobs_removed`` changes it when its ``jobs_seq`` follows the previous heartbeat's. After a gap
+    (a heartbeat dropped on the stream) the set is stale (``valid`` False) until the next full
+    listing; its last known content stays readable."""
+
+    __slots__ = ("incarnation", "seq", "jobs", "valid")
+
+    def __init__(self, incarnation=None):
+        self.incarnation = incarnation
+        self.seq = None
+        self.jobs: dict[int, int] = {}  # job id -> attempt
+        self.valid = False
+
+    @staticmethod
+    def lists(body: dict) -> bool:
+        """Whether this heartbeat comes from a job holder (carries a listing or changes)."""
+        return "jobs" in body or "jobs_added" in body or "jobs_removed" in body
+
+    def apply(self, body: dict) -> list | None:
+        """Take one heartbeat; returns the [id, attempt] pairs it shows held now and newly or
+        again (the whole listing, or what was added), or None when it could not be applied."""
+        seq = body.get("jobs_seq")
+        if "jobs" in body:
+            self.jobs = {j: a for j, a in body["jobs"]}
+            self.seq, self.valid = seq, True
+            return body["jobs"]
+        if not self.valid or seq is None or self.seq is None or seq != self.seq + 1:
+            self.valid = False
+            return None
+        for j, a in body.get("jobs_removed", ()):
+            if self.jobs.get(j) == a:
+                del self.jobs[j]
+        added = body.get("jobs_added", ())
+        for j, a in added:
+            self.jobs[j] = a
+        self.seq = seq
+        return added
 
 
 class Subscriber:

@@ -24,6 +24,7 @@ from rolloutd.bus.messages import Job, MessageError, Result, empty_trajectory, f
 from rolloutd.bus.credit import CreditReceiver, CreditSender
 from rolloutd.bus.sockets import SUBSCRIBE as _SUBSCRIBE, recv, recv_now
 from rolloutd.bus.daemon import Daemon
+from rolloutd.bus.events import HeldJobs
 from rolloutd.daemons.llm_session import StaleLease
 from rolloutd.handlers.base import JobContext, PhaseTimeout, Services
 from rolloutd.handlers.registry import UnknownHandler, get_handler
@@ -69,9 +70,30 @@ class PhaseDaemon(Daemon):
         self.control = s.connect("SUB", "events_out", subscribe=[b"control."], hwm=10000)
 
     def heartbeat(self):
-        return {"phase": self.phase, "pool": self.pool, "inflight": len(self.inflight),
-                "jobs": [[j, a] for j, (a, _) in self.inflight.items()] + [[j.job_id, j.attempt] for j in self.backlog],
-                "counts": dict(self.counts)}
+        hb = {"phase": self.phase, "pool": self.pool, "inflight": len(self.inflight), "counts": dict(self.counts)}
+        hb.update(self._listing())
+        return hb
+
+    def _listing(self) -> dict:
+        """The held jobs: whole when few or when a full listing is due, else the changes since the
+        previous heartbeat (at 1,000 nodes x 512 slots whole lists cost the gateway more than a core;
+        docs/SCALING.md). ``jobs_seq`` lets a reader see a dropped heartbeat and wait for the next whole one."""
+        held = {j: a for j, (a, _) in self.inflight.items()}
+        for job in self.backlog:
+            held[job.job_id] = job.attempt
+        now = time.monotonic()
+        self._jobs_seq = getattr(self, "_jobs_seq", 0) + 1
+        prev = getattr(self, "_listed", None)
+        out = {"jobs_seq": self._jobs_seq}
+        if (prev is None or len(held) <= int(self.dcfg["full_listing_max"])
+                or now - self._listed_at >= float(self.dcfg["full_listing_s"])):
+            out["jobs"] = [[j, a] for j, a in held.items()]
+            self._listed_at = now
+        else:
+            out["jobs_added"] = [[j, a] for j, a in held.items() if prev.get(j) != a]
+            out["jobs_removed"] = [[j, a] for j, a in prev.items() if held.get(j) != a]
+        self._listed = held
+        return out
 
     async def serve(self):
         side = [asyncio.create_task(self._control_loop())]
@@ -399,14 +421,19 @@ class InitDaemon(PhaseDaemon):
         await super().setup()
         self.control.setsockopt(_SUBSCRIBE, b"daemon.heartbeat")
         self.held_elsewhere: dict[str, tuple[set, float]] = {}
+        self._trackers: dict[str, HeldJobs] = {}  # run/eval of this node: their listings, rebuilt
         self._strikes: set[str] = set()
         self._janitor = asyncio.create_task(self._janitor_loop())
         self._quota = asyncio.create_task(self._quota_loop())
 
     def on_control(self, topic: str, body: dict):
         if topic == "daemon.heartbeat" and body.get("node") == self.node and body.get("daemon") in ("run", "eval"):
-            held = {f"{j}.{a}" for j, a in body.get("jobs", ()) if isinstance(j, int)}
-            self.held_elsewhere[body["daemon"]] = (held, time.monotonic())
+            t = self._trackers.get(body["daemon"])
+            if t is None or t.incarnation != body.get("incarnation"):
+                t = self._trackers[body["daemon"]] = HeldJobs(body.get("incarnation"))
+            # A dropped heartbeat leaves the holdings unknown: not refreshed, so the janitor judges nothing.
+            if t.apply(body) is not None:
+                self.held_elsewhere[body["daemon"]] = ({f"{j}.{a}" for j, a in t.jobs.items()}, time.monotonic())
 
     async def _janitor_loop(self):
         while True:
@@ -532,7 +559,8 @@ class RunDaemon(PhaseDaemon):
 
     def heartbeat(self):
         hb = super().heartbeat()
-        hb["leases"] = [h for h in (s.held() for s in self.sessions.values()) if h]
+        if "jobs" in hb:  # with the full listings only: the router renews within lease_ttl_s >> full_listing_s
+            hb["leases"] = [h for h in (s.held() for s in self.sessions.values()) if h]
         return hb
 
     def on_control(self, topic: str, body: dict):

@@ -174,8 +174,9 @@ class Pool:
 
     def renew(self, requester: str, lease_ids: set[str]):
         now = time.monotonic()
-        for rec in self.leases.values():
-            if rec.requester == requester and rec.lease_id in lease_ids:
+        for lid in lease_ids:  # by id: walking every lease per heartbeat is quadratic in the cluster size
+            rec = self.leases.get(lid)
+            if rec is not None and rec.requester == requester:
                 rec.renewed = now
 
     def expire(self, ttl_s: float) -> list[LeaseRecord]:

@@ -41,7 +41,8 @@ class Gateway(Daemon):
         self.router_pending: dict[int, tuple[float, list, int]] = {}
         self.router_seq = 0
         self.daemons: dict[str, dict] = {}   # "name@node" -> last heartbeat
-        self.hb_seen: dict[str, float] = {}  # "name@node" -> monotonic time its last heartbeat arrived
+        self.hb_seen: dict[str, float] = {}  # "name@node" -> monotonic time its last complete report arrived
+        self.held: dict[str, events.HeldJobs] = {}  # "name@node" -> the jobs its heartbeats list (holders only)
         self.outgoing: list[tuple[JobRecord, list]] = []  # jobs journalled as dispatched, sent after the commit
         self.suspects: dict[int, tuple[int, float, str]] = {}  # job id -> (attempt, since, cause): see _suspect_unlisted
         self.malformed = collections.Counter()  # input dropped or refused as undecodable, by socket
@@ -324,7 +325,8 @@ class Gateway(Daemon):
         now = time.time()
         daemons = [dict(d, age_s=round(now - d.get("ts", now), 3)) for d in self.daemons.values()]
         for d in daemons:
-            d.pop("jobs", None)
+            for k in ("jobs", "jobs_added", "jobs_removed", "leases"):
+                d.pop(k, None)
         self._reply(route, msg.req_id, version=__version__, protocol=PROTOCOL_VERSION, paused=self.paused,
                     **self.table.counts(), totals=dict(self.table.totals), daemons=daemons, backends=self.backends,
                     journal=self.journal.path or "", journal_full=self.journal.failing, handlers=sorted(self.handlers), malformed=dict(self.malformed))
@@ -493,7 +495,19 @@ class Gateway(Daemon):
                 self._holder_lost(prev, "restarted")
             self.daemons[who] = body
             now = time.monotonic()
-            self.hb_seen[who] = now
+            listed = ()
+            if events.HeldJobs.lists(body):
+                t = self.held.get(who)
+                if t is None or t.incarnation != body.get("incarnation"):
+                    t = self.held[who] = events.HeldJobs(body.get("incarnation"))
+                listed = t.apply(body)
+                if listed is None:  # a heartbeat was lost: nothing is known until the next full listing
+                    listed = ()
+                    self.log.info("heartbeat_gap", daemon=who, jobs_seq=body.get("jobs_seq"))
+                else:
+                    self.hb_seen[who] = now  # a complete report: _check_suspects counts it
+            else:
+                self.hb_seen[who] = now
             if body.get("daemon") == "router":
                 # A heartbeat published before the router answered a backend change can arrive after
                 # the answer: within one heartbeat period of an answer, the answer is the fresher view.
@@ -501,7 +515,7 @@ class Gateway(Daemon):
                     self.backends = body.get("backends", [])
                 self._reconcile_backends()
             holder = f"{who}#{body.get('incarnation')}"
-            for jid, attempt in body.get("jobs", ()):
+            for jid, attempt in listed:
                 rec = self.table.jobs.get(jid)
                 if rec is not None and rec.attempt == attempt and rec.state == "dispatched":
                     rec.last_seen = now
@@ -511,12 +525,13 @@ class Gateway(Daemon):
             prev = self.daemons.pop(who, None)
             if prev is not None and topic == "daemon.died":
                 self._holder_lost(prev, "died")
-            elif prev is not None and "jobs" in prev:
+            elif prev is not None and who in self.held:
                 # A clean stop drained: what it finished moved on, what never started it handed back
                 # (requeue results), what outlived the drain it abandoned (daemon.abandoned). Its last
                 # heartbeat is stale (jobs moved on since), so nothing is re-dispatched by it; a job
                 # that no live holder lists after another round still comes back.
                 self._suspect_unlisted(who, f"{who}#{prev.get('incarnation')} stopped")
+            self.held.pop(who, None)
         elif topic == "daemon.abandoned":
             for jid, attempt in body.get("jobs", ()):
                 self._redispatch(jid, attempt, f"abandoned by {who} at its drain deadline")
@@ -534,7 +549,7 @@ class Gateway(Daemon):
         holder = f"{who}#{hb.get('incarnation')}"
         for rec in [r for r in self.table.jobs.values() if r.holder == holder and r.state == "dispatched"]:
             self._redispatch(rec.job_id, rec.attempt, f"{holder} {why}")
-        if "jobs" in hb:
+        if who in self.held:
             self._suspect_unlisted(who, f"{holder} {why}")
 
     def _suspect_unlisted(self, lost: str, cause: str):
@@ -544,9 +559,9 @@ class Gateway(Daemon):
         one that is still unlisted after every live holder has reported once more is re-dispatched
         (the extra round lets a job that was only crossing between two live daemons show up)."""
         listed = set()
-        for who, hb in self.daemons.items():
-            if who != lost and "jobs" in hb:
-                listed.update(jid for jid, _ in hb["jobs"])
+        for who, t in self.held.items():
+            if who != lost and who in self.daemons:
+                listed.update(t.jobs)
         now = time.monotonic()
         for rec in self.table.jobs.values():
             if rec.state == "dispatched" and rec.job_id not in listed and rec.job_id not in self.suspects:
@@ -555,7 +570,7 @@ class Gateway(Daemon):
     def _check_suspects(self):
         if not self.suspects:
             return
-        holders = [self.hb_seen.get(who, 0.0) for who, hb in self.daemons.items() if "jobs" in hb]
+        holders = [self.hb_seen.get(who, 0.0) for who in self.daemons if who in self.held]
         reported = min(holders) if holders else float("inf")  # no live holder: nothing can be placed
         for jid, (attempt, marked, cause) in list(self.suspects.items()):
             rec = self.table.jobs.get(jid)
@@ -613,14 +628,25 @@ class Gateway(Daemon):
                 self.hb_seen.pop(who, None)
                 self.log.warning("daemon_presumed_dead", daemon=who, silent_s=round(wall - hb.get("ts", wall), 1))
                 self._holder_lost(hb, "went silent")
+                self.held.pop(who, None)
         self._check_suspects()
         self.to_init.expire()
         lease = float(self.gcfg["lease_timeout_s"])
         for rec in list(self.table.jobs.values()):
-            if rec.state == "dispatched" and now - rec.last_seen > lease:
+            if rec.state == "dispatched" and now - rec.last_seen > lease and not self._still_held(rec, now, lease):
                 self._redispatch(rec.job_id, rec.attempt, f"unseen in any heartbeat for {lease:.0f}s")
         if self._commit():
             self._flush_replies()
+
+    def _still_held(self, rec: JobRecord, now: float, lease: float) -> bool:
+        """Listed once and never removed by a holder whose listing is complete and current: heartbeats
+        that carry changes do not name the jobs that stayed (events.HeldJobs)."""
+        who, _, inc = rec.holder.rpartition("#")
+        t = self.held.get(who)
+        if t is None or not t.valid or t.incarnation != inc or t.jobs.get(rec.job_id) != rec.attempt:
+            return False
+        rec.last_seen = max(rec.last_seen, self.hb_seen.get(who, 0.0))
+        return now - rec.last_seen <= lease
 
     def _expire_clients(self, wall: float):
         """Results nobody came for within the retention period are dropped (and the client forgotten)."""
