@@ -95,29 +95,45 @@ def generator(a):
     router = ctx.socket(zmq.DEALER)
     router.setsockopt(zmq.LINGER, 0)
     router.connect(a.router)
-    # One body per simulated daemon, packed once with a sentinel ts patched in per publish.
-    sentinel = 1234567.0
-    sent_bytes = struct.pack(">d", sentinel)
-    bodies = []
+    # Bodies packed once per simulated daemon with sentinels for ts (float64) and jobs_seq (uint32),
+    # patched per publish. protocol "full": every heartbeat lists every held job (before issue 16);
+    # "changes": holders over daemon.full_listing_max list changes, a full listing every full_listing_s.
+    ts_mark = b"\xcb" + struct.pack(">d", 1234567.0)
+    seq_base = 1 << 31  # always packed as uint32, so it can be patched in place
+    seq_mark = b"\xce" + struct.pack(">I", seq_base + 0x0ABCDE)
+
+    def packed(body):
+        raw = codec.pack(dict(body, ts=1234567.0, jobs_seq=seq_base + 0x0ABCDE))
+        i, j = raw.index(ts_mark) + 1, raw.index(seq_mark) + 1
+        assert i < j
+        return (raw[:i], raw[i + 8:j], raw[j + 4:])
+
+    sims = []  # (full parts, change parts or None)
     ids = iter(got)
+    churn = max(1, round(a.run_pool / a.job_s * a.hb_s))  # jobs entering and leaving run per heartbeat
     for n in range(a.nodes):
         node = f"sim{n:05d}"
         for phase, pool in (("init", 32), ("run", a.run_pool), ("eval", 32)):
             jobs = [list(next(ids, None) or (next(fake), 1)) for _ in range(held[phase])]
             inc = f"{100000 + n}-{int(time.time() * 1000)}"
-            body = {"daemon": phase, "node": node, "pid": 100000 + n, "ts": sentinel, "incarnation": inc,
+            body = {"daemon": phase, "node": node, "pid": 100000 + n, "incarnation": inc,
                     "uptime_s": 1.0, "phase": phase, "pool": pool, "inflight": min(pool, len(jobs)),
-                    "jobs": jobs, "counts": {"done": 0, "failed": 0, "timeout": 0, "cancelled": 0,
-                                             "forwarded": 0, "malformed": 0}}
+                    "counts": {"done": 0, "failed": 0, "timeout": 0, "cancelled": 0, "forwarded": 0, "malformed": 0}}
+            full = dict(body, jobs=jobs)
             if phase == "run":
-                body["leases"] = [[f"Lsim{n}-{i}", a.backend_id, j[0], 0] for i, j in enumerate(jobs[:pool])]
-            packed = codec.pack(body)
-            off = packed.index(b"\xcb" + sent_bytes) + 1
-            bodies.append((packed[:off], packed[off + 8:]))
+                full["leases"] = [[f"Lsim{n}-{i}", a.backend_id, j[0], 0] for i, j in enumerate(jobs[:pool])]
+            change = None
+            if a.protocol == "changes" and len(jobs) > 128:
+                change = packed(dict(body, jobs_added=[[next(fake), 1] for _ in range(churn)],
+                                     jobs_removed=[[next(fake), 1] for _ in range(churn)]))
+            sims.append((packed(full), change))
+    full_every = max(1, round(5.0 / a.hb_s))
+    per_round = sum(len(b"".join(f)) + 12 if c is None else (len(b"".join(f)) / full_every
+                    + len(b"".join(c)) * (1 - 1 / full_every) + 12) for f, c in sims)
     Path(a.ready_file).write_text(json.dumps({"populated": len(got), "wanted": a.nodes * per_node,
-                                              "bytes_per_s": sum(len(x) + len(y) + 8 for x, y in bodies) / a.hb_s}))
+                                              "bytes_per_s": per_round / a.hb_s}))
     slices = 20
-    per_slice = max(1, -(-len(bodies) // slices))
+    per_slice = max(1, -(-len(sims) // slices))
     lease_rate = a.nodes * a.run_pool / a.job_s
     stop = time.monotonic() + a.duration
     published = 0
@@ -131,11 +147,14 @@ def generator(a):
     while time.monotonic() < stop and not stopped:
         tick = t0 + k * a.hb_s / slices
         k += 1
-        chunk = bodies[((k - 1) % slices) * per_slice:((k - 1) % slices + 1) * per_slice]
+        rnd, sl = divmod(k - 1, slices)
         ts = struct.pack(">d", time.time())
-        for head, tail in chunk:
+        seq = struct.pack(">I", seq_base + rnd + 1)
+        for i in range(sl * per_slice, min(len(sims), (sl + 1) * per_slice)):
+            full, change = sims[i]
+            p0, p1, p2 = full if change is None or rnd % full_every == i % full_every else change
             try:
-                pub.send_multipart([b"daemon.heartbeat", head + ts + tail], zmq.NOBLOCK)
+                pub.send_multipart([b"daemon.heartbeat", p0 + ts + p1 + seq + p2], zmq.NOBLOCK)
                 published += 1
             except zmq.Again:
                 pass
@@ -162,7 +181,7 @@ def generator(a):
         if delay > 0:
             time.sleep(delay)
     wall = time.monotonic() - t0
-    print(json.dumps({"hb_per_s": published / wall, "hb_target_per_s": len(bodies) / a.hb_s,
+    print(json.dumps({"hb_per_s": published / wall, "hb_target_per_s": len(sims) / a.hb_s,
                       "leases_per_s": leases / wall, "releases_per_s": releases / wall,
                       "refused": refused}), flush=True)
     ctx.destroy(linger=0)
@@ -247,7 +266,7 @@ def free_port_block(n: int = 6) -> int:
     raise RuntimeError("no free port block")
 
 
-def run_size(a, nodes: int, backend) -> dict:
+def run_size(a, nodes: int, backend, protocol: str = "changes") -> dict:
     from rolloutd.gateway.client import GatewayTimeout, RolloutClient
 
     head = Head(Path(a.root), free_port_block(), {"daemon.heartbeat_s": a.hb_s,
@@ -273,7 +292,7 @@ def run_size(a, nodes: int, backend) -> dict:
                                 "--populate-max", str(a.populate_max), "--init", head.addr("init"),
                                 "--events-in", head.addr("events_in"), "--router", head.addr("router"),
                                 "--ready-file", str(ready), "--backend-id", backend_id, "--hb-s", str(a.hb_s),
-                                "--job-s", str(a.job_s), "--duration", str(a.seconds + a.warmup + 30)],
+                                "--job-s", str(a.job_s), "--protocol", protocol, "--duration", str(a.seconds + a.warmup + 30)],
                                env=env, stdout=subprocess.PIPE, text=True)
         t_pop = time.monotonic()
         left = want
@@ -321,7 +340,7 @@ def run_size(a, nodes: int, backend) -> dict:
                   "redispatched": (st.get("totals") or {}).get("redispatched", 0)}
         client.close()
         gen.send_signal(signal.SIGTERM)
-        out = {"nodes": nodes, "populated": info["populated"], "held": info["wanted"],
+        out = {"nodes": nodes, "protocol": protocol, "populated": info["populated"], "held": info["wanted"],
                "hb_mb_per_s": info["bytes_per_s"] / 1e6, "populate_s": round(populate_s, 1),
                "cpu": {k: round(v, 4) for k, v in util.items()},
                "submit_ms": {"p50": common.percentile(sub, 50), "p99": common.percentile(sub, 99), "n": len(sub)},
@@ -351,6 +370,8 @@ def main():
     ap.add_argument("--run-pool", type=int, default=512)
     ap.add_argument("--job-s", type=float, default=30.0, help="run-phase length: one lease per job")
     ap.add_argument("--hb-s", type=float, default=1.0)
+    ap.add_argument("--protocol", default="changes,full",
+                    help="heartbeat listings to measure: changes (current daemons), full (every job, every beat)")
     ap.add_argument("--probe-timeout", type=float, default=5.0, help="a probe unanswered this long counts as lost")
     ap.add_argument("--populate-max", type=int, default=700_000)
     ap.add_argument("--populate-timeout", type=float, default=240.0)
@@ -374,12 +395,12 @@ def main():
           f"tree {common.revision(a.root)}, {common.machine()}, load {common.loadavg()}", flush=True)
     rows = []
     with ScriptedBackend() as backend:
-        for n in [0] + sizes:
-            r = run_size(a, n, backend)
+        for n, proto in [(0, "changes")] + [(n, p) for n in sizes for p in a.protocol.split(",")]:
+            r = run_size(a, n, backend, proto)
             rows.append(r)
             c = r["cpu"]
             g = r.get("generator", {})
-            print(f"  {n:>5} nodes ({r['held']:,} held jobs, {r['populated']:,} in the gateway, "
+            print(f"  {n:>5} nodes, {proto:>7} listings ({r['held']:,} held jobs, {r['populated']:,} in the gateway, "
                   f"{r['hb_mb_per_s']:.1f} MB/s of heartbeats): gateway {c.get('gateway', 0):.1%} "
                   f"router {c.get('router', 0):.1%} events {c.get('events', 0):.1%} of a core | "
                   f"submit p50/p99 {r['submit_ms']['p50']:.1f}/{r['submit_ms']['p99']:.1f} ms, "
