@@ -126,3 +126,48 @@ def test_journal_filled_to_the_last_byte_during_a_1000_job_batch(up_factory):
         assert all(r[0]["status"] == "ok" for r in results.values())
         assert refused_while_full or "request_rejected" in up.log()
         assert "journal_full" in up.log() and "journal_writable_again" in up.log()
+
+
+def test_gateway_killed_while_its_journal_is_full_comes_back_and_keeps_every_acknowledged_job(up_factory):
+    import os
+    import signal
+
+    with small_tmpfs(16 * 1024) as fs:
+        up = up_factory(f"gateway.journal={fs}/journal.db")
+        filler = Filler(fs)
+        with up.client(timeout_s=3, retries=1) as c:
+            first = c.submit([synthetic(i, run=0.02) for i in range(50)], idempotency_key="before")
+            filler.fill()
+            # Work that cannot be journalled: held, then refused.
+            _try(c.submit, [synthetic(100 + i) for i in range(50)], idempotency_key="during")
+            assert c.status()["journal_full"] is True
+            old = up.daemon_pid("gateway")
+            os.kill(old, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while True:  # the supervisor restarts it on the full disk; it opens its journal and answers
+                assert time.monotonic() < deadline, "the gateway did not come back on a full disk\n" + up.log()[-3000:]
+                st, _ = _try(c.status)
+                if st is not None:
+                    break
+            ids, err = _try(c.submit, [synthetic(200)], idempotency_key="after-restart")
+            assert ids is None, "acknowledged a submit on a full disk"
+            filler.release()
+            results: dict[int, list] = {}
+            later = None
+            deadline = time.monotonic() + 90
+            while later is None:
+                assert time.monotonic() < deadline, "submits still refused after space came back\n" + up.log()[-3000:]
+                later, _ = _try(c.submit, [synthetic(100 + i) for i in range(50)], idempotency_key="during")
+            # Its first try may have been committed after all once space came back: the key says.
+            again = None
+            while again is None:
+                assert time.monotonic() < deadline
+                again, _ = _try(c.submit, [synthetic(200)], idempotency_key="after-restart")
+            want = set(first) | set(later) | set(again)
+            while not want <= set(results):
+                assert time.monotonic() < deadline, f"{len(want - set(results))} acknowledged jobs have no result"
+                got, _ = _try(c.poll, max_results=1000)
+                for r in got or ():
+                    results.setdefault(r["job_id"], []).append(r)
+        assert all(len(v) == 1 for v in results.values()), "a job with two results"
+        assert set(results) == want
