@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import zmq
-
 from rolloutd.bus import codec
 from rolloutd.sandbox.doctor import disk_checks
+
 from tests.disk.fs import Filler, free_bytes, small_tmpfs
 from tests.ops.helpers import free_port, wait_for
 from tests.ops.test_exporter import scrape, series

@@ -101,6 +101,7 @@ def test_agent_writing_until_stopped_fails_its_job_neighbour_ok(up_factory, bwra
 
 def test_full_sandbox_root_refuses_cleanly_and_the_janitor_still_reaps(bwrap_required):
     from rolloutd.sandbox import SandboxNoSpace
+
     from tests.disk.fs import Filler, small_tmpfs
 
     with small_tmpfs(32 * 1024, prefix="rd-sbfs-") as root:
