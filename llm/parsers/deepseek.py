@@ -15,7 +15,14 @@ from __future__ import annotations
 import json
 import re
 
-from ..toolparse import ParseResult, ToolCall, ToolParser, _snippet, split_reasoning, strip_suffixes
+from ..toolparse import (
+    ParseResult,
+    ToolCall,
+    ToolParser,
+    _snippet,
+    split_reasoning,
+    strip_suffixes,
+)
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -51,8 +58,7 @@ class DeepSeekParser(ToolParser):
         if start < 0:
             return res
         section = rest[start:]
-        if section.startswith(CALLS_BEGIN):
-            section = section[len(CALLS_BEGIN) :]
+        section = section.removeprefix(CALLS_BEGIN)
         e = section.find(CALLS_END)
         if e >= 0:
             section = section[:e]

@@ -88,7 +88,7 @@ class HarmonyParser(ToolParser):
             if len(res.calls) >= self.max_calls:
                 self._error(res, n, f"too many tool calls in one message (max {self.max_calls}); the rest were ignored")
                 return
-            name = recipient[len("functions.") :] if recipient.startswith("functions.") else recipient
+            name = recipient.removeprefix("functions.")
             if not name:
                 self._error(res, n, f"empty tool name in recipient {recipient!r}")
                 return

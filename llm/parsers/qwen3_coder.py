@@ -105,10 +105,8 @@ class Qwen3CoderParser(ToolParser):
                 self._error(res, idx, f"empty parameter name in a call of {name}")
                 return
             value = seg[:pe]
-            if value.startswith("\n"):
-                value = value[1:]
-            if value.endswith("\n"):
-                value = value[:-1]
+            value = value.removeprefix("\n")
+            value = value.removesuffix("\n")
             try:
                 args[pname] = self._convert(name, pname, value)
             except ValueError as e:
