@@ -272,7 +272,10 @@ def run_size(a, nodes: int, backend, protocol: str = "changes") -> dict:
     head = Head(Path(a.root), free_port_block(), {"daemon.heartbeat_s": a.hb_s,
                 # Populating a full cluster takes longer than a lease: jobs handed out early must not
                 # expire before their first heartbeat. The sweep's cost per job does not depend on it.
-                "gateway.lease_timeout_s": 3600}).start()
+                "gateway.lease_timeout_s": 3600,
+                # The generator shares two loaded cores with the head: when it falls seconds behind,
+                # its daemons must not be presumed dead (a mass loss is measured apart, not by accident).
+                "gateway.daemon_dead_s": a.dead_s}).start()
     gen = None
     try:
         client = RolloutClient(head.addr("gateway"), timeout_s=30.0)
@@ -370,6 +373,7 @@ def main():
     ap.add_argument("--run-pool", type=int, default=512)
     ap.add_argument("--job-s", type=float, default=30.0, help="run-phase length: one lease per job")
     ap.add_argument("--hb-s", type=float, default=1.0)
+    ap.add_argument("--dead-s", type=float, default=30.0, help="gateway.daemon_dead_s for the run")
     ap.add_argument("--protocol", default="changes,full",
                     help="heartbeat listings to measure: changes (current daemons), full (every job, every beat)")
     ap.add_argument("--probe-timeout", type=float, default=5.0, help="a probe unanswered this long counts as lost")
