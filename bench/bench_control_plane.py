@@ -381,6 +381,8 @@ def main():
     ap.add_argument("--populate-timeout", type=float, default=240.0)
     ap.add_argument("--root", default=str(common.REPO))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="PNG of head CPU and poll p99 per size and listing protocol")
+    ap.add_argument("--replot", nargs="*", default=None, help="only plot these --json files (merged) to --plot")
     ap.add_argument("--profile", default=None, help="py-spy the head daemons during each window into this dir")
     # generator mode
     ap.add_argument("--_gen", action="store_true", help=argparse.SUPPRESS)
@@ -391,6 +393,9 @@ def main():
     if a._gen:
         a.nodes = int(a.nodes)
         return generator(a)
+    if a.replot:
+        rows = [r for f in a.replot for r in json.loads(Path(f).read_text())["rows"]]
+        return plot(rows, a.plot or str(common.IMG_DIR / "scale_control_plane.png"))
     sizes = [int(x) for x in (a.nodes or ("100,1000" if a.quick else "100,1000,5000")).split(",")]
     a.seconds = a.seconds or (8.0 if a.quick else 20.0)
     from rolloutd.llm.scripted import ScriptedBackend
@@ -414,6 +419,33 @@ def main():
                   f"| load {r['load']}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows, "args": {k: v for k, v in vars(a).items()}}, indent=1))
+    if a.plot:
+        plot(rows, a.plot)
+
+
+def plot(rows, path):
+    plt = common.plt()
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.6))
+    for proto, mark in (("full", "s--"), ("changes", "o-")):
+        rs = sorted((r for r in rows if r["nodes"] and r.get("protocol", "full") == proto), key=lambda r: r["nodes"])
+        if not rs:
+            continue
+        ns = [r["nodes"] for r in rs]
+        for d in ("gateway", "router"):
+            ax[0].plot(ns, [r["cpu"].get(d, 0) for r in rs], mark, label=f"{d}, {proto} listings")
+        ax[1].plot(ns, [min(r["poll_ms"]["p99"], 5000) for r in rs], mark, label=f"poll p99, {proto} listings")
+    ax[0].axhline(0.2, color="grey", lw=0.8, ls=":")
+    ax[1].axhline(50, color="grey", lw=0.8, ls=":")
+    for x in ax:
+        x.set_xscale("log")
+        x.set_xlabel("simulated nodes (x 648 held jobs)")
+        x.legend(fontsize=7)
+    ax[0].set_ylabel("CPU, fraction of one core")
+    ax[1].set_ylabel("ms")
+    ax[1].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":
