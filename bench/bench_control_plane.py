@@ -1,8 +1,8 @@
 """Control-plane load (issue 16): heartbeats and lease traffic of 100, 1,000 and 5,000 nodes
 against a real events proxy, router and gateway, with a real client measuring submit and poll.
 
-    python bench/bench_control_plane.py --quick          # 100 and 1,000 nodes, 8 s windows (~3 min)
-    python bench/bench_control_plane.py                  # 100, 1,000, 5,000 nodes, 20 s windows
+    python bench/bench_control_plane.py --quick          # 100 and 1,000 nodes, change listings, 8 s windows (~4 min)
+    python bench/bench_control_plane.py                  # 100, 1,000, 5,000 nodes, both listing formats, 20 s windows
     python bench/bench_control_plane.py --nodes 1000 --seconds 30 --json out.json --root /patched/copy
 
 Per size, three fresh head daemons (``rolloutd events|router|gateway --set ...``, tcp on
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
 HERE = Path(__file__).resolve()
 PHASES = (("init", 32), ("run", 512), ("eval", 32))
@@ -56,7 +56,6 @@ def held_per_node(run_pool: int) -> dict[str, int]:
 # ---- the generator (a child process) -------------------------------------------------------
 def generator(a):
     import zmq
-
     from rolloutd.bus import codec
     from rolloutd.bus.messages import PROTOCOL_VERSION, Lease, Release
 
@@ -198,6 +197,12 @@ class Head:
         self.sets = {"node": "head", "endpoints.head": "127.0.0.1", "endpoints.base_port": port,
                      "endpoints.runtime_dir": str(self.tmp / "run"), "logging.level": "warning", **sets}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: list = []
+
+    def _log(self, daemon: str):
+        f = open(self.tmp / f"{daemon}.log", "w")  # noqa: SIM115 - the daemon's stdout until stop()
+        self.logs.append(f)
+        return f
 
     def addr(self, name: str) -> str:
         i = ["gateway", "gateway_results", "init", "router", "events_in", "events_out"].index(name)
@@ -210,7 +215,7 @@ class Head:
             for k, v in self.sets.items():
                 cmd += ["--set", f"{k}={v}"]
             self.procs[name] = subprocess.Popen(cmd, cwd=self.root, env=env, stdin=subprocess.DEVNULL,
-                                                stdout=open(self.tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+                                                stdout=self._log(name), stderr=subprocess.STDOUT)
         self.wait_for({"gateway", "router", "events"} - {"events"})
         return self
 
@@ -242,6 +247,8 @@ class Head:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+        for f in self.logs:
+            f.close()
         import shutil
 
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -320,11 +327,13 @@ def run_size(a, nodes: int, backend, protocol: str = "changes") -> dict:
         probe = RolloutClient(head.addr("gateway"), timeout_s=a.probe_timeout, retries=0)
         end = time.monotonic() + a.seconds
         while time.monotonic() < end:
-            for xs, call in ((sub, lambda: probe.submit([{"handler": "synthetic_llm", "instance": {"llm_calls": 1}}])),
-                             (pol, lambda: probe.poll(wait_s=0.0))):
+            for xs in (sub, pol):
                 t = time.perf_counter()
                 try:
-                    call()
+                    if xs is sub:
+                        probe.submit([{"handler": "synthetic_llm", "instance": {"llm_calls": 1}}])
+                    else:
+                        probe.poll(wait_s=0.0)
                 except GatewayTimeout:  # counted at the timeout: a p99 must not hide a request never answered
                     lost += 1
                     probe.close()
@@ -374,8 +383,9 @@ def main():
     ap.add_argument("--job-s", type=float, default=30.0, help="run-phase length: one lease per job")
     ap.add_argument("--hb-s", type=float, default=1.0)
     ap.add_argument("--dead-s", type=float, default=30.0, help="gateway.daemon_dead_s for the run")
-    ap.add_argument("--protocol", default="changes,full",
-                    help="heartbeat listings to measure: changes (current daemons), full (every job, every beat)")
+    ap.add_argument("--protocol", default=None,
+                    help="heartbeat listings to measure: changes (current daemons), full (every job, every beat); "
+                         "default changes,full (quick: changes)")
     ap.add_argument("--probe-timeout", type=float, default=5.0, help="a probe unanswered this long counts as lost")
     ap.add_argument("--populate-max", type=int, default=700_000)
     ap.add_argument("--populate-timeout", type=float, default=240.0)
@@ -398,6 +408,7 @@ def main():
         return plot(rows, a.plot or str(common.IMG_DIR / "scale_control_plane.png"))
     sizes = [int(x) for x in (a.nodes or ("100,1000" if a.quick else "100,1000,5000")).split(",")]
     a.seconds = a.seconds or (8.0 if a.quick else 20.0)
+    a.protocol = a.protocol or ("changes" if a.quick else "changes,full")
     from rolloutd.llm.scripted import ScriptedBackend
 
     print(f"control plane: sizes {sizes}, {a.seconds:.0f} s windows, heartbeat {a.hb_s} s, run pool {a.run_pool}, "

@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from bench_control_plane import Head, free_port_block  # noqa: E402
+import common
+from bench_control_plane import Head, free_port_block
 
 
 class LoadLatency:
@@ -55,6 +55,7 @@ class Node:
         self.name = name
         self.runtime = head.tmp / name
         self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: list = []
         args = ["--set", f"node={name}", "--set", "endpoints.head=127.0.0.1",
                 "--set", f"endpoints.base_port={head.port}", "--set", f"endpoints.runtime_dir={self.runtime}"]
         for k, v in sets.items():
@@ -64,7 +65,12 @@ class Node:
         for d in ("eval", "run", "init"):  # the launcher's order
             self.procs[d] = subprocess.Popen([sys.executable, "-m", "rolloutd.daemons.cli", d, *args], cwd=root,
                                              env=env, stdin=subprocess.DEVNULL,
-                                             stdout=open(self.runtime / f"{d}.log", "w"), stderr=subprocess.STDOUT)
+                                             stdout=self._log(d), stderr=subprocess.STDOUT)
+
+    def _log(self, daemon: str):
+        f = open(self.runtime / f"{daemon}.log", "w")  # noqa: SIM115 - the daemon's stdout until stop()
+        self.logs.append(f)
+        return f
 
     def stop(self):
         for p in self.procs.values():
@@ -76,6 +82,8 @@ class Node:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+        for f in self.logs:
+            f.close()
 
 
 def wait_nodes(client, names: set, timeout_s: float = 300.0):
@@ -125,7 +133,6 @@ def main():
     a.rounds = a.rounds or (3 if a.quick else 4)
 
     import structlog
-
     from rolloutd.gateway.client import RolloutClient
     from rolloutd.llm.scripted import ScriptedBackend
     from rolloutd.llm.tiny_model import build_tiny_tokenizer

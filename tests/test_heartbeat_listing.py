@@ -13,6 +13,7 @@ import os
 import signal
 
 from rolloutd.bus import codec, events
+
 from tests.conftest import synthetic
 
 
