@@ -67,7 +67,8 @@ cannot be run is refused with a ValueError naming what it lacks (the first train
 at once, before any sample is wasted). Sampling: veRL's ``temperature``/``top_p``/``top_k`` (its
 greedy validation settings included) win over the instance's own ``sampling`` values; only the
 row's spec-level ``extra_info.rolloutd.sampling`` overrides veRL (``sampling: false`` there leaves
-the instance untouched, for handlers that take no ``sampling``); ``max_tokens`` is capped at
+the instance untouched, as for the built-in handlers that take no ``sampling``:
+:data:`NO_SAMPLING_HANDLERS`); ``max_tokens`` is capped at
 ``rollout.response_length``.
 
 Prompt length: a prompt longer than ``rollout.prompt_length`` is left-truncated by veRL's own
@@ -197,6 +198,10 @@ class SampleFailed(RuntimeError):
 # instance fields each needs from it. The harness handler joins this list once it ships.
 CHAT_HANDLERS = {"dialogue": ("messages",)}
 
+# Built-in handlers whose instances take no `sampling` map (they refuse unknown keys): the
+# synthetic ones, and harness (its agent samples through the endpoint; limits.max_tokens caps it).
+NO_SAMPLING_HANDLERS = frozenset({"synthetic", "synthetic_llm", "harness"})
+
 _newest_version = [None]  # the newest policy version any adapter in this process saw (fallback steps)
 
 
@@ -268,7 +273,7 @@ class RolloutdAgentLoop(AgentLoopBase):
         if instance is None:
             instance = self.chat_instance(handler, kwargs, extra_info)
         instance = dict(_plain(instance))
-        if spec.get("sampling") is not False:  # False: a handler without `sampling` (synthetic ones)
+        if spec.get("sampling") is not False and handler not in NO_SAMPLING_HANDLERS:
             # veRL's sampling wins over the instance's values (its greedy validation must stay
             # greedy); only the row's spec-level `sampling` says otherwise.
             sampling = dict(instance.get("sampling") or {})

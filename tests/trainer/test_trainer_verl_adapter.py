@@ -198,6 +198,10 @@ def test_build_task(tiny_tokenizer):
     # ... unless the row's spec says otherwise
     t = loop.build_task({"temperature": 0}, extra_info={"rolloutd": dict(spec, sampling={"temperature": 0.7})})
     assert t["instance"]["sampling"]["temperature"] == 0.7
+    # handlers whose instances take no sampling map are left alone (they refuse unknown keys)
+    for h in ("harness", "synthetic_llm"):
+        t = loop.build_task({"temperature": 0}, extra_info={"rolloutd": {"handler": h, "instance": {"task": "x"}}})
+        assert t["instance"] == {"task": "x"}
     # V1 passes veRL's uid: the instance id, so the n sessions of a prompt form one group
     t = loop.build_task({}, uid="u-1", extra_info={"rolloutd": {"handler": "toy", "instance": {}}})
     assert t["instance_id"] == "u-1"
