@@ -16,8 +16,8 @@ node's init, run and eval daemon with the exact wire formats:
   ``--populate-max`` jobs the heartbeats list ids the gateway does not know (said in the output);
 * every simulated daemon publishes ``daemon.heartbeat`` once per ``heartbeat_s`` on the events
   stream with the fields a phase daemon sends (``jobs`` = its held [id, attempt] pairs; the run
-  daemon also ``leases`` = [lease_id, backend_id, job_id, version] per held slot, which the router
-  adopts and renews), spread over the second;
+  daemon's full listings come with a ``run.leases`` event: [lease_id, backend_id, job_id, version]
+  per held slot, which the router adopts and renews), spread over the second;
 * lease traffic: ``lease`` + ``release`` requests to the router at ``nodes x run_pool / job_s``
   per second (one lease per job, held for the job's run phase), against one registered scripted
   backend, so the router publishes its ``backend.load`` event per lease and release;
@@ -119,16 +119,19 @@ def generator(a):
                     "uptime_s": 1.0, "phase": phase, "pool": pool, "inflight": min(pool, len(jobs)),
                     "counts": {"done": 0, "failed": 0, "timeout": 0, "cancelled": 0, "forwarded": 0, "malformed": 0}}
             full = dict(body, jobs=jobs)
+            lease_ev = None  # run.leases, published with each full listing (before the heartbeat)
             if phase == "run":
-                full["leases"] = [[f"Lsim{n}-{i}", a.backend_id, j[0], 0] for i, j in enumerate(jobs[:pool])]
+                lease_ev = codec.pack({"daemon": "run", "node": node, "pid": 100000 + n, "ts": time.time(),
+                                     "incarnation": inc,
+                                     "leases": [[f"Lsim{n}-{i}", a.backend_id, j[0], 0] for i, j in enumerate(jobs[:pool])]})
             change = None
             if a.protocol == "changes" and len(jobs) > 128:
                 change = packed(dict(body, jobs_added=[[next(fake), 1] for _ in range(churn)],
                                      jobs_removed=[[next(fake), 1] for _ in range(churn)]))
-            sims.append((packed(full), change))
+            sims.append((packed(full), change, lease_ev))
     full_every = max(1, round(5.0 / a.hb_s))
-    per_round = sum(len(b"".join(f)) + 12 if c is None else (len(b"".join(f)) / full_every
-                    + len(b"".join(c)) * (1 - 1 / full_every) + 12) for f, c in sims)
+    per_round = sum((len(b"".join(f)) + len(ls or b"")) * (1 if c is None else 1 / full_every)
+                    + (0 if c is None else len(b"".join(c)) * (1 - 1 / full_every)) + 12 for f, c, ls in sims)
     Path(a.ready_file).write_text(json.dumps({"populated": len(got), "wanted": a.nodes * per_node,
                                               "bytes_per_s": per_round / a.hb_s}))
     slices = 20
@@ -150,9 +153,12 @@ def generator(a):
         ts = struct.pack(">d", time.time())
         seq = struct.pack(">I", seq_base + rnd + 1)
         for i in range(sl * per_slice, min(len(sims), (sl + 1) * per_slice)):
-            full, change = sims[i]
-            p0, p1, p2 = full if change is None or rnd % full_every == i % full_every else change
+            full, change, lease_ev = sims[i]
+            whole = change is None or rnd % full_every == i % full_every
+            p0, p1, p2 = full if whole else change
             try:
+                if whole and lease_ev is not None:
+                    pub.send_multipart([b"run.leases", lease_ev], zmq.NOBLOCK)
                 pub.send_multipart([b"daemon.heartbeat", p0 + ts + p1 + seq + p2], zmq.NOBLOCK)
                 published += 1
             except zmq.Again:

@@ -560,7 +560,10 @@ class RunDaemon(PhaseDaemon):
     def heartbeat(self):
         hb = super().heartbeat()
         if "jobs" in hb:  # with the full listings only: the router renews within lease_ttl_s >> full_listing_s
-            hb["leases"] = [h for h in (s.held() for s in self.sessions.values()) if h]
+            # On their own topic, published just before the heartbeat: the router reads them, and the
+            # gateway (subscribed to daemon.*) never unpacks 512 rows it does not use (docs/SCALING.md).
+            self.events.publish("run.leases", incarnation=self.incarnation,
+                                leases=[h for h in (s.held() for s in self.sessions.values()) if h])
         return hb
 
     def on_control(self, topic: str, body: dict):

@@ -6,8 +6,8 @@ lease request waits (bounded by its ``wait_s``), and so does one that arrives wh
 backend is registered at all (a restarted router before the gateway registered them again,
 a trainer that submits before it registers). A new or re-registered backend is pending until
 its first health check passes, which runs at once. Leases are renewed by the run daemons'
-heartbeats, which list the leases they hold: a dead run daemon's leases expire, and a
-restarted router rebuilds its view from those heartbeats. Lease requests waiting here when
+``run.leases`` events (with each full heartbeat listing), which list the leases they hold: a
+dead run daemon's leases expire, and a restarted router rebuilds its view from those events. Lease requests waiting here when
 the router dies are re-sent by their run daemons when they see the new router.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Router(Daemon):
 
     async def setup(self):
         self.front = self.sockets.bind("ROUTER", "router", hwm=10000)
-        self.watch = self.sockets.connect("SUB", "events_out", subscribe=[b"daemon.heartbeat"], hwm=10000)
+        self.watch = self.sockets.connect("SUB", "events_out", subscribe=[b"run.leases"], hwm=10000)
         self.http = httpx.AsyncClient(timeout=2.0)
 
     def heartbeat(self):
