@@ -222,7 +222,11 @@ class Head:
                 cmd += ["--set", f"{k}={v}"]
             self.procs[name] = subprocess.Popen(cmd, cwd=self.root, env=env, stdin=subprocess.DEVNULL,
                                                 stdout=self._log(name), stderr=subprocess.STDOUT)
-        self.wait_for({"gateway", "router", "events"} - {"events"})
+        try:
+            self.wait_for({"gateway", "router"})
+        except BaseException:
+            self.stop()  # a head that never came up must not outlive the bench
+            raise
         return self
 
     def wait_for(self, daemons: set, timeout_s: float = 60.0):
