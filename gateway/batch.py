@@ -267,14 +267,20 @@ class BatchClient:
             raise ValueError("submit: no tasks")
         for ti, t in enumerate(tasks):
             t["n"] = int(t.get("n") or n)
-            t.setdefault("instance_id", str(ti))
-            t["instance_id"] = str(t["instance_id"])
+            if t.get("instance_id") is not None:
+                t["instance_id"] = str(t["instance_id"])
         key = idempotency_key or f"{self.client_id}-b{next(self._batches)}-{uuid.uuid4().hex[:8]}"
         job_ids: list[int] = []
         for ci, start in enumerate(range(0, len(tasks), SUBMIT_CHUNK)):
             chunk = tasks[start:start + SUBMIT_CHUNK]
             job_ids += self._with_ctl(self._ctl.submit, chunk, None, f"{key}-{ci}")
-        batch = Batch(job_ids=job_ids, instance_ids=[t["instance_id"] for t in tasks], n=[t["n"] for t in tasks],
+        # a task without an instance_id gets the gateway's default, auto-<job id of its first sample>
+        # (unique across submits: PROTOCOL.md); placeholders for lost jobs carry the same id
+        first, instance_ids = 0, []
+        for t in tasks:
+            instance_ids.append(t["instance_id"] if t.get("instance_id") is not None else f"auto-{job_ids[first]}")
+            first += t["n"]
+        batch = Batch(job_ids=job_ids, instance_ids=instance_ids, n=[t["n"] for t in tasks],
                       handlers=[t["handler"] for t in tasks],
                       deadline=None if deadline_s is None else time.monotonic() + float(deadline_s), key=key)
         with self._lock:

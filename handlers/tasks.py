@@ -151,7 +151,9 @@ def pytest_files(dist: str = "pytest") -> tuple[tuple[str, str], ...]:
             d = distribution(name)
         except PackageNotFoundError:
             if name == dist:
-                raise
+                raise RuntimeError(
+                    f"{dist} is not installed for this interpreter; the code and swe domains run it inside "
+                    "each sandbox: pip install 'rolloutd[tasks]'") from None
             continue
         base = Path(d.locate_file(""))
         for f in d.files or ():

@@ -13,7 +13,7 @@ HTTP (stdlib ``ThreadingHTTPServer``, HTTP/1.1 keep-alive):
   HTTP 400 "This model's maximum context length is ..." when prompt + max_tokens does not fit).
 * ``POST /generate``: SGLang's native API (``input_ids``, ``sampling_params``,
   ``return_logprob``), reply with ``output_ids`` and ``meta_info.output_token_logprobs``.
-* ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (prometheus-client:
+* ``GET /health`` (and SGLang's ``/health_generate``), ``GET /v1/models``, ``GET /metrics`` (prometheus-client:
   ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, and SGLang's names).
 
 Engine: one scheduler thread collects queued requests into a batch (up to
@@ -543,7 +543,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
         srv = self.srv
         path = self.path.split("?", 1)[0]
-        if path == "/health":
+        if path in ("/health", "/health_generate"):  # SGLang serves both; the router probes the second
             self._send(200, b"", "text/plain")
         elif path == "/v1/models":
             self._send_json(

@@ -104,6 +104,21 @@ def bwrap_required():
     require_bwrap()
 
 
+def tagged_pids(tag: str) -> list[int]:
+    """Processes whose environment holds ROLLOUTD_TEST_DEMO_TAG=tag: what a child started with that
+    tag (and everything it started) left running; other runs on the machine carry other tags."""
+    needle = f"ROLLOUTD_TEST_DEMO_TAG={tag}".encode()
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if needle in (p / "environ").read_bytes():
+                    out.append(int(p.name))
+            except OSError:
+                pass
+    return out
+
+
 def children_of(pid: int) -> list[int]:
     return children_map().get(pid, [])
 

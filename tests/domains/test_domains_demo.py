@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import tagged_pids
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -36,9 +38,10 @@ def test_code_and_swe_on_the_local_runtime(up_factory, domain_sets, oracle_backe
 
 def test_demo_runs_the_mixed_batch(tmp_path, domain_entry_points, need_bwrap, swe_built):
     out = tmp_path / "traj.jsonl"
+    tag = f"domains-demo-{uuid.uuid4().hex}"  # inherited by everything the demo starts
     p = subprocess.run([sys.executable, "-m", "rolloutd.daemons.cli", "demo", "--per-domain", "2", "--no-progress",
                         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=240,
-                       env=dict(os.environ, COLUMNS="160"))
+                       env=dict(os.environ, COLUMNS="160", ROLLOUTD_TEST_DEMO_TAG=tag))
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert "results by domain" in p.stdout and str(out) in p.stdout.replace("\n", "")
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -47,8 +50,6 @@ def test_demo_runs_the_mixed_batch(tmp_path, domain_entry_points, need_bwrap, sw
     assert all(r["status"] == "ok" for r in rows)
     # the oracle (wrong_every=3) solves keys 0 and 1 of every domain
     assert all(r["reward"] == 1.0 for r in rows), [(r["instance_id"], r["eval_details"]) for r in rows]
-    # nothing left running: no daemon of this demo (named by its own work dir) survives it
-    workdir = re.search(r"(/tmp/rd-demo-[^/\s]+)/", p.stdout)
-    assert workdir, p.stdout[-2000:]
-    left = subprocess.run(["pgrep", "-f", workdir.group(1)], capture_output=True, text=True).stdout.split()
+    # nothing the demo started survives it (found by the tag in their environment)
+    left = tagged_pids(tag)
     assert not left, left

@@ -9,16 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.sandbox.conftest import Tracker, _make, bwrap_ok
-
-
-def need_bwrap() -> None:
-    """Skip where bubblewrap does not work; fail instead where the run demands it (CI)."""
-    ok, detail = bwrap_ok()
-    if not ok:
-        if os.environ.get("ROLLOUTD_REQUIRE_BWRAP") == "1":
-            pytest.fail("ROLLOUTD_REQUIRE_BWRAP=1 but bubblewrap is unusable: %s" % detail)
-        pytest.skip("bubblewrap unusable here: %s" % detail)
+from tests.conftest import require_bwrap as need_bwrap
+from tests.sandbox.conftest import Tracker, _make
 
 
 @pytest.fixture

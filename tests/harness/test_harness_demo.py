@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import require_bwrap, tagged_pids
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def test_demo_harness_section(tmp_path, agent_venv, swe_built):
-    from tests.harness.conftest import need_bwrap
-
-    need_bwrap()
+    require_bwrap()
     out = tmp_path / "traj.jsonl"
     tag = f"harness-demo-{uuid.uuid4().hex}"  # inherited by everything the demo starts
     p = subprocess.run([sys.executable, "-m", "rolloutd.daemons.cli", "demo", "--domains", "swe,harness",
@@ -39,15 +39,3 @@ def test_demo_harness_section(tmp_path, agent_venv, swe_built):
     left = tagged_pids(tag)
     assert not left, left
 
-
-def tagged_pids(tag: str) -> list[int]:
-    needle = f"ROLLOUTD_TEST_DEMO_TAG={tag}".encode()
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if needle in (p / "environ").read_bytes():
-                    out.append(int(p.name))
-            except OSError:
-                pass
-    return out

@@ -20,7 +20,7 @@ from tests.conftest import synthetic
 
 REPO = Path(__file__).resolve().parents[2]
 OLD = r"(bus|daemons|gateway|handlers|sandbox|llm|systemd)"
-OLD_IMPORT = re.compile(rf"^\s*(from {OLD}(\.| import)|import {OLD}\b)|python3? -m {OLD}\b|-m\", \"{OLD}\.", re.M)
+OLD_IMPORT = re.compile(rf"^\s*(from {OLD}(\.| import)|import {OLD}\b)|(^|[\s\x22'])-m {OLD}\b|-m\", \"{OLD}\.", re.M)
 TEXT = {".py", ".md", ".sh", ".sbatch", ".service", ".target", ".toml", ".yaml", ".j2", ".txt"}
 
 

@@ -175,6 +175,12 @@ def test_client_disconnect_aborts_generation(hf_server, arun):
 
 
 def test_endpoints_and_context_limit(hf_server, arun):
+    import urllib.request
+
+    for path in ("/health", "/health_generate"):  # the router probes SGLang backends on the second
+        with urllib.request.urlopen(hf_server.url + path, timeout=30) as r:
+            assert r.status == 200, path
+
     async def main():
         async with LLMClient(hf_server.url, "vllm", timeout=60) as c:
             assert await c.health()

@@ -45,6 +45,20 @@ def test_per_task_n_and_empty_submit(gw):
             c.submit([])
 
 
+def test_default_instance_ids_are_unique_across_submits(gw):
+    """Tasks without an instance_id take the gateway's auto-<first job id>: two submits of the same
+    unnamed tasks never share a GRPO group (issue 13.3), and the batch knows the ids it will see."""
+    unnamed = [{"handler": "synthetic", "instance": {"run": 0.0, "reward": 1.0, "seed": s}} for s in (1, 2)]
+    with BatchClient(gw, poll_wait_s=0.2) as c:
+        b1, b2 = c.submit(unnamed, n=2, deadline_s=60), c.submit(unnamed, n=2, deadline_s=60)
+        res = c.gather(b1) + c.gather(b2)
+    ids = b1.instance_ids + b2.instance_ids
+    assert len(set(ids)) == 4 and all(i.startswith("auto-") for i in ids), ids
+    assert b1.instance_ids == [f"auto-{b1.job_ids[0]}", f"auto-{b1.job_ids[2]}"]
+    groups = group_by_instance(res)
+    assert sorted(groups) == sorted(ids) and all(len(v) == 2 for v in groups.values())
+
+
 def test_deadline_cancels_and_stands_in(gw):
     with BatchClient(gw, poll_wait_s=0.2) as c:
         tasks = [task("fast", run_s=0.0), task("slow", run_s=30.0)]
