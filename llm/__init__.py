@@ -3,7 +3,13 @@
 * :mod:`rolloutd.llm.client`: ``LLMClient`` for vLLM (``/v1/completions``) and SGLang (``/generate``),
   ``SamplingParams``, ``Generation``, the error types;
 * :mod:`rolloutd.llm.conversation`: ``Conversation``, the exact token trajectory of a rollout;
-* :mod:`rolloutd.llm.toolparse`: tool-call parsers (``hermes``, ``fenced_bash``);
+* :mod:`rolloutd.llm.toolparse`: tool-call parsers (``hermes``, ``fenced_bash``), and
+  :mod:`rolloutd.llm.parsers` the model families' own (qwen3, qwen3_coder, llama3_json, mistral,
+  harmony, deepseek_v31); :mod:`rolloutd.llm.families` maps a family to its parser, chat template
+  and reasoning handling;
+* :mod:`rolloutd.llm.http_transport`: the HTTP/1.1 keep-alive transport ``LLMClient`` speaks through;
+* :mod:`rolloutd.llm.openai_endpoint` (:mod:`rolloutd.llm.openai_wire`): the per-job
+  OpenAI-compatible endpoint that records an unmodified agent's tokens (docs/HARNESS.md);
 * :mod:`rolloutd.llm.agent_loop`: ``run_agent_loop``, the multi-turn loop;
 * :mod:`rolloutd.llm.scripted`: scripted vLLM/SGLang stand-in backend, :mod:`rolloutd.llm.policies` its policies;
 * :mod:`rolloutd.llm.serve_hf`: a small vLLM-compatible server around a transformers model (needs torch);
