@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-smoke venv clean
+.PHONY: demo test test-shuffled bench bench-smoke venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+
+# The suite in a random order (pytest-random-order; modules and the tests inside them shuffled):
+# no test may depend on another's leftovers. The seed is printed; rerun one with RANDOM_SEED=N.
+test-shuffled: $(STAMP)
+	$(BIN)/python -m pytest -q tests -p random_order --random-order $(if $(RANDOM_SEED),--random-order-seed=$(RANDOM_SEED)) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"

@@ -248,17 +248,7 @@ class Head:
         return {n: p.pid for n, p in self.procs.items()}
 
     def stop(self):
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
-        for f in self.logs:
-            f.close()
+        common.stop_procs(list(self.procs.values()), self.logs, wait_s=15)
         import shutil
 
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -73,17 +72,7 @@ class Node:
         return f
 
     def stop(self):
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
-        for f in self.logs:
-            f.close()
+        common.stop_procs(list(self.procs.values()), self.logs, wait_s=20)
 
 
 def wait_nodes(client, names: set, timeout_s: float = 300.0):

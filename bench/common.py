@@ -190,6 +190,21 @@ class Rolloutd:
 
 
 # ---- py-spy ------------------------------------------------------------------------------
+def stop_procs(procs, logs=(), wait_s: float = 15.0) -> None:
+    """SIGTERM every process (a clean daemon stop), wait, kill what outlives ``wait_s``; close logs."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+    for f in logs:
+        f.close()
+
+
 def pyspy_path() -> str | None:
     cand = Path(sys.executable).parent / "py-spy"
     if cand.exists():

@@ -79,12 +79,9 @@ class Gateway(Daemon):
             rec = JobRecord(jid, cid, spec, attempt=attempt, state=state, last_seen=now)
             if state == "done":
                 rec.seq, rec.result = seq, result
-                self.table.jobs[jid] = rec
-                self.table.client(cid).ready[seq] = jid
-            else:
-                # In flight when the gateway stopped: daemons may still finish it and deliver the
-                # result; if none lists it in a heartbeat within the lease timeout it is re-dispatched.
-                self.table.add(rec)
+            # In flight when the gateway stopped: daemons may still finish it and deliver the
+            # result; if none lists it in a heartbeat within the lease timeout it is re-dispatched.
+            self.table.add(rec)
             n += 1
         if n:
             for c in self.table.clients.values():
@@ -410,7 +407,7 @@ class Gateway(Daemon):
             job = Job(job_id=jid, attempt=rec.attempt, handler=s["handler"], instance=s["instance"],
                       instance_id=s["instance_id"], sample_index=s["sample_index"], client_id=rec.client_id,
                       budget_s=s.get("budget_s"), phase_limits=s.get("phase_limits") or {}, sent_at=time.time())
-            rec.state = "dispatched"
+            self.table.dispatch(rec)
             self.journal.set_state(jid, "dispatched", rec.attempt)
             self.outgoing.append((rec, codec.encode(job.to_wire())))
             room -= 1
@@ -429,8 +426,7 @@ class Gateway(Daemon):
             rec.holder = peer.ident.decode(errors="replace")
         self.outgoing.clear()
         for rec in reversed(unsent):
-            rec.state = "queued"
-            self.table.queue.appendleft(rec.job_id)
+            self.table.requeue(rec)
             self.journal.set_state(rec.job_id, "queued", rec.attempt)
 
     def _on_result(self, frames):
@@ -599,9 +595,7 @@ class Gateway(Daemon):
                                  f"attempt {rec.attempt} lost ({cause}); max_attempts={self.gcfg['max_attempts']}")
             return
         rec.attempt += 1
-        rec.state = "queued"
-        rec.holder = ""
-        self.table.queue.appendleft(jid)  # it already waited its turn once
+        self.table.requeue(rec)
         self.table.totals["redispatched"] += 1
         self.journal.set_state(jid, "queued", rec.attempt)
         self.log.warning("job_redispatched", job_id=jid, attempt=rec.attempt, cause=cause)
@@ -665,11 +659,9 @@ class Gateway(Daemon):
         for cid, c in list(self.table.clients.items()):
             if wall - c.seen <= keep_s or c.pending:
                 continue
-            dropped = list(c.ready.values())
+            dropped = self.table.drop_results(cid)
             for jid in dropped:
-                self.table.jobs.pop(jid, None)
                 self.journal.set_state(jid, "dropped")
-            del self.table.clients[cid]
             if dropped:
                 self.log.warning("unclaimed_results_dropped", client_id=cid, results=len(dropped), retention_s=keep_s)
         if wall - self.last_prune > 600:

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import threading
 from pathlib import Path
 from typing import Any, Iterable
@@ -172,29 +173,64 @@ def pytest_files(dist: str = "pytest") -> tuple[tuple[str, str], ...]:
 
 
 def pytest_binds(mount: str = PYTEST_MOUNT) -> list[tuple[str, str, bool]]:
-    return [(src, f"{mount}/{name}", True) for name, src in pytest_files()]
+    items = pytest_files()
+    if os.geteuid() == 0 and not all(_others_can_reach(src) for _, src in items):
+        # Sandboxes of a root daemon run as nobody, and bwrap opens bind sources as that uid: a
+        # venv under a private directory (/root, a 0700 tmp dir) is out of its reach. Bind a
+        # world-readable copy instead (made once per pytest version).
+        d = Path(_staged_pytest_dir(copy=True))
+        items = tuple((name, str(d / name)) for name, _ in items)
+    return [(src, f"{mount}/{name}", True) for name, src in items]
+
+
+def _others_can_reach(path: str) -> bool:
+    p = Path(path)
+    try:
+        if not os.stat(p).st_mode & stat.S_IROTH:
+            return False
+        return all(os.stat(d).st_mode & stat.S_IXOTH for d in p.parents)
+    except OSError:
+        return False
 
 
 def pytest_link_dir(root: str | os.PathLike | None = None) -> str:
     """A host directory of symlinks to pytest's files (for runtimes without binds)."""
+    return _staged_pytest_dir(root, copy=False)
+
+
+def _staged_pytest_dir(root: str | os.PathLike | None = None, *, copy: bool) -> str:
+    """pytest's files side by side in one host directory, as symlinks or as a world-readable copy."""
+    import shutil
+
     items = pytest_files()
     digest = hashlib.sha1(json.dumps(items).encode()).hexdigest()[:10]
     base = Path(root) if root else Path(os.environ.get("TMPDIR", "/tmp"))
-    d = base / f"rolloutd-pytest-{os.getuid()}-{digest}"
+    d = base / f"rolloutd-pytest-{os.getuid()}-{digest}{'-copy' if copy else ''}"
     if (d / ".complete").exists():
         return str(d)
     tmp = Path(f"{d}.tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     for name, src in items:
-        link = tmp / name
-        if not link.exists():
-            os.symlink(src, link)
+        dst = tmp / name
+        if dst.exists() or dst.is_symlink():
+            continue
+        if not copy:
+            os.symlink(src, dst)
+        elif Path(src).is_dir():
+            shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dst)
+    if copy:
+        for dirpath, dirs, files in os.walk(tmp):
+            os.chmod(dirpath, 0o755)
+            for f in files:
+                fp = os.path.join(dirpath, f)
+                if not os.path.islink(fp):
+                    os.chmod(fp, os.stat(fp).st_mode | 0o444)
     (tmp / ".complete").write_text("ok\n")
     try:
         os.replace(tmp, d)
     except OSError:  # another process won the race
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return str(d)
 

@@ -5,7 +5,9 @@ ipc file is left behind.
 """
 from __future__ import annotations
 
+import json
 import os
+import time
 import shutil
 import signal
 import subprocess
@@ -104,6 +106,19 @@ def bwrap_required():
     require_bwrap()
 
 
+def wait_for(pred, timeout_s: float = 30.0, what: str = "condition", interval_s: float = 0.05):
+    """Poll ``pred`` until it returns something true (returned); fail the test naming ``what``
+    and the last value after ``timeout_s``. Tests wait on observable state, never on a sleep."""
+    end = time.monotonic() + timeout_s
+    while True:
+        last = pred()
+        if last:
+            return last
+        if time.monotonic() >= end:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
+        time.sleep(interval_s)
+
+
 def tagged_pids(tag: str) -> list[int]:
     """Processes whose environment holds ROLLOUTD_TEST_DEMO_TAG=tag: what a child started with that
     tag (and everything it started) left running; other runs on the machine carry other tags."""
@@ -166,6 +181,18 @@ class Up:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def logged(self, event: str) -> list[dict]:
+        """The structured log lines of this deployment with this event name."""
+        out = []
+        for line in self.log().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and rec.get("event") == event:
+                out.append(rec)
+        return out
 
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:

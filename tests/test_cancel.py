@@ -5,14 +5,7 @@ from __future__ import annotations
 import time
 
 from rolloutd.bus.messages import Cancel
-from tests.conftest import synthetic
-
-
-def wait_for(pred, timeout_s=20.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+from tests.conftest import synthetic, wait_for
 
 
 def run_inflight(c) -> int:

@@ -73,7 +73,12 @@ def test_default_up_as_root_runs_sandboxed_jobs(tiny_tokenizer_dir, bwrap_requir
         tok = work / "tok"
         shutil.copytree(tiny_tokenizer_dir, tok)
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTD_") and k != "XDG_RUNTIME_DIR"}
-        script = (f"mount -t tmpfs -o mode=1777 rd-layout-tmp /tmp && "
+        # A checkout or venv under /tmp (a fresh clone there) is bound back into the new /tmp.
+        keep = sorted({str(Path(p).resolve().relative_to("/tmp")) for p in (REPO, sys.prefix, Path(sys.executable).parent)
+                       if Path(p).resolve().is_relative_to("/tmp") and Path(p).resolve() != Path("/tmp")})
+        binds = "".join(f"mkdir -p /tmp/{k} && mount --bind {work}/oldtmp/{k} /tmp/{k} && " for k in keep)
+        script = (f"mkdir -p {work}/oldtmp && mount --bind /tmp {work}/oldtmp && "
+                  f"mount -t tmpfs -o mode=1777 rd-layout-tmp /tmp && {binds}cd {REPO} && "
                   f"exec {sys.executable} -m tests.default_layout_scenario {tok} {work}")
         out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
                              capture_output=True, text=True, timeout=600, env=env, cwd=str(REPO))

@@ -14,17 +14,7 @@ import pytest
 from rolloutd.bus import codec
 from rolloutd.bus.messages import PROTOCOL_VERSION, MessageError, from_wire
 from rolloutd.bus.sockets import Sockets
-from tests.conftest import REPO, synthetic
-
-
-def wait_for(pred, timeout_s=20.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+from tests.conftest import REPO, synthetic, wait_for
 
 
 # ---- validation: required fields, exact types, texts that name the real type ------------------

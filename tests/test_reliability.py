@@ -11,21 +11,11 @@ from rolloutd.bus import codec
 from rolloutd.bus.messages import Result, empty_trajectory
 from rolloutd.bus.sockets import Sockets
 from rolloutd.gateway.client import GatewayTimeout
-from tests.conftest import alive, synthetic
+from tests.conftest import alive, synthetic, wait_for
 
 
 def slow(i, run=1.0, **kw):
     return synthetic(i, run={"dist": "constant", "value": run}, **kw)
-
-
-def wait_for(pred, timeout_s=30.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def phase(c, name: str) -> dict:

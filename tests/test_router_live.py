@@ -7,21 +7,11 @@ import time
 
 import pytest
 
-from tests.conftest import synthetic
+from tests.conftest import synthetic, wait_for
 
 
 def llm_job(i, calls=2, think=None, **kw):
     return synthetic(i, llm_calls=calls, max_tokens=2, think=think, **kw) | {"handler": "synthetic_llm"}
-
-
-def wait_until(fn, timeout_s=20.0, what=""):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = fn()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def idle(c):
@@ -44,7 +34,7 @@ def test_leases_balance_turn_versions_and_release(up, backends):
             assert len(r["response_ids"]) == len(r["logprobs"]) == len(r["loss_mask"]) > 0
             # a lease covers the whole job: every turn of one job hit the same backend
             assert len({t["backend"] for t in r["turns"]}) == 1
-        wait_until(lambda: idle(c), what="every lease released")
+        wait_for(lambda: idle(c), what="every lease released")
         body = c.list_backends()
         assert all(b["leases_total"] >= 10 for b in body["backends"]), body  # spread over all three
 
@@ -55,12 +45,12 @@ def test_run_daemon_death_expires_its_leases(up_factory, backends):
     with up.client() as c:
         c.add_backend(b.url)
         ids = c.submit([llm_job(i, calls=8) for i in range(6)])
-        wait_until(lambda: c.list_backends()["leases"] >= 6, what="leases taken")
+        wait_for(lambda: c.list_backends()["leases"] >= 6, what="leases taken")
         os.kill(up.daemon_pid("run"), signal.SIGKILL)
         results = list(c.gather(ids, timeout_s=120))
         assert all(r["status"] == "ok" for r in results), [r["error"] for r in results]
         assert all(r["attempts"] == 2 for r in results)  # each was re-dispatched once
-        wait_until(lambda: idle(c), what="dead daemon's leases expired")
+        wait_for(lambda: idle(c), what="dead daemon's leases expired")
 
 
 def test_failed_backend_leaves_rotation_and_is_readmitted(up_factory, backends):
@@ -71,7 +61,7 @@ def test_failed_backend_leaves_rotation_and_is_readmitted(up_factory, backends):
         c.add_backend(good.url)
         c.add_backend(bad.url)
         ids = c.submit([llm_job(i, calls=6) for i in range(10)])
-        wait_until(lambda: bad.stats["requests"] >= 12, what="the doomed backend serving")
+        wait_for(lambda: bad.stats["requests"] >= 12, what="the doomed backend serving")
         bad.stop()  # mid-run: its jobs fail over to the other backend
         results = list(c.gather(ids, timeout_s=120))
         assert all(r["status"] == "ok" for r in results), [r["error"] for r in results]
@@ -81,9 +71,9 @@ def test_failed_backend_leaves_rotation_and_is_readmitted(up_factory, backends):
         def health():
             return {b["address"]: b["healthy"] for b in c.list_backends()["backends"]}
 
-        wait_until(lambda: health()[bad.url] is False, what="bad backend out of rotation")
+        wait_for(lambda: health()[bad.url] is False, what="bad backend out of rotation")
         backends(latency=0.05, port=port)  # the server comes back on the same address
-        wait_until(lambda: health()[bad.url] is True, what="backend re-admitted")
+        wait_for(lambda: health()[bad.url] is True, what="backend re-admitted")
         r = c.rollout("synthetic_llm", {"llm_calls": 1}, timeout_s=30)
         assert r["status"] == "ok"
 
@@ -95,7 +85,7 @@ def test_checkpoint_swap_with_staleness_policy(up_factory, backends, policy):
     with up.client() as c:
         c.add_backend(old.url, policy_version=0)
         ids = c.submit([llm_job(i, calls=8) for i in range(6)])
-        wait_until(lambda: c.list_backends()["leases"] >= 6, what="jobs running on version 0")
+        wait_for(lambda: c.list_backends()["leases"] >= 6, what="jobs running on version 0")
         assert c.clear_backends() == [old.url]
         c.add_backend(new.url, policy_version=1)
         late = c.submit([llm_job(100 + i, calls=2) for i in range(3)])
@@ -123,14 +113,14 @@ def test_router_restart_rebuilds_backends_and_leases(up_factory, backends):
     with up.client() as c:
         c.add_backend(b.url, policy_version=4)
         ids = c.submit([llm_job(i, calls=10) for i in range(4)])
-        wait_until(lambda: c.list_backends()["leases"] >= 4, what="leases taken")
+        wait_for(lambda: c.list_backends()["leases"] >= 4, what="leases taken")
         os.kill(up.daemon_pid("router"), signal.SIGKILL)
         # The restarted router learns the backend from the gateway and the leases from the run daemon.
-        wait_until(lambda: _try(lambda: c.list_backends()["leases"] >= 4), timeout_s=30, what="leases adopted")
+        wait_for(lambda: _try(lambda: c.list_backends()["leases"] >= 4), timeout_s=30, what="leases adopted")
         assert c.list_backends()["backends"][0]["policy_version"] == 4
         results = list(c.gather(ids, timeout_s=120))
         assert all(r["status"] == "ok" for r in results), [r["error"] for r in results]
-        wait_until(lambda: idle(c), what="leases released after the restart")
+        wait_for(lambda: idle(c), what="leases released after the restart")
 
 
 def _try(fn):
@@ -166,7 +156,7 @@ def test_new_backend_gets_no_lease_before_a_health_check_passes(up_factory, back
         added = c.add_backend(url)
         assert added["healthy"] is False and added["checked"] is False
         ids = c.submit([llm_job(0, calls=2)])
-        wait_until(lambda: router_waiting(c) >= 1, what="the lease request held, not granted")
+        wait_for(lambda: router_waiting(c) >= 1, what="the lease request held, not granted")
         assert [b["healthy"] for b in c.list_backends()["backends"]] == [False]
         b = backends(latency=0.01, port=port)
         [r] = c.gather(ids, timeout_s=30)
@@ -180,7 +170,7 @@ def test_lease_requests_wait_for_backends_to_be_registered(up_factory, backends)
     up = up_factory("daemon.heartbeat_s=0.2")
     with up.client() as c:
         ids = c.submit([llm_job(i, calls=2) for i in range(3)])  # no backend registered yet
-        wait_until(lambda: router_waiting(c) >= 3, what="lease requests held by a router with no backend")
+        wait_for(lambda: router_waiting(c) >= 3, what="lease requests held by a router with no backend")
         b = backends(latency=0.01)
         c.add_backend(b.url)
         results = list(c.gather(ids, timeout_s=30))
@@ -193,7 +183,7 @@ def test_router_restart_fails_no_job_that_waits_for_a_lease(up_factory, backends
     with up.client(timeout_s=3.0, retries=10) as c:
         c.add_backend(b.url, capacity=1)  # one job at a time: the others wait in the router
         ids = c.submit([llm_job(i, calls=3) for i in range(5)])
-        wait_until(lambda: router_waiting(c) >= 3, what="lease requests waiting in the router")
+        wait_for(lambda: router_waiting(c) >= 3, what="lease requests waiting in the router")
         victim = up.daemon_pid("router")
         os.kill(victim, signal.SIGKILL)
         # Jobs the dead router held are re-sent to its successor; jobs whose requests reach the
@@ -211,14 +201,14 @@ def test_jobs_whose_only_backend_died_resume_when_it_is_readmitted(up_factory, b
     with up.client() as c:
         c.add_backend(b.url)
         ids = c.submit([llm_job(i, calls=6) for i in range(4)])
-        wait_until(lambda: b.stats["requests"] >= 6, what="the backend serving")
+        wait_for(lambda: b.stats["requests"] >= 6, what="the backend serving")
         b.stop()  # every job's next call fails: each excludes the backend and waits for another
 
         def healthy():
             return c.list_backends()["backends"][0]["healthy"]
 
-        wait_until(lambda: healthy() is False, what="the backend out of rotation")
-        wait_until(lambda: router_waiting(c) >= 1, what="jobs waiting for a backend")
+        wait_for(lambda: healthy() is False, what="the backend out of rotation")
+        wait_for(lambda: router_waiting(c) >= 1, what="jobs waiting for a backend")
         back = backends(latency=0.01, port=port)  # the same server comes back
         results = list(c.gather(ids, timeout_s=40))
     assert all(r["status"] == "ok" and r["attempts"] == 1 for r in results), [r["error"] for r in results]

@@ -50,18 +50,6 @@ def backend_400(tokenizer):
         b.stop()
 
 
-def logged(up, event: str) -> list[dict]:
-    out = []
-    for line in up.log().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("event") == event:
-            out.append(rec)
-    return out
-
-
 @pytest.mark.parametrize("handler", ["dialogue", "math"])
 def test_a_400_on_turn_two_keeps_turn_one_tokens(up_factory, backend_400, tokenizer, tiny_tokenizer_dir, handler):
     # dialogue: a scripted follow-up makes turn 2; math (ToolAgentHandler, its python tool off):
@@ -132,7 +120,7 @@ def test_run_daemon_preloads_configured_tokenizers_and_loads_others_once(up_fact
         c.add_backend(b.url)
         results = list(c.gather(c.submit([task] * 8), timeout_s=60))
     assert all(r["status"] == "ok" for r in results), [r["error"] for r in results]
-    loads = logged(up, "tokenizer_loaded")
+    loads = up.logged("tokenizer_loaded")
     assert len(loads) == 2, loads  # each once, for 8 jobs (the other daemons never load one)
     by_path = {rec["path"]: rec for rec in loads}
     assert by_path[str(configured)]["why"] == "preload"

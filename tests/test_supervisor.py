@@ -44,21 +44,6 @@ def test_killed_supervisor_leaves_no_orphans(up_factory):
         time.sleep(0.1)
 
 
-def logged(up, event: str) -> list[dict]:
-    """The structured log lines of ``rolloutd up`` with this event name."""
-    import json
-
-    out = []
-    for line in up.log().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("event") == event:
-            out.append(rec)
-    return out
-
-
 def wait_run_holds(up, n: int, timeout_s: float = 30.0):
     """Until a heartbeat of the run daemon lists ``n`` jobs (started or prefetched)."""
     from rolloutd.bus.events import Subscriber
@@ -85,8 +70,8 @@ def test_sigterm_drains_jobs_in_flight(up_factory):
     assert sorted(r["job_id"] for r in results) == sorted(ids)
     assert all(r["status"] == "ok" for r in results), [r["error"] for r in results]
     assert [r["attempts"] for r in results] == [1, 1, 1, 1]  # drained, not re-run
-    assert [e["inflight"] for e in logged(up, "draining")] == [4], up.log()[-3000:]
-    assert not logged(up, "job_redispatched")
+    assert [e["inflight"] for e in up.logged("draining")] == [4], up.log()[-3000:]
+    assert not up.logged("job_redispatched")
 
 
 def test_drain_hands_back_its_prefetched_backlog(up_factory):
@@ -101,11 +86,11 @@ def test_drain_hands_back_its_prefetched_backlog(up_factory):
         results = list(c.gather(ids, timeout_s=40))
     assert all(r["status"] == "ok" for r in results), [r["error"] for r in results]
     assert sorted(r["attempts"] for r in results) == [1, 2, 2]  # the running one drained
-    [handed] = logged(up, "backlog_handed_back")
+    [handed] = up.logged("backlog_handed_back")
     assert len(handed["jobs"]) == 2, up.log()[-3000:]
-    causes = [e["cause"] for e in logged(up, "job_redispatched")]
+    causes = [e["cause"] for e in up.logged("job_redispatched")]
     assert len(causes) == 2 and all("handed back unstarted by run@" in c for c in causes), causes
-    assert not logged(up, "drain_deadline_passed")
+    assert not up.logged("drain_deadline_passed")
 
 
 def test_ctrl_c_stops_daemons_in_pipeline_order_with_events_last():

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from rolloutd.sandbox import AsyncToolClient, SandboxSpec
 from rolloutd.sandbox.procs import descendants
+from tests.conftest import wait_for
 
 
 def sandbox_cmdlines(h) -> list[str]:
@@ -22,15 +23,6 @@ def sandbox_cmdlines(h) -> list[str]:
         except OSError:
             pass
     return out
-
-
-def wait_for(pred, timeout=15.0, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_agent_exit_code_and_tail(sandboxes):

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -49,17 +50,6 @@ def free_port(n: int = 1) -> int:
         if ok:
             return base
     raise RuntimeError("no free port range")
-
-
-def wait_for(pred, timeout_s: float, what: str, interval_s: float = 0.1):
-    end = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < end:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
 
 
 def run(cmd, timeout_s: float = 30.0, check: bool = True, **kw) -> subprocess.CompletedProcess:

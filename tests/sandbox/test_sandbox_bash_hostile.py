@@ -12,19 +12,13 @@ import pytest
 
 from rolloutd.sandbox import ToolClient
 from rolloutd.sandbox.toolserver.wire import encode
+from tests.conftest import wait_for
 
 WRAPPER_TEXT = ("builtin", "RLD", "/dev/fd/25", "__rld", "source")
 
 
 def no_wrapper(text):
     return not any(w in text for w in WRAPPER_TEXT)
-
-
-def wait_for(pred, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out waiting for " + what
-        time.sleep(0.02)
 
 
 # -- item 15: the end of a call cannot be forged or broken from inside ------------------
@@ -164,7 +158,7 @@ def test_tool_socket_is_put_back(tool_env, attack):
         except Exception:
             return False
 
-    wait_for(reachable, timeout=15, what="the tool socket to be rebound")
+    wait_for(reachable, timeout_s=15, what="the tool socket to be rebound")
     assert os.stat(run_dir).st_mode & 0o7777 == mode
     with ToolClient(h.tool_socket) as fresh:
         assert fresh.call("bash", {"command": "echo reached; rm -rf /run/rolloutd/moved.sock", "timeout": 10}).output == "reached\n"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import remove_tree, traversable_tmpdir
 from rolloutd.sandbox import Limits, SandboxHandle, SandboxSpec, SandboxStartError, ToolClient, get_runtime, procs
 
 pytestmark = pytest.mark.timeout(120)
@@ -273,3 +274,34 @@ def test_sandbox_outlives_its_creator(bwrap_rt, short_root):
     assert [x.job_id for x in bwrap_rt.rt.list()] == ["orphan"]
     assert bwrap_rt.rt.reap(set()) == ["orphan"]  # the janitor of the next daemon cleans it up
     assert procs.wait_gone(h.pids, timeout=5)
+
+
+def test_pytest_out_of_nobodys_reach_is_bound_from_a_readable_copy(bwrap_rt, tmp_path, monkeypatch):
+    """A root daemon's sandboxes run as nobody, and bwrap opens bind sources as that uid: pytest
+    installed under a private directory (a venv in /root, pytest's 0700 tmp dirs) made every swe
+    job fail in init with "Can't find source path ...: Permission denied". The binds now come
+    from a world-readable copy, and pytest imports inside the sandbox."""
+    import shutil
+
+    from rolloutd.handlers import tasks
+
+    if os.geteuid() != 0:
+        pytest.skip("as another user the sandbox runs as that user and reaches its own files")
+    private = tmp_path / "private-venv"
+    private.mkdir(mode=0o700)
+    items = []
+    for name, src in tasks.pytest_files():
+        dst = private / name
+        (shutil.copytree if Path(src).is_dir() else shutil.copy2)(src, dst)
+        items.append((name, str(dst)))
+    monkeypatch.setattr(tasks, "pytest_files", lambda: tuple(items))
+    stage = traversable_tmpdir("rdps-")   # where a real deployment's /tmp would be: others may enter
+    try:
+        monkeypatch.setenv("TMPDIR", str(stage))
+        binds = tasks.pytest_binds()
+        h = bwrap_rt.create("pytest-copy", SandboxSpec(binds=binds, env={"PYTHONPATH": tasks.PYTEST_MOUNT}))
+        out = bash(bwrap_rt.client(h), "id -u; python3 -c 'import pytest, _pytest; print(pytest.__version__)'").output
+        assert out.split() == ["65534", pytest.__version__], out
+        assert all(src.startswith(str(stage) + "/") for src, _, _ in binds), binds
+    finally:
+        remove_tree(stage)
