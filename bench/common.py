@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-IMG_DIR = REPO / "docs" / "img"
+# bench-smoke points this elsewhere: quick runs must not overwrite the documented plots
+IMG_DIR = Path(os.environ.get("ROLLOUTD_BENCH_IMG_DIR") or REPO / "docs" / "img")
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

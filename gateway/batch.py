@@ -514,26 +514,30 @@ class BatchClient:
         return await fut
 
     async def _flush_coalesced(self):
-        await asyncio.sleep(self.coalesce_s)
-        pending, self._coalesce = self._coalesce, []
-        if not pending:
-            return
+        # Loops until a wait collects nothing: calls that arrive while a submit is in flight see
+        # this task still running and only append, so it must come back for them (without the
+        # loop they waited forever: a veRL V1 step hung on it).
         loop = asyncio.get_running_loop()
-        try:
-            big = await loop.run_in_executor(self._ctl_pool, self.submit, [t for t, _, _ in pending], 1)
-        except BaseException as e:  # noqa: BLE001 - every caller gets the error
-            for _, _, fut in pending:
+        while True:
+            await asyncio.sleep(self.coalesce_s)
+            pending, self._coalesce = self._coalesce, []
+            if not pending:
+                return
+            try:
+                big = await loop.run_in_executor(self._ctl_pool, self.submit, [t for t, _, _ in pending], 1)
+            except BaseException as e:  # noqa: BLE001 - every caller gets the error
+                for _, _, fut in pending:
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            it = iter(big.job_ids)
+            for i, (t, deadline_s, fut) in enumerate(pending):
+                ids = [next(it) for _ in range(big.n[i])]
+                b = Batch(job_ids=ids, instance_ids=[big.instance_ids[i]], n=[big.n[i]], handlers=[big.handlers[i]],
+                          deadline=None if deadline_s is None else time.monotonic() + float(deadline_s),
+                          key=f"{big.key}/{i}")
                 if not fut.done():
-                    fut.set_exception(e)
-            return
-        it = iter(big.job_ids)
-        for i, (t, deadline_s, fut) in enumerate(pending):
-            ids = [next(it) for _ in range(big.n[i])]
-            b = Batch(job_ids=ids, instance_ids=[big.instance_ids[i]], n=[big.n[i]], handlers=[big.handlers[i]],
-                      deadline=None if deadline_s is None else time.monotonic() + float(deadline_s),
-                      key=f"{big.key}/{i}")
-            if not fut.done():
-                fut.set_result(b)
+                    fut.set_result(b)
 
     async def _poll_loop(self):
         loop = asyncio.get_running_loop()

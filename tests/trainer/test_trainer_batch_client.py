@@ -59,6 +59,27 @@ def test_default_instance_ids_are_unique_across_submits(gw):
     assert sorted(groups) == sorted(ids) and all(len(v) == 2 for v in groups.values())
 
 
+def test_a_call_arriving_while_a_coalesced_submit_is_in_flight_is_submitted(gw, monkeypatch):
+    """asubmit_one coalesces calls; one that arrives while the previous coalesced submit is still
+    on its way to the gateway must get its own submit (it used to wait forever: found as a
+    veRL V1 step hanging one time in six)."""
+    async def main(c):
+        orig = c.submit
+
+        def slow_submit(*a, **kw):  # holds the first submit in flight while the second call arrives
+            time.sleep(0.5)
+            return orig(*a, **kw)
+
+        monkeypatch.setattr(c, "submit", slow_submit)
+        first = asyncio.ensure_future(c.arollout(task("late0")))
+        await asyncio.sleep(c.coalesce_s + 0.2)
+        return await asyncio.wait_for(asyncio.gather(first, c.arollout(task("late1"))), 60)
+
+    with BatchClient(gw, poll_wait_s=0.2) as c:
+        res = asyncio.run(main(c))
+    assert [r["instance_id"] for r in res] == ["late0", "late1"] and all(r["status"] == "ok" for r in res)
+
+
 def test_deadline_cancels_and_stands_in(gw):
     with BatchClient(gw, poll_wait_s=0.2) as c:
         tasks = [task("fast", run_s=0.0), task("slow", run_s=30.0)]

@@ -69,7 +69,9 @@ def test_adapter_is_a_real_verl_agent_loop():
     assert verl.__version__ == "0.9.1"
     assert issubclass(va.RolloutdAgentLoop, real.AgentLoopBase)
     assert va.AgentLoopOutput is real.AgentLoopOutput and va.AgentLoopMetrics is real.AgentLoopMetrics
-    assert real._agent_loop_registry[va.AGENT_NAME] == {"_target_": "rolloutd.gateway.verl_adapter.RolloutdAgentLoop"}
+    # registered at import; veRL merges an agent_loop.yaml entry's settings into the same dict when a
+    # worker loads one (another test may have), so only the target is this test's to check
+    assert real._agent_loop_registry[va.AGENT_NAME]["_target_"] == "rolloutd.gateway.verl_adapter.RolloutdAgentLoop"
     assert inspect.iscoroutinefunction(va.RolloutdAgentLoop.run)
     assert not inspect.isabstract(va.RolloutdAgentLoop)
 
