@@ -118,12 +118,9 @@ def build_agent_venv(path: str | os.PathLike, packages=AGENT_PACKAGES, python: s
     if quiet:
         pip.append("-q")
     subprocess.run(pip + list(packages), check=True)
-    for dirpath, dirnames, filenames in os.walk(path):
-        os.chmod(dirpath, 0o755)
-        for n in filenames:
-            p = os.path.join(dirpath, n)
-            if not os.path.islink(p):
-                os.chmod(p, os.stat(p).st_mode | 0o444)
+    from rolloutd.sandbox.runtime import make_world_readable
+
+    make_world_readable(path)  # the sandbox binds it read-only and may run as nobody
     (path / ".rolloutd-agent-venv").write_text(json.dumps({"packages": list(packages)}))
     return str(path)
 

@@ -221,12 +221,9 @@ def _staged_pytest_dir(root: str | os.PathLike | None = None, *, copy: bool) -> 
         else:
             shutil.copy2(src, dst)
     if copy:
-        for dirpath, dirs, files in os.walk(tmp):
-            os.chmod(dirpath, 0o755)
-            for f in files:
-                fp = os.path.join(dirpath, f)
-                if not os.path.islink(fp):
-                    os.chmod(fp, os.stat(fp).st_mode | 0o444)
+        from rolloutd.sandbox.runtime import make_world_readable
+
+        make_world_readable(tmp)
     (tmp / ".complete").write_text("ok\n")
     try:
         os.replace(tmp, d)

@@ -487,6 +487,17 @@ def _chmod_traversable(d: Path) -> None:
         pass
 
 
+def make_world_readable(root: str | os.PathLike) -> None:
+    """Every dir under ``root`` 0755 and every file readable by all: host trees that sandboxes
+    bind read-only (a pytest copy, an agent venv) must be readable as nobody."""
+    for dirpath, _dirs, files in os.walk(root):
+        os.chmod(dirpath, 0o755)
+        for f in files:
+            fp = os.path.join(dirpath, f)
+            if not os.path.islink(fp):
+                os.chmod(fp, os.stat(fp).st_mode | 0o444)
+
+
 def _rmtree(d: Path) -> None:
     def onerror(func, path, exc_info):  # a sandbox may leave chmod 000 dirs behind
         try:
