@@ -153,8 +153,8 @@ def pytest_files(dist: str = "pytest") -> tuple[tuple[str, str], ...]:
         except PackageNotFoundError:
             if name == dist:
                 raise RuntimeError(
-                    f"{dist} is not installed for this interpreter; the code and swe domains run it inside "
-                    "each sandbox: pip install 'rolloutd[tasks]'") from None
+                    f"{dist} is not installed for this interpreter; the swe domain runs it inside each "
+                    "sandbox: pip install 'rolloutd[tasks]'") from None
             continue
         base = Path(d.locate_file(""))
         for f in d.files or ():
@@ -173,14 +173,19 @@ def pytest_files(dist: str = "pytest") -> tuple[tuple[str, str], ...]:
 
 
 def pytest_binds(mount: str = PYTEST_MOUNT) -> list[tuple[str, str, bool]]:
+    return [(src, f"{mount}/{name}", True) for name, src in _pytest_bind_sources()]
+
+
+@functools.lru_cache(maxsize=1)
+def _pytest_bind_sources() -> tuple[tuple[str, str], ...]:
+    """Decided once per process, not per job. Sandboxes of a root daemon run as nobody, and bwrap
+    opens bind sources as that uid: a venv under a private directory (/root, a 0700 tmp dir) is
+    out of its reach, so bind a world-readable copy instead (made once per pytest version)."""
     items = pytest_files()
     if os.geteuid() == 0 and not all(_others_can_reach(src) for _, src in items):
-        # Sandboxes of a root daemon run as nobody, and bwrap opens bind sources as that uid: a
-        # venv under a private directory (/root, a 0700 tmp dir) is out of its reach. Bind a
-        # world-readable copy instead (made once per pytest version).
         d = Path(_staged_pytest_dir(copy=True))
         items = tuple((name, str(d / name)) for name, _ in items)
-    return [(src, f"{mount}/{name}", True) for name, src in items]
+    return items
 
 
 def _others_can_reach(path: str) -> bool:

@@ -295,6 +295,7 @@ def test_pytest_out_of_nobodys_reach_is_bound_from_a_readable_copy(bwrap_rt, tmp
         (shutil.copytree if Path(src).is_dir() else shutil.copy2)(src, dst)
         items.append((name, str(dst)))
     monkeypatch.setattr(tasks, "pytest_files", lambda: tuple(items))
+    tasks._pytest_bind_sources.cache_clear()  # decided once per process: decide again for these files
     stage = traversable_tmpdir("rdps-")   # where a real deployment's /tmp would be: others may enter
     try:
         monkeypatch.setenv("TMPDIR", str(stage))
@@ -304,4 +305,5 @@ def test_pytest_out_of_nobodys_reach_is_bound_from_a_readable_copy(bwrap_rt, tmp
         assert out.split() == ["65534", pytest.__version__], out
         assert all(src.startswith(str(stage) + "/") for src, _, _ in binds), binds
     finally:
+        tasks._pytest_bind_sources.cache_clear()  # the next user decides for the real pytest
         remove_tree(stage)
