@@ -55,7 +55,8 @@ def test_jobs_outliving_the_lease_are_not_redispatched_when_heartbeats_carry_cha
         assert sorted(r["job_id"] for r in results) == sorted(ids)
         assert all(r["status"] == "ok" and r["attempts"] == 1 for r in results), [
             (r["job_id"], r["status"], r["attempts"]) for r in results]
-        assert c.status()["totals"].get("redispatched", 0) == 0
+        assert c.status()["totals"].get("redispatched", 0) == 0, (
+            up.logged("job_redispatched"), up.logged("heartbeat_gap"), up.logged("daemon_presumed_dead"))
 
 
 def test_a_killed_holder_listed_by_changes_has_its_jobs_redispatched(up_factory):
