@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 import rawzmq  # noqa: E402
-from common import IMG_DIR, REPO, CpuMeter, Rolloutd, fmt_rate, median, percentile, steady_rate  # noqa: E402
+from common import IMG_DIR, REPO, CpuMeter, Rolloutd, fmt_rate, median, percentile, shown, steady_rate  # noqa: E402
 
 PHASES = ("init", "run", "eval")
 MEANS = {"init": 0.020, "run": 0.100, "eval": 0.010}
@@ -208,7 +208,7 @@ def plot_overlap(rows, dists):
     out = IMG_DIR / f"pipeline_overlap{TAG[0]}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
-    print(f"  plot: {out.relative_to(REPO)}")
+    print(f"  plot: {shown(out)}")
 
 
 # ---- 2. orchestration overhead --------------------------------------------------------------
@@ -422,7 +422,7 @@ def plot_overhead(out, rtt, lat_alone, inside, lat_load):
     outp = IMG_DIR / f"pipeline_overhead{TAG[0]}.png"
     outp.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(outp, dpi=120)
-    print(f"  plot: {outp.relative_to(REPO)}")
+    print(f"  plot: {shown(outp)}")
 
 
 def plot_compare(before_path: str, after_path: str):
@@ -468,7 +468,7 @@ def plot_compare(before_path: str, after_path: str):
     fig.tight_layout()
     out = IMG_DIR / f"pipeline_overhead_compare{TAG[0]}.png"
     fig.savefig(out, dpi=120)
-    print(f"plot: {out.relative_to(REPO)}")
+    print(f"plot: {shown(out)}")
 
 
 def main(argv=None) -> int:

@@ -25,6 +25,11 @@ DAEMONS = ("events", "router", "gateway", "init", "run", "eval")
 
 
 # ---- statistics -------------------------------------------------------------------------
+def shown(path: Path) -> str:
+    """A written file's path for the output: relative to the checkout when inside it."""
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def median(xs) -> float:
     xs = list(xs)
     return statistics.median(xs) if xs else float("nan")
