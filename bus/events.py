@@ -64,15 +64,17 @@ class HeldJobs:
     A heartbeat with ``jobs`` is a full listing and replaces the set; one with ``jobs_added`` /
     ``jobs_removed`` changes it when its ``jobs_seq`` follows the previous heartbeat's. After a gap
     (a heartbeat dropped on the stream) the set is stale (``valid`` False) until the next full
-    listing; its last known content stays readable."""
+    listing; its last known content stays readable. ``relist_asked`` is when a reader last asked
+    the holder for one (``control.relist``)."""
 
-    __slots__ = ("incarnation", "seq", "jobs", "valid")
+    __slots__ = ("incarnation", "seq", "jobs", "valid", "relist_asked")
 
     def __init__(self, incarnation=None):
         self.incarnation = incarnation
         self.seq = None
         self.jobs: dict[int, int] = {}  # job id -> attempt
         self.valid = False
+        self.relist_asked = float("-inf")
 
     @staticmethod
     def lists(body: dict) -> bool:

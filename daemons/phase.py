@@ -312,6 +312,9 @@ class PhaseDaemon(Daemon):
             try:
                 topic = frames[0].bytes.decode()
                 body = codec.unpack(frames[1].bytes)
+                if topic == "control.relist":
+                    self._relist_asked(body)
+                    continue
                 if topic != "control.cancel":
                     self.on_control(topic, body)
                     continue
@@ -337,6 +340,13 @@ class PhaseDaemon(Daemon):
                 self.backlog = keep
             while len(self.cancelled) > CANCEL_MEMORY:
                 self.cancelled.pop(next(iter(self.cancelled)))
+
+    def _relist_asked(self, body: dict):
+        """A reader saw a gap in this incarnation's heartbeats: the next one lists every held job."""
+        if (body.get("holder"), body.get("holder_node"), body.get("incarnation")) == (
+                self.name, self.node, self.incarnation):
+            self._listed = None
+            self.log.info("full_listing_requested", by=body.get("daemon"))
 
     def on_control(self, topic: str, body: dict):
         """Other events this daemon subscribed to."""

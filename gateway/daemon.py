@@ -499,9 +499,10 @@ class Gateway(Daemon):
                 listed = t.apply(body)
                 if listed is None:  # a heartbeat was lost: nothing is known until the next full listing
                     listed = ()
-                    self.log.info("heartbeat_gap", daemon=who, jobs_seq=body.get("jobs_seq"))
+                    self._ask_relist(who, t, now)
                 else:
                     self.hb_seen[who] = now  # a complete report: _check_suspects counts it
+                    self._handed_on(f"{who}#{body.get('incarnation')}", body.get("jobs_removed", ()), now)
             else:
                 self.hb_seen[who] = now
             if body.get("daemon") == "router":
@@ -531,6 +532,28 @@ class Gateway(Daemon):
         elif topic == "daemon.abandoned":
             for jid, attempt in body.get("jobs", ()):
                 self._redispatch(jid, attempt, f"abandoned by {who} at its drain deadline")
+
+    def _ask_relist(self, who: str, t: events.HeldJobs, now: float):
+        """After a gap, ask the holder for a full listing now (``control.relist``) instead of waiting
+        up to ``daemon.full_listing_s``, which an operator may have set above the lease timeout.
+        At most once per heartbeat period per holder: the answer needs one heartbeat to arrive."""
+        if now - t.relist_asked < float(self.dcfg["heartbeat_s"]):
+            return
+        t.relist_asked = now
+        self.log.info("heartbeat_gap", daemon=who, jobs_seq=t.seq, got_jobs_seq=self.daemons[who].get("jobs_seq"))
+        daemon, _, node = who.partition("@")
+        self.events.publish("control.relist", holder=daemon, holder_node=node, incarnation=t.incarnation)
+
+    def _handed_on(self, holder: str, removed, now: float):
+        """Jobs a holder stopped listing were handed to the next phase (or finished): their lease
+        counts from here, as a full listing would have renewed it on every heartbeat. Without this,
+        a lease renewed only lazily (``_still_held``) can be nearly spent at the hand-off and expire
+        before the next holder's heartbeat names the job."""
+        jobs = self.table.jobs
+        for jid, attempt in removed:
+            rec = jobs.get(jid)
+            if rec is not None and rec.attempt == attempt and rec.holder == holder and rec.state == "dispatched":
+                rec.last_seen = now
 
     def _reconcile_backends(self):
         """A restarted router has forgotten the backends: register them again (add is idempotent)."""
