@@ -64,16 +64,18 @@ class HeldJobs:
     A heartbeat with ``jobs`` is a full listing and replaces the set; one with ``jobs_added`` /
     ``jobs_removed`` changes it when its ``jobs_seq`` follows the previous heartbeat's. After a gap
     (a heartbeat dropped on the stream) the set is stale (``valid`` False) until the next full
-    listing; its last known content stays readable. ``relist_asked`` is when a reader last asked
-    the holder for one (``control.relist``)."""
+    listing; its last known content stays readable. ``full_at`` and ``relist_asked`` are a
+    reader's clock readings: when the last full listing arrived, when it last asked the holder for
+    one (``control.relist``)."""
 
-    __slots__ = ("incarnation", "seq", "jobs", "valid", "relist_asked")
+    __slots__ = ("incarnation", "seq", "jobs", "valid", "full_at", "relist_asked")
 
     def __init__(self, incarnation=None):
         self.incarnation = incarnation
         self.seq = None
         self.jobs: dict[int, int] = {}  # job id -> attempt
         self.valid = False
+        self.full_at = float("-inf")
         self.relist_asked = float("-inf")
 
     @staticmethod

@@ -496,13 +496,23 @@ class Gateway(Daemon):
                 t = self.held.get(who)
                 if t is None or t.incarnation != body.get("incarnation"):
                     t = self.held[who] = events.HeldJobs(body.get("incarnation"))
+                was_valid, before = t.valid, t.jobs
                 listed = t.apply(body)
                 if listed is None:  # a heartbeat was lost: nothing is known until the next full listing
                     listed = ()
+                    if was_valid:
+                        self.log.info("heartbeat_gap", daemon=who, jobs_seq=t.seq, got_jobs_seq=body.get("jobs_seq"))
+                        self._unvouch(who, t)
                     self._ask_relist(who, t, now)
                 else:
                     self.hb_seen[who] = now  # a complete report: _check_suspects counts it
-                    self._handed_on(f"{who}#{body.get('incarnation')}", body.get("jobs_removed", ()), now)
+                    holder = f"{who}#{t.incarnation}"
+                    if "jobs" in body:
+                        t.full_at = now
+                    if "jobs" not in body:
+                        self._handed_on(holder, body.get("jobs_removed", ()), now)
+                    elif was_valid and before is not t.jobs:  # what the new full listing left out
+                        self._handed_on(holder, [(j, before[j]) for j in before.keys() - t.jobs.keys()], now)
             else:
                 self.hb_seen[who] = now
             if body.get("daemon") == "router":
@@ -512,12 +522,17 @@ class Gateway(Daemon):
                     self.backends = body.get("backends", [])
                 self._reconcile_backends()
             holder = f"{who}#{body.get('incarnation')}"
+            unvouched = self.table.unvouched
             for jid, attempt in listed:
                 rec = self.table.jobs.get(jid)
                 if rec is not None and rec.attempt == attempt and rec.state == "dispatched":
                     rec.last_seen = now
                     rec.holder = holder
+                    unvouched.discard(jid)  # this holder's heartbeats renew it from now on
         elif topic in ("daemon.died", "daemon.stopped"):
+            t = self.held.get(who)
+            if t is not None:
+                self._unvouch(who, t)
             self.hb_seen.pop(who, None)
             prev = self.daemons.pop(who, None)
             if prev is not None and topic == "daemon.died":
@@ -534,26 +549,45 @@ class Gateway(Daemon):
                 self._redispatch(jid, attempt, f"abandoned by {who} at its drain deadline")
 
     def _ask_relist(self, who: str, t: events.HeldJobs, now: float):
-        """After a gap, ask the holder for a full listing now (``control.relist``) instead of waiting
-        up to ``daemon.full_listing_s``, which an operator may have set above the lease timeout.
+        """After a gap, ask the holder for a full listing now (``control.relist``) when its periodic
+        one (every ``daemon.full_listing_s``) would come too late for the lease of the jobs it held.
+        Not otherwise: gaps come from an overloaded stream, and extra full listings would add load.
         At most once per heartbeat period per holder: the answer needs one heartbeat to arrive."""
-        if now - t.relist_asked < float(self.dcfg["heartbeat_s"]):
+        period = float(self.dcfg["heartbeat_s"])
+        # Unknown holder (this gateway just started): its periodic listing is due within full_listing_s.
+        due = (t.full_at if t.full_at > float("-inf") else now) + float(self.dcfg["full_listing_s"]) + period
+        if due < self.hb_seen.get(who, now) + float(self.gcfg["lease_timeout_s"]) - period:
+            return
+        if now - t.relist_asked < period:
             return
         t.relist_asked = now
-        self.log.info("heartbeat_gap", daemon=who, jobs_seq=t.seq, got_jobs_seq=self.daemons[who].get("jobs_seq"))
+        self.log.info("full_listing_asked", daemon=who)
         daemon, _, node = who.partition("@")
         self.events.publish("control.relist", holder=daemon, holder_node=node, incarnation=t.incarnation)
 
     def _handed_on(self, holder: str, removed, now: float):
-        """Jobs a holder stopped listing were handed to the next phase (or finished): their lease
-        counts from here, as a full listing would have renewed it on every heartbeat. Without this,
-        a lease renewed only lazily (``_still_held``) can be nearly spent at the hand-off and expire
-        before the next holder's heartbeat names the job."""
-        jobs = self.table.jobs
+        """Jobs a holder stopped listing were handed to the next phase (or finished): the sweep
+        looks at them again, their lease counting from here (the holder vouched for them until
+        this heartbeat). Counted from the last time a heartbeat named them, the lease could be
+        spent before the next holder's heartbeat names the job."""
+        jobs, unvouched = self.table.jobs, self.table.unvouched
         for jid, attempt in removed:
             rec = jobs.get(jid)
             if rec is not None and rec.attempt == attempt and rec.holder == holder and rec.state == "dispatched":
                 rec.last_seen = now
+                unvouched.add(jid)
+
+    def _unvouch(self, who: str, t: events.HeldJobs):
+        """``who``'s heartbeats no longer vouch for its jobs (a gap, silence, a stop): the sweep looks
+        at each again, its lease counting from the last complete heartbeat that listed it."""
+        seen = self.hb_seen.get(who, 0.0)
+        holder = f"{who}#{t.incarnation}"
+        jobs, unvouched = self.table.jobs, self.table.unvouched
+        for jid, attempt in t.jobs.items():
+            rec = jobs.get(jid)
+            if rec is not None and rec.attempt == attempt and rec.holder == holder and rec.state == "dispatched":
+                rec.last_seen = max(rec.last_seen, seen)
+                unvouched.add(jid)
 
     def _reconcile_backends(self):
         """A restarted router has forgotten the backends: register them again (add is idempotent)."""
@@ -659,22 +693,37 @@ class Gateway(Daemon):
                 self.held.pop(f"{hb.get('daemon')}@{hb.get('node')}", None)
         self._check_suspects()
         self.to_init.expire()
-        lease = float(self.gcfg["lease_timeout_s"])
-        for rec in list(self.table.jobs.values()):
-            if rec.state == "dispatched" and now - rec.last_seen > lease and not self._still_held(rec, now, lease):
-                self._redispatch(rec.job_id, rec.attempt, f"unseen in any heartbeat for {lease:.0f}s")
+        self._sweep_leases(now)
         if self._commit():
             self._flush_replies()
 
-    def _still_held(self, rec: JobRecord, now: float, lease: float) -> bool:
-        """Listed once and never removed by a holder whose listing is complete and current: heartbeats
-        that carry changes do not name the jobs that stayed (events.HeldJobs)."""
-        who, _, inc = rec.holder.rpartition("#")
-        t = self.held.get(who)
-        if t is None or not t.valid or t.incarnation != inc or t.jobs.get(rec.job_id) != rec.attempt:
-            return False
-        rec.last_seen = max(rec.last_seen, self.hb_seen.get(who, 0.0))
-        return now - rec.last_seen <= lease
+    def _sweep_leases(self, now: float):
+        """Re-dispatch jobs unseen for ``lease_timeout_s``. A job listed by a holder whose heartbeats
+        are complete and current is renewed by each of them without being touched (heartbeats that
+        carry changes do not name the jobs that stayed): only the unvouched ones are walked, those
+        in transit or whose holder stopped listing them, had a gap, or went quiet. (Walking the
+        whole table each second was 12% of the gateway at 1,000 nodes, docs/SCALING.md.)"""
+        lease = float(self.gcfg["lease_timeout_s"])
+        hb_seen, unvouched = self.hb_seen, self.table.unvouched
+        for who, t in self.held.items():
+            if t.valid and now - hb_seen.get(who, 0.0) > lease:
+                self._unvouch(who, t)  # no complete heartbeat for a whole lease
+        jobs = self.table.jobs
+        for jid in list(unvouched):
+            rec = jobs.get(jid)
+            if rec is None or rec.state != "dispatched":
+                unvouched.discard(jid)
+                continue
+            who, _, inc = rec.holder.rpartition("#")
+            t = self.held.get(who)
+            if t is not None and t.valid and t.incarnation == inc and t.jobs.get(jid) == rec.attempt:
+                seen = hb_seen.get(who, 0.0)
+                if now - seen <= lease:
+                    unvouched.discard(jid)  # a current holder lists it: its heartbeats renew it
+                    continue
+                rec.last_seen = max(rec.last_seen, seen)
+            if now - rec.last_seen > lease:
+                self._redispatch(jid, rec.attempt, f"unseen in any heartbeat for {lease:.0f}s")
 
     def _expire_clients(self, wall: float):
         """Results nobody came for within the retention period are dropped (and the client forgotten)."""

@@ -46,6 +46,9 @@ class JobTable:
         self.idem: dict[tuple[str, str], list[int]] = {}
         self.totals = collections.Counter()
         self.n_state = collections.Counter()   # jobs in the table by state
+        # Dispatched jobs whose lease the gateway's sweep must look at: not (or no longer) vouched
+        # for by a holder whose heartbeats are complete and current (Gateway._sweep_leases).
+        self.unvouched: set[int] = set()
 
     def client(self, client_id: str) -> ClientStream:
         c = self.clients.get(client_id)
@@ -66,6 +69,8 @@ class JobTable:
         self.n_state[rec.state] += 1
         if rec.state == "queued":
             self.queue.append(rec.job_id)
+        elif rec.state == "dispatched":
+            self.unvouched.add(rec.job_id)
         if rec.state == "done":
             self.client(rec.client_id).ready[rec.seq] = rec.job_id
         else:
@@ -78,6 +83,7 @@ class JobTable:
 
     def dispatch(self, rec: JobRecord):
         self._move(rec, "dispatched")
+        self.unvouched.add(rec.job_id)
 
     def requeue(self, rec: JobRecord):
         """Back to the front of the queue: it already waited its turn once."""
@@ -127,6 +133,7 @@ class JobTable:
         rec = self.jobs.pop(jid, None)
         if rec is not None:
             self.n_state[rec.state] -= 1
+        self.unvouched.discard(jid)
 
     def ready_after(self, client_id: str, after: int, limit: int) -> list[JobRecord]:
         c = self.clients.get(client_id)

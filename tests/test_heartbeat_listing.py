@@ -4,8 +4,8 @@ The listing rules (events.HeldJobs) on their own, then a real ``rolloutd up`` fo
 changes only (``daemon.full_listing_max=0``, a full listing only every 60 s) with a lease
 timeout shorter than the jobs: the gateway must keep jobs alive from a holder's rebuilt set
 (a job listed once and never removed), not only from the jobs a heartbeat names. Without
-``Gateway._still_held`` the jobs are re-dispatched at the lease timeout (checked by disabling
-the call: the lease test fails with 12 re-dispatches for 6 jobs).
+the per-holder renewal (``Gateway._sweep_leases``) the jobs are re-dispatched at the lease
+timeout (checked by disabling the call: the lease test fails with 12 re-dispatches for 6 jobs).
 """
 from __future__ import annotations
 
@@ -165,6 +165,11 @@ class Head:
     def redispatched(self) -> list[dict]:
         return [b for t, b in self.seen if t == "job.redispatched"]
 
+    def one_redispatch(self) -> dict:
+        got = self.redispatched()
+        assert len(got) == 1, f"expected the job re-dispatched once by its lease, got {got}"
+        return got[0]
+
     def stop(self):
         self.pub.close(0)
         self.sub.close(0)
@@ -232,17 +237,37 @@ def test_a_job_handed_on_late_in_its_lease_keeps_it_until_the_next_holder_lists_
         assert h.redispatched() == [], h.redispatched()
         # The lease itself still holds: a job no holder lists any more comes back after it.
         h.pump(5.0, {"init": nothing, "eval": {"jobs": []}})
-        [r] = h.redispatched()
+        r = h.one_redispatch()
         assert r["job_id"] == job[0] and r["attempt"] == 2 and "unseen in any heartbeat" in r["cause"], r
         assert c.status()["totals"].get("redispatched") == 1
 
 
+def test_a_holder_silent_for_a_whole_lease_loses_its_jobs_before_it_is_presumed_dead(head):
+    """Lease 3 s, daemon_dead_s 60 s: a job its holder's listings vouch for (never touched by the
+    sweep while they do) comes back once no complete heartbeat of that holder arrived for a whole
+    lease, not when the holder is finally presumed dead (checked by disabling the sweep's
+    per-holder check: no re-dispatch within the 7 s)."""
+    h = head("gateway.lease_timeout_s=3")
+    with RolloutClient(h.gateway) as c:
+        c.submit([synthetic(0)])
+        [job] = h.take_jobs(1)
+        nothing = {"jobs_added": [], "jobs_removed": []}
+        h.pump(0.5, {"init": {"jobs": []}, "eval": {"jobs": []}})
+        h.beat("init", jobs=[job])
+        h.pump(4.0, {"init": nothing, "eval": {"jobs": []}})
+        assert h.redispatched() == [], h.redispatched()
+        h.pump(7.0, {"eval": {"jobs": []}})  # init says nothing more
+        r = h.one_redispatch()
+        assert r["job_id"] == job[0] and "unseen in any heartbeat" in r["cause"], r
+        assert any(d["daemon"] == "init" for d in c.status()["daemons"])  # not presumed dead: the lease did it
+
+
 def test_a_gap_in_change_listings_makes_the_gateway_ask_for_a_full_one(head):
     """A dropped heartbeat leaves the holder's set unknown; waiting for the next periodic full
-    listing (full_listing_s, here 'never') lets the lease expire. The gateway publishes
-    control.relist for that holder; answered, the job keeps its lease; ignored, the lease
-    still expires (the relist request weakens nothing)."""
-    h = head("gateway.lease_timeout_s=3")
+    listing (full_listing_s 60 s, which this holder keeps to) would let the 3 s lease expire. The
+    gateway publishes control.relist for that holder; answered, the job keeps its lease; ignored,
+    the lease still expires (the relist request weakens nothing)."""
+    h = head("gateway.lease_timeout_s=3", "daemon.full_listing_s=60")
     with RolloutClient(h.gateway) as c:
         c.submit([synthetic(0)])
         [job] = h.take_jobs(1)
@@ -270,8 +295,27 @@ def test_a_gap_in_change_listings_makes_the_gateway_ask_for_a_full_one(head):
         h.beat("init", skip=True, **nothing)
         h.pump(6.0, {"init": nothing})  # a holder that never answers
         assert len([1 for t, _ in h.seen if t == "control.relist"]) >= 3  # asked again, once per heartbeat_s at most
-        [r] = h.redispatched()
+        r = h.one_redispatch()
         assert r["job_id"] == job[0] and "unseen in any heartbeat" in r["cause"], r
+
+
+def test_with_the_default_timings_a_gap_waits_for_the_periodic_full_listing(head):
+    """Lease 10 s, full listings every 5 s (the defaults): the periodic listing comes in time, so
+    a gap asks for nothing (extra full listings would load an already overloaded stream) and the
+    job keeps its lease through it."""
+    h = head()
+    with RolloutClient(h.gateway) as c:
+        c.submit([synthetic(0)])
+        [job] = h.take_jobs(1)
+        nothing = {"jobs_added": [], "jobs_removed": []}
+        h.pump(0.5, {"init": {"jobs": []}})
+        h.beat("init", jobs=[job])
+        h.pump(1.0, {"init": nothing})
+        h.beat("init", skip=True, **nothing)
+        h.pump(4.0, {"init": nothing})
+        h.pump(8.0, {"init": {"jobs": [job]}})  # the periodic full listing, then every heartbeat
+        assert [t for t, _ in h.seen if t == "control.relist"] == []
+        assert h.redispatched() == [], h.redispatched()
 
 
 def test_a_phase_daemon_answers_a_relist_request_with_a_full_listing(up_factory):

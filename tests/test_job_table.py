@@ -52,3 +52,19 @@ def test_counts_follow_every_state_change(seed):
             t.drop_results(cid)
         assert t.counts() == recount(t), (seed, op)
     assert sum(t.counts().values()) == len(t.jobs)
+
+
+def test_dispatched_jobs_start_unvouched_and_forgotten_ones_leave():
+    """The lease sweep walks ``unvouched`` only: every dispatched job enters it (also one recovered
+    from the journal in flight), and a forgotten job leaves it."""
+    t = JobTable()
+    a, b = JobRecord(1, "c", {}), JobRecord(2, "c", {}, state="dispatched")
+    t.add(a)
+    t.add(b)
+    assert t.unvouched == {2}
+    t.dispatch(a)
+    assert t.unvouched == {1, 2}
+    t.finish(a, [b"r"], "ok")
+    t.client("c").sent = 1
+    t.ack("c", 1)
+    assert t.unvouched == {2} and 1 not in t.jobs
