@@ -93,6 +93,9 @@ def test_a_killed_holder_listed_by_changes_has_its_jobs_redispatched(up_factory)
 # (as the Slurm launcher starts them), and the test plays the worker node's init and eval daemons
 # with the exact wire formats: it takes jobs over the init credit hand-off and publishes their
 # heartbeats on a schedule it controls.
+NOTHING = {"jobs_added": [], "jobs_removed": []}  # a change listing with no change
+
+
 class Head:
     def __init__(self, *sets: str):
         self.dir = short_tmpdir("hb-")
@@ -162,6 +165,15 @@ class Head:
             inbox.close()
         return got
 
+    def hold_one_job(self, client, others=()) -> list[int]:
+        """Submit one job, take it as init@sim and name it in init's full listing (the daemons in
+        ``others`` list nothing so far)."""
+        client.submit([synthetic(0)])
+        [job] = self.take_jobs(1)
+        self.pump(0.5, {d: {"jobs": []} for d in ("init", *others)})
+        self.beat("init", jobs=[job])
+        return job
+
     def redispatched(self) -> list[dict]:
         return [b for t, b in self.seen if t == "job.redispatched"]
 
@@ -225,18 +237,14 @@ def test_a_job_handed_on_late_in_its_lease_keeps_it_until_the_next_holder_lists_
     (checked by disabling Gateway._handed_on: 1 re-dispatch, cause "unseen in any heartbeat")."""
     h = head("gateway.lease_timeout_s=3")
     with RolloutClient(h.gateway) as c:
-        c.submit([synthetic(0)])
-        [job] = h.take_jobs(1)
-        nothing = {"jobs_added": [], "jobs_removed": []}
-        h.pump(0.5, {"init": {"jobs": []}, "eval": {"jobs": []}})
-        h.beat("init", jobs=[job])
-        h.pump(2.8, {"init": nothing, "eval": {"jobs": []}})
+        job = h.hold_one_job(c, others=("eval",))
+        h.pump(2.8, {"init": NOTHING, "eval": {"jobs": []}})
         h.beat("init", jobs_added=[], jobs_removed=[job])
-        h.pump(1.5, {"init": nothing, "eval": {"jobs": []}})
-        h.pump(4.0, {"init": nothing, "eval": {"jobs": [job]}})
+        h.pump(1.5, {"init": NOTHING, "eval": {"jobs": []}})
+        h.pump(4.0, {"init": NOTHING, "eval": {"jobs": [job]}})
         assert h.redispatched() == [], h.redispatched()
         # The lease itself still holds: a job no holder lists any more comes back after it.
-        h.pump(5.0, {"init": nothing, "eval": {"jobs": []}})
+        h.pump(5.0, {"init": NOTHING, "eval": {"jobs": []}})
         r = h.one_redispatch()
         assert r["job_id"] == job[0] and r["attempt"] == 2 and "unseen in any heartbeat" in r["cause"], r
         assert c.status()["totals"].get("redispatched") == 1
@@ -249,12 +257,8 @@ def test_a_holder_silent_for_a_whole_lease_loses_its_jobs_before_it_is_presumed_
     per-holder check: no re-dispatch within the 7 s)."""
     h = head("gateway.lease_timeout_s=3")
     with RolloutClient(h.gateway) as c:
-        c.submit([synthetic(0)])
-        [job] = h.take_jobs(1)
-        nothing = {"jobs_added": [], "jobs_removed": []}
-        h.pump(0.5, {"init": {"jobs": []}, "eval": {"jobs": []}})
-        h.beat("init", jobs=[job])
-        h.pump(4.0, {"init": nothing, "eval": {"jobs": []}})
+        job = h.hold_one_job(c, others=("eval",))
+        h.pump(4.0, {"init": NOTHING, "eval": {"jobs": []}})
         assert h.redispatched() == [], h.redispatched()
         h.pump(7.0, {"eval": {"jobs": []}})  # init says nothing more
         r = h.one_redispatch()
@@ -269,13 +273,9 @@ def test_a_gap_in_change_listings_makes_the_gateway_ask_for_a_full_one(head):
     the lease still expires (the relist request weakens nothing)."""
     h = head("gateway.lease_timeout_s=3", "daemon.full_listing_s=60")
     with RolloutClient(h.gateway) as c:
-        c.submit([synthetic(0)])
-        [job] = h.take_jobs(1)
-        nothing = {"jobs_added": [], "jobs_removed": []}
-        h.pump(0.5, {"init": {"jobs": []}})
-        h.beat("init", jobs=[job])
-        h.pump(1.0, {"init": nothing})
-        h.beat("init", skip=True, **nothing)  # lost on the stream
+        job = h.hold_one_job(c)
+        h.pump(1.0, {"init": NOTHING})
+        h.beat("init", skip=True, **NOTHING)  # lost on the stream
 
         asked = []
 
@@ -283,7 +283,7 @@ def test_a_gap_in_change_listings_makes_the_gateway_ask_for_a_full_one(head):
             if not asked and any(t == "control.relist" for t, _ in h.seen):
                 asked.append(1)
                 return {"jobs": [job]}
-            return nothing
+            return NOTHING
 
         h.pump(6.0, {"init": listing})
         relists = [b for t, b in h.seen if t == "control.relist"]
@@ -292,8 +292,8 @@ def test_a_gap_in_change_listings_makes_the_gateway_ask_for_a_full_one(head):
         assert len(relists) == 1, "asked again after the full listing came"
         assert h.redispatched() == [], h.redispatched()
 
-        h.beat("init", skip=True, **nothing)
-        h.pump(6.0, {"init": nothing})  # a holder that never answers
+        h.beat("init", skip=True, **NOTHING)
+        h.pump(6.0, {"init": NOTHING})  # a holder that never answers
         assert len([1 for t, _ in h.seen if t == "control.relist"]) >= 3  # asked again, once per heartbeat_s at most
         r = h.one_redispatch()
         assert r["job_id"] == job[0] and "unseen in any heartbeat" in r["cause"], r
@@ -305,14 +305,10 @@ def test_with_the_default_timings_a_gap_waits_for_the_periodic_full_listing(head
     job keeps its lease through it."""
     h = head()
     with RolloutClient(h.gateway) as c:
-        c.submit([synthetic(0)])
-        [job] = h.take_jobs(1)
-        nothing = {"jobs_added": [], "jobs_removed": []}
-        h.pump(0.5, {"init": {"jobs": []}})
-        h.beat("init", jobs=[job])
-        h.pump(1.0, {"init": nothing})
-        h.beat("init", skip=True, **nothing)
-        h.pump(4.0, {"init": nothing})
+        job = h.hold_one_job(c)
+        h.pump(1.0, {"init": NOTHING})
+        h.beat("init", skip=True, **NOTHING)
+        h.pump(4.0, {"init": NOTHING})
         h.pump(8.0, {"init": {"jobs": [job]}})  # the periodic full listing, then every heartbeat
         assert [t for t, _ in h.seen if t == "control.relist"] == []
         assert h.redispatched() == [], h.redispatched()
