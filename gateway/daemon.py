@@ -511,8 +511,8 @@ class Gateway(Daemon):
                         t.full_at = now
                     if "jobs" not in body:
                         self._handed_on(holder, body.get("jobs_removed", ()), now)
-                    elif was_valid and before is not t.jobs:  # what the new full listing left out
-                        self._handed_on(holder, [(j, before[j]) for j in before.keys() - t.jobs.keys()], now)
+                    elif was_valid and before is not t.jobs:  # what the new full listing left out or changed
+                        self._handed_on(holder, before.items() - t.jobs.items(), now)
             else:
                 self.hb_seen[who] = now
             if body.get("daemon") == "router":

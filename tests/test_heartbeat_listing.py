@@ -266,6 +266,21 @@ def test_a_holder_silent_for_a_whole_lease_loses_its_jobs_before_it_is_presumed_
         assert any(d["daemon"] == "init" for d in c.status()["daemons"])  # not presumed dead: the lease did it
 
 
+def test_a_full_listing_that_names_another_attempt_stops_vouching_for_the_current_one(head):
+    """The holder's full listings go on naming the job, but with another attempt (a stale
+    prefetched copy; found in review): they vouch for nothing the gateway has in flight, so the
+    job comes back after the lease (a key-only comparison of the listings left it vouched for
+    ever)."""
+    h = head("gateway.lease_timeout_s=3")
+    with RolloutClient(h.gateway) as c:
+        job = h.hold_one_job(c)
+        h.pump(1.0, {"init": {"jobs": [job]}})
+        assert h.redispatched() == []
+        h.pump(6.0, {"init": {"jobs": [[job[0], job[1] + 1]]}})
+        r = h.one_redispatch()
+        assert r["job_id"] == job[0] and r["attempt"] == job[1] + 1 and "unseen in any heartbeat" in r["cause"], r
+
+
 def test_a_gap_in_change_listings_makes_the_gateway_ask_for_a_full_one(head):
     """A dropped heartbeat leaves the holder's set unknown; waiting for the next periodic full
     listing (full_listing_s 60 s, which this holder keeps to) would let the 3 s lease expire. The
