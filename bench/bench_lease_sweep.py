@@ -87,7 +87,7 @@ def advance(gw: Gateway, now: float, churn: int, rnd: random.Random):
             continue
         moving = rnd.sample(list(t.jobs), min(churn, len(t.jobs)))
         holder = f"{who}#i1"
-        gw._handed_on(holder, [(j, 1) for j in moving], now)
+        gw._unvouch(holder, [(j, 1) for j in moving], now)
         for j in moving:
             del t.jobs[j]
         dst = gw.held[f"{nxt}@{node}"]

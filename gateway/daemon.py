@@ -491,6 +491,7 @@ class Gateway(Daemon):
                 self._holder_lost(prev, "restarted")
             self.daemons[who] = body
             now = time.monotonic()
+            holder = f"{who}#{body.get('incarnation')}"
             listed = ()
             if events.HeldJobs.lists(body):
                 t = self.held.get(who)
@@ -502,17 +503,17 @@ class Gateway(Daemon):
                     listed = ()
                     if was_valid:
                         self.log.info("heartbeat_gap", daemon=who, jobs_seq=t.seq, got_jobs_seq=body.get("jobs_seq"))
-                        self._unvouch(who, t)
+                        self._unvouch(holder, t.jobs.items(), self.hb_seen.get(who, 0.0))
                     self._ask_relist(who, t, now)
                 else:
                     self.hb_seen[who] = now  # a complete report: _check_suspects counts it
-                    holder = f"{who}#{t.incarnation}"
-                    if "jobs" in body:
-                        t.full_at = now
+                    # What this holder stopped listing was handed on (or finished): its lease restarts here.
                     if "jobs" not in body:
-                        self._handed_on(holder, body.get("jobs_removed", ()), now)
-                    elif was_valid and before is not t.jobs:  # what the new full listing left out or changed
-                        self._handed_on(holder, before.items() - t.jobs.items(), now)
+                        self._unvouch(holder, body.get("jobs_removed", ()), now)
+                    else:
+                        t.full_at = now
+                        if was_valid:  # what the new full listing left out or changed
+                            self._unvouch(holder, before.items() - t.jobs.items(), now)
             else:
                 self.hb_seen[who] = now
             if body.get("daemon") == "router":
@@ -521,7 +522,6 @@ class Gateway(Daemon):
                 if now - self.backends_from_reply > float(self.dcfg["heartbeat_s"]):
                     self.backends = body.get("backends", [])
                 self._reconcile_backends()
-            holder = f"{who}#{body.get('incarnation')}"
             unvouched = self.table.unvouched
             for jid, attempt in listed:
                 rec = self.table.jobs.get(jid)
@@ -532,7 +532,7 @@ class Gateway(Daemon):
         elif topic in ("daemon.died", "daemon.stopped"):
             t = self.held.get(who)
             if t is not None:
-                self._unvouch(who, t)
+                self._unvouch(f"{who}#{t.incarnation}", t.jobs.items(), self.hb_seen.get(who, 0.0))
             self.hb_seen.pop(who, None)
             prev = self.daemons.pop(who, None)
             if prev is not None and topic == "daemon.died":
@@ -565,28 +565,17 @@ class Gateway(Daemon):
         daemon, _, node = who.partition("@")
         self.events.publish("control.relist", holder=daemon, holder_node=node, incarnation=t.incarnation)
 
-    def _handed_on(self, holder: str, removed, now: float):
-        """Jobs a holder stopped listing were handed to the next phase (or finished): the sweep
-        looks at them again, their lease counting from here (the holder vouched for them until
-        this heartbeat). Counted from the last time a heartbeat named them, the lease could be
-        spent before the next holder's heartbeat names the job."""
+    def _unvouch(self, holder: str, pairs, since: float):
+        """``holder`` ("name@node#incarnation") no longer vouches for these [job, attempt] pairs: it
+        handed them on (``since`` = now: counted from the last heartbeat that named them, the
+        lease could be spent before the next holder names the job), or its heartbeats had a gap,
+        went quiet or stopped (``since`` = its last complete heartbeat). The lease sweep looks at
+        each again, its clock at ``since``."""
         jobs, unvouched = self.table.jobs, self.table.unvouched
-        for jid, attempt in removed:
+        for jid, attempt in pairs:
             rec = jobs.get(jid)
             if rec is not None and rec.attempt == attempt and rec.holder == holder and rec.state == "dispatched":
-                rec.last_seen = now
-                unvouched.add(jid)
-
-    def _unvouch(self, who: str, t: events.HeldJobs):
-        """``who``'s heartbeats no longer vouch for its jobs (a gap, silence, a stop): the sweep looks
-        at each again, its lease counting from the last complete heartbeat that listed it."""
-        seen = self.hb_seen.get(who, 0.0)
-        holder = f"{who}#{t.incarnation}"
-        jobs, unvouched = self.table.jobs, self.table.unvouched
-        for jid, attempt in t.jobs.items():
-            rec = jobs.get(jid)
-            if rec is not None and rec.attempt == attempt and rec.holder == holder and rec.state == "dispatched":
-                rec.last_seen = max(rec.last_seen, seen)
+                rec.last_seen = max(rec.last_seen, since)
                 unvouched.add(jid)
 
     def _reconcile_backends(self):
@@ -706,8 +695,8 @@ class Gateway(Daemon):
         lease = float(self.gcfg["lease_timeout_s"])
         hb_seen, unvouched = self.hb_seen, self.table.unvouched
         for who, t in self.held.items():
-            if t.valid and now - hb_seen.get(who, 0.0) > lease:
-                self._unvouch(who, t)  # no complete heartbeat for a whole lease
+            if t.valid and now - hb_seen.get(who, 0.0) > lease:  # no complete heartbeat for a whole lease
+                self._unvouch(f"{who}#{t.incarnation}", t.jobs.items(), hb_seen.get(who, 0.0))
         jobs = self.table.jobs
         for jid in list(unvouched):
             rec = jobs.get(jid)

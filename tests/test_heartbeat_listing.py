@@ -234,7 +234,7 @@ def test_a_job_handed_on_late_in_its_lease_keeps_it_until_the_next_holder_lists_
     """Lease 3 s; init lists the job once, then only (empty) changes, then removes it 2.8 s after
     the listing; eval names it 1.5 s later (more than a heartbeat: a busy daemon). A lease
     renewed only lazily was nearly spent at the hand-off: the gateway re-dispatched it in the gap
-    (checked by disabling Gateway._handed_on: 1 re-dispatch, cause "unseen in any heartbeat")."""
+    (checked by disabling the hand-off in Gateway._unvouch: 1 re-dispatch, cause "unseen in any heartbeat")."""
     h = head("gateway.lease_timeout_s=3")
     with RolloutClient(h.gateway) as c:
         job = h.hold_one_job(c, others=("eval",))
