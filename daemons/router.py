@@ -32,7 +32,8 @@ class Router(Daemon):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.rcfg = cfg.section("router")
-        self.pool = Pool(self.rcfg["policy"], float(self.rcfg["node_affinity"]), lease_prefix=f"L{self.incarnation}-")
+        self.pool = Pool(self.rcfg["policy"], float(self.rcfg["node_affinity"]), lease_prefix=f"L{self.incarnation}-",
+                         max_policy_lag=int(self.rcfg["max_policy_lag"]))
         self.waiters: list[tuple[float, list, object]] = []
         self.out: list = []
         self.checks: set[asyncio.Task] = set()  # first checks of newly registered backends
@@ -135,7 +136,7 @@ class Router(Daemon):
                 continue
             if now >= deadline:
                 why = ("no LLM backend is registered" if not self.pool.backends
-                       else "every backend is at capacity or unhealthy")
+                       else "every backend within max_policy_lag of the newest version is at capacity or unhealthy")
                 self._error(route, msg.req_id, "unavailable", f"{why} (waited {msg.wait_s:g}s)")
             else:
                 keep.append((deadline, route, msg))

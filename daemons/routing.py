@@ -10,6 +10,10 @@ A backend joins (or re-joins, when registered again) *pending*: it gets no lease
 health check has passed (``mark(id, True)``). A job's ``exclude`` list (backends that
 failed it) is a preference: an excluded backend serves the job again when no other
 candidate is healthy and free, which it only is after the router re-admitted it.
+
+Versions: a new lease goes only to a backend whose ``policy_version`` is within ``max_policy_lag``
+of the newest registered one (pending ones count: registering a version announces it). Older
+backends keep the leases they hold (jobs finishing under ``stale_policy = "finish"``) and drain.
 """
 from __future__ import annotations
 
@@ -67,11 +71,14 @@ class NoBackend(Exception):
 
 
 class Pool:
-    def __init__(self, policy: str = "least_inflight", node_affinity: float = 0.1, lease_prefix: str = "L"):
+    def __init__(self, policy: str = "least_inflight", node_affinity: float = 0.1, lease_prefix: str = "L",
+                 max_policy_lag: int = 0):
         if policy not in ("least_inflight", "round_robin"):
             raise ValueError(f"unknown routing policy {policy!r} (least_inflight, round_robin)")
         self.policy = policy
         self.node_affinity = node_affinity
+        self.max_policy_lag = int(max_policy_lag)
+        self._newest = 0  # newest policy_version registered: kept on add/clear, read on every pick
         self.backends: dict[str, Backend] = {}
         self.leases: dict[str, LeaseRecord] = {}
         self._ids = itertools.count(1)
@@ -92,6 +99,7 @@ class Pool:
                 setattr(b, k, v)
             # A re-registered server (reloaded weights, restarted) serves again once a check passes.
             b.healthy, b.checked, b.failures = False, False, 0
+        self._newest = self.current_version()
         return b
 
     def clear(self, address: str | None = None) -> list[str]:
@@ -99,6 +107,7 @@ class Pool:
         gone = [a for a in self.backends if address is None or a == address]
         for a in gone:
             del self.backends[a]
+        self._newest = self.current_version()
         return gone
 
     def current_version(self) -> int:
@@ -106,7 +115,14 @@ class Pool:
 
     # -- leasing ---------------------------------------------------------------------------
     def candidates(self, exclude=()) -> list[Backend]:
-        return [b for b in self.backends.values() if b.healthy and not b.full() and b.id not in exclude]
+        oldest = self._newest - self.max_policy_lag  # older servers only drain what they hold
+        return [b for b in self.backends.values()
+                if b.healthy and not b.full() and b.id not in exclude and b.policy_version >= oldest]
+
+    def too_old(self) -> list[Backend]:
+        """Backends past the lag bound: no new lease until re-registered at a newer version."""
+        oldest = self._newest - self.max_policy_lag
+        return [b for b in self.backends.values() if b.policy_version < oldest]
 
     def pick(self, node: str = "", exclude=()) -> Backend | None:
         if not self.backends:

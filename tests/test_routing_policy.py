@@ -133,3 +133,44 @@ def test_exclusion_yields_to_a_readmitted_backend():
     assert p.lease(3, exclude=["http://b0"]).backend_id == "http://b0"
     p.backends["http://b1"].capacity = 0
     assert p.lease(4, exclude=["http://b0"]).backend_id == "http://b1"  # still preferred away from b0
+
+
+def test_new_leases_go_only_within_the_lag_of_the_newest_version():
+    """Issue 27: with v0 and v1 registered and max_policy_lag=0, every new lease is on v1 (before,
+    least-inflight spread them over both); the v0 lease already held stays releasable."""
+    p = Pool(max_policy_lag=0)
+    p.add("http://old", policy_version=0)
+    admit_all(p)
+    held = p.lease(1)
+    assert held.backend_id == "http://old"
+    p.add("http://new", policy_version=1)
+    assert p.lease(2) is None  # the new version is pending its check: wait for it, not the old one
+    admit_all(p)
+    assert {p.lease(j).backend_id for j in range(3, 40)} == {"http://new"}
+    assert [b.id for b in p.too_old()] == ["http://old"]
+    assert p.release(held.lease_id) and p.backends["http://old"].inflight == 0
+    # excluded from the new version, the job still may not fall back to the old one
+    assert p.lease(50, exclude=["http://new"]).backend_id == "http://new"
+
+
+def test_rolling_swap_with_lag_one_keeps_old_servers_serving_until_two_behind():
+    p = Pool(max_policy_lag=1)
+    for i in range(4):
+        p.add(f"http://s{i}", policy_version=0)
+    admit_all(p)
+    p.add("http://s0", policy_version=1)  # s0 reloaded first: v0 is one behind, still within the lag
+    admit_all(p)
+    assert {p.lease(j).backend_id for j in range(8)} == {f"http://s{i}" for i in range(4)}
+    p.add("http://s1", policy_version=2)  # now v0 is two behind: s2, s3 drain
+    admit_all(p)
+    assert {p.lease(j).backend_id for j in range(8, 40)} == {"http://s0", "http://s1"}
+    p.clear("http://s1")  # the newest is gone: v1 is the newest registered again, v0 within the lag
+    assert {p.lease(j).backend_id for j in range(40, 80)} == {"http://s0", "http://s2", "http://s3"}
+
+
+def test_round_robin_respects_the_version_bound():
+    p = Pool("round_robin", max_policy_lag=0)
+    p.add("http://a", policy_version=3)
+    p.add("http://b", policy_version=4)
+    admit_all(p)
+    assert {p.lease(j).backend_id for j in range(6)} == {"http://b"}
