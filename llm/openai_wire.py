@@ -260,6 +260,22 @@ def parse_tool_choice(raw: Any, tools: list[dict] | None) -> bool:
               "tool_choice")
 
 
+@dataclass(slots=True)
+class WireRequest:
+    """A request of any API shape (Anthropic Messages, OpenAI Responses, Gemini), translated:
+    what the chat path gets from ``parse_messages``/``parse_tools``/``parse_tool_choice``/
+    ``parse_sampling``, plus what the shape's renderer needs back (``extras``)."""
+
+    messages: list[Msg]
+    tools: list[dict] | None  # OpenAI function format, as the chat template takes them
+    parse_calls: bool  # False: tool_choice none (the reply is returned as text)
+    sampling: Sampling
+    stream: bool = False
+    model: str | None = None
+    tool_choice: Any = None  # normalized: None, "auto", "none", "required" or {"name": ...}
+    extras: dict = field(default_factory=dict)
+
+
 # -- responses -----------------------------------------------------------------------------
 @dataclass(slots=True)
 class Reply:
@@ -277,6 +293,7 @@ class Reply:
     logprobs: list[float]
     token_strs: list[str] | None = None  # filled when the request asked for logprobs
     created: int = field(default_factory=lambda: int(time.time()))
+    stop_sequence: str | None = None  # the request's stop string that ended it (Anthropic's stop_sequence)
 
 
 def _logprobs_obj(r: Reply) -> dict | None:
