@@ -91,6 +91,10 @@ def decode(frames: Sequence, max_depth_arrays: int = 4096) -> dict:
                               max_array_len=1 << 20, max_map_len=1 << 20)
     except CodecError:
         raise
+    except ValueError as e:
+        if "for map key" in str(e):  # valid msgpack, a key of the wrong type: name where it is
+            raise _key_error(bufs[0]) from None
+        raise CodecError(f"header is not msgpack: {type(e).__name__}: {e}") from None
     except Exception as e:  # noqa: BLE001 - msgpack raises many types on garbage
         raise CodecError(f"header is not msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):
@@ -98,15 +102,56 @@ def decode(frames: Sequence, max_depth_arrays: int = 4096) -> dict:
     return obj
 
 
+class _Pairs(list):
+    """A map decoded as its (key, value) pairs: keys of any type, hashable or not."""
+
+
+def _pairs(head) -> Any:
+    return msgpack.unpackb(head, ext_hook=lambda code, data: None, raw=False, strict_map_key=False,
+                           object_pairs_hook=_Pairs, max_array_len=1 << 20, max_map_len=1 << 20)
+
+
+def _key_error(head) -> CodecError:
+    """``invalid`` naming the first map whose key is not a string (``submit.tasks[0].instance``)."""
+    try:
+        root = _pairs(head)
+    except Exception:  # noqa: BLE001
+        return CodecError("header is not msgpack")
+    kind = next((v for k, v in root if k == "kind"), None) if isinstance(root, _Pairs) else None
+    stack = [(root, kind if isinstance(kind, str) else "header")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, _Pairs):
+            for k, x in v:  # keys first, in order: the message names the first bad one
+                if not isinstance(k, (str, bytes)):
+                    what = {bool: "a bool", int: "an int", float: "a number", type(None): "null",
+                            list: "a list", tuple: "a list", _Pairs: "a map"}.get(type(k), type(k).__name__)
+                    e = CodecError(f"{path}: map keys must be strings, got {what} key {_short(k)}")
+                    e.code = "invalid"
+                    return e
+            stack.extend(reversed([(x, f"{path}.{k}" if isinstance(k, str) else path) for k, x in v]))
+        elif isinstance(v, list):
+            stack.extend(reversed([(x, f"{path}[{i}]") for i, x in enumerate(v)]))
+    return CodecError("header is not msgpack")
+
+
+def _short(k) -> str:
+    r = repr(list(k) if isinstance(k, (tuple, _Pairs)) else k)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
 def peek_req_id(frames: Sequence, limit: int = 1 << 16) -> int:
     """The ``req_id`` of a request too large (or too broken) to decode, so the error reply can
-    still name it; 0 when it cannot be read cheaply."""
+    still name it; 0 when it cannot be read cheaply. Keys of any type are read (a request refused
+    for a non-string key deep inside still gets its req_id)."""
     try:
         head = _buffer(frames[0])
         if len(head) > limit:
             return 0
-        obj = msgpack.unpackb(head, ext_hook=lambda code, data: None, raw=False)
-        rid = obj.get("req_id", 0) if isinstance(obj, dict) else 0
+        root = _pairs(head)
+        if not isinstance(root, _Pairs):
+            return 0
+        rid = next((v for k, v in root if k == "req_id"), 0)
         return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
     except Exception:  # noqa: BLE001 - best effort only
         return 0

@@ -12,7 +12,9 @@ class follows the convention.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
+from urllib.parse import urlsplit
 from typing import Any, ClassVar, Optional
 
 import numpy as np
@@ -134,8 +136,9 @@ def _compile(hint):
         return lambda val: any(c(val) for c in checks)
     if hint is type(None):
         return lambda val: val is None
-    if hint is float:
-        return lambda val: val.__class__ is float or (isinstance(val, (int, float)) and not isinstance(val, bool))
+    if hint is float:  # NaN and the infinities are no number a field can mean (a NaN budget compared as "spent")
+        return lambda val: (val.__class__ is int or (val.__class__ is float and math.isfinite(val))
+                            or (isinstance(val, int) and not isinstance(val, bool)))
     if hint is int:
         return lambda val: val.__class__ is int or (isinstance(val, int) and not isinstance(val, bool))
     if origin in (list, tuple):
@@ -193,14 +196,48 @@ def _why(hint, val) -> str:
         for i, x in enumerate(val):
             if not check(x):
                 return f"a list with {_why(inner, x)} at [{i}]"
-    if val.__class__ is float and hint is int:
-        return f"{_vname(val)} ({val!r})"
+    if val.__class__ is float and (hint is int or not math.isfinite(val)):
+        return f"{_vname(val)} ({val!r})" + ("" if math.isfinite(val) else ": NaN and infinities are refused")
     return _vname(val)
 
 
 def _positive(name: str, val, allow_zero=True):
     if val is not None and (val < 0 or (not allow_zero and val == 0)):
         raise MessageError("invalid", f"{name} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def _string_keys(val, where: str):
+    """Refuse a map key that is not a string anywhere inside ``val`` (a handler's instance): the
+    codec lets binary keys through (msgpack's strict mode allows them), and a handler would only
+    trip on one later, in init."""
+    stack = [(val, where)]
+    while stack:
+        v, path = stack.pop()
+        if v.__class__ is dict:
+            for k, x in v.items():
+                if k.__class__ is not str:
+                    raise MessageError("invalid", f"{path}: map keys must be strings, got {_vname(k)} key {k!r}")
+                if x.__class__ in (dict, list):
+                    stack.append((x, f"{path}.{k}"))
+        elif v.__class__ is list:
+            stack.extend((x, f"{path}[{i}]") for i, x in enumerate(v) if x.__class__ in (dict, list))
+
+
+def _http_url(name: str, address: str):
+    """An http(s) URL with a host and, if given, a port in 1..65535."""
+    try:
+        u = urlsplit(address)
+        port = u.port
+    except ValueError as e:
+        raise MessageError("invalid", f"{name}: {address!r} is not a valid URL ({e})") from None
+    if u.scheme not in ("http", "https"):
+        raise MessageError("invalid", f"{name}: {address!r} must be an http(s) URL")
+    if not u.hostname:
+        raise MessageError("invalid", f"{name}: {address!r} has no host")
+    if any(c.isspace() or not c.isprintable() for c in address):
+        raise MessageError("invalid", f"{name}: {address!r} contains whitespace or control characters")
+    if port == 0:
+        raise MessageError("invalid", f"{name}: {address!r} has port 0")
 
 
 # ---- trainer <-> gateway ------------------------------------------------------------
@@ -228,9 +265,10 @@ class Task:
         for phase, limit in (self.phase_timeouts or {}).items():
             if phase not in ("init", "run", "eval"):
                 raise MessageError("invalid", f"{where}.phase_timeouts: unknown phase {phase!r} (init, run, eval)")
-            if limit.__class__ not in (int, float) or limit <= 0:
-                raise MessageError("invalid", f"{where}.phase_timeouts.{phase}: expected a number > 0, "
+            if limit.__class__ not in (int, float) or not math.isfinite(limit) or limit <= 0:
+                raise MessageError("invalid", f"{where}.phase_timeouts.{phase}: expected a finite number > 0, "
                                    f"got {limit!r}")
+        _string_keys(self.instance, f"{where}.instance")
 
 
 @message("submit")
@@ -293,8 +331,7 @@ class AddLLMServer(Message):
     def validate(self):
         if self.api not in ("vllm", "sglang"):
             raise MessageError("invalid", f"api must be 'vllm' or 'sglang', not {self.api!r}")
-        if not self.address.startswith(("http://", "https://")):
-            raise MessageError("invalid", "address must be an http(s) URL")
+        _http_url("add_llm_server.address", self.address)
         _positive("capacity", self.capacity)
         _positive("weight", self.weight, allow_zero=False)
 

@@ -144,12 +144,11 @@ class Gateway(Daemon):
             self.malformed["requests"] += 1
             self._error(route, codec.peek_req_id(rest), "too_large", f"request of {size} bytes exceeds the limit of {self.gcfg['max_request_bytes']}")
             return
-        req_id = codec.peek_req_id(rest)
         try:
             msg = from_wire(codec.decode(rest), expect=CLIENT_REQUESTS)
         except (codec.CodecError, MessageError) as e:
-            self.malformed["requests"] += 1
-            self._error(route, req_id, getattr(e, "code", "malformed"), str(e))
+            self.malformed["requests"] += 1  # req_id read only here: a second decode of every request cost time
+            self._error(route, codec.peek_req_id(rest), getattr(e, "code", "malformed"), str(e))
             return
         held, pending = len(self.replies), len(self.journal.pending)
         try:
@@ -443,7 +442,8 @@ class Gateway(Daemon):
             return
         if msg.requeue:
             cause = msg.trajectory.get("requeue_cause") or "stale policy version (abort_requeue)"
-            self._redispatch(rec.job_id, rec.attempt, str(cause), count=False)
+            stale = bool(msg.trajectory.get("stale"))  # a stale re-run counts against max_attempts
+            self._redispatch(rec.job_id, rec.attempt, str(cause), count=stale, stale=stale)
             return
         traj = msg.trajectory
         traj["attempts"] = rec.attempt
@@ -467,11 +467,11 @@ class Gateway(Daemon):
                             timing={k: float(v) for k, v in timing.items() if isinstance(v, (int, float))},
                             latency_s=round(time.time() - rec.submitted, 6) if rec.submitted else None)
 
-    def _finish_locally(self, rec: JobRecord, status: str, phase: str, etype: str, message: str):
+    def _finish_locally(self, rec: JobRecord, status: str, phase: str, etype: str, message: str, stale: bool = False):
         """A result the gateway writes itself (cancelled in queue, attempts exhausted)."""
         traj = empty_trajectory(rec.job_id, rec.spec["instance_id"], rec.spec["sample_index"])
         traj.update(handler=rec.spec["handler"], status=status, failed_phase=phase,
-                    error={"type": etype, "message": message}, attempts=rec.attempt)
+                    error={"type": etype, "message": message}, attempts=rec.attempt, stale=stale)
         self._complete(rec, codec.encode(Result(job_id=rec.job_id, attempt=rec.attempt, trajectory=traj).to_wire()), status,
                        traj)
 
@@ -629,7 +629,7 @@ class Gateway(Daemon):
                 del self.suspects[jid]
                 self._redispatch(jid, attempt, f"{cause}; unlisted by every live daemon since")
 
-    def _redispatch(self, jid: int, attempt: int, cause: str, count: bool = True):
+    def _redispatch(self, jid: int, attempt: int, cause: str, count: bool = True, stale: bool = False):
         rec = self.table.jobs.get(jid)
         if rec is None or rec.state != "dispatched" or rec.attempt != attempt:
             return
@@ -638,7 +638,8 @@ class Gateway(Daemon):
             return
         if count and rec.attempt >= int(self.gcfg["max_attempts"]):
             self._finish_locally(rec, "failed", "queue", "AttemptsExhausted",
-                                 f"attempt {rec.attempt} lost ({cause}); max_attempts={self.gcfg['max_attempts']}")
+                                 f"attempt {rec.attempt} lost ({cause}); max_attempts={self.gcfg['max_attempts']}",
+                                 stale=stale)
             return
         rec.attempt += 1
         self.table.requeue(rec)

@@ -228,7 +228,7 @@ class Journal:
 
     def job_state(self, job_id: int) -> str | None:
         """A job's journalled state (``acked`` and ``dropped`` rows stay until pruned); None if unknown."""
-        if not self.db:
+        if not self.db or not -(1 << 63) <= job_id < (1 << 63):  # beyond SQLite's INTEGER: never a job of ours
             return None
         self.commit()  # this turn's writes first (they are what the answer must reflect)
         row = self.db.execute("SELECT state FROM jobs WHERE job_id=?", (job_id,)).fetchone()

@@ -40,7 +40,27 @@ REFUSED = [
     ("unknown phase limit", {"kind": "submit", "client_id": "c", "tasks": [dict(TASK, phase_timeouts={"warmup": 1})]},
      "invalid", "unknown phase 'warmup'"),
     ("negative phase limit", {"kind": "submit", "client_id": "c", "tasks": [dict(TASK, phase_timeouts={"run": -1})]},
-     "invalid", "phase_timeouts.run: expected a number > 0"),
+     "invalid", "phase_timeouts.run: expected a finite number > 0"),
+    # Issue 28 item 2: NaN and the infinities are refused, the field named (NaN ran as a 0 s budget).
+    ("timeout_s NaN", {"kind": "submit", "client_id": "c", "tasks": [dict(TASK, timeout_s=float("nan"))]}, "invalid",
+     "submit.tasks[0].timeout_s: expected number or null, got a number (nan): NaN and infinities are refused"),
+    ("timeout_s inf", {"kind": "submit", "client_id": "c", "tasks": [dict(TASK, timeout_s=float("inf"))]}, "invalid",
+     "submit.tasks[0].timeout_s: expected number or null, got a number (inf)"),
+    ("phase limit NaN", {"kind": "submit", "client_id": "c", "tasks": [dict(TASK, phase_timeouts={"run": float("nan")})]},
+     "invalid", "submit.tasks[0].phase_timeouts.run: expected a finite number > 0, got nan"),
+    ("phase limit inf", {"kind": "submit", "client_id": "c", "tasks": [dict(TASK, phase_timeouts={"eval": float("inf")})]},
+     "invalid", "submit.tasks[0].phase_timeouts.eval: expected a finite number > 0, got inf"),
+    ("wait_s NaN", {"kind": "poll", "client_id": "c", "wait_s": float("nan")}, "invalid", "poll.wait_s: expected number"),
+    ("weight NaN", {"kind": "add_llm_server", "address": "http://h:1", "weight": float("nan")}, "invalid",
+     "add_llm_server.weight: expected number, got a number (nan)"),
+    ("weight -inf", {"kind": "add_llm_server", "address": "http://h:1", "weight": float("-inf")}, "invalid",
+     "add_llm_server.weight: expected number, got a number (-inf)"),
+    ("address without a host", {"kind": "add_llm_server", "address": "http://"}, "invalid", "'http://' has no host"),
+    ("address with only a port", {"kind": "add_llm_server", "address": "http://:8000"}, "invalid", "has no host"),
+    ("address with a bad port", {"kind": "add_llm_server", "address": "http://h:99999"}, "invalid", "is not a valid URL"),
+    ("address not http", {"kind": "add_llm_server", "address": "ftp://h"}, "invalid", "must be an http(s) URL"),
+    ("binary key in an instance", {"kind": "submit", "client_id": "c", "tasks": [dict(TASK, instance={"a": [{b"k": 1}]})]},
+     "invalid", "submit.tasks[0].instance.a[0]: map keys must be strings, got binary data key b'k'"),
 ]
 
 
