@@ -37,10 +37,24 @@ class JobContext:
         self.trajectory["handler"] = job.handler
         self.trajectory["attempts"] = job.attempt
         self.phase = "queue"
-        self.llm = None  # set by the run daemon for handlers with needs_llm: an LLM session
+        self._llm = None  # set by the run daemon for handlers with needs_llm: an LLM session
         # The job's token-level conversation (an llm.conversation.Conversation), if the handler
         # registers it: however the phase ends, a failed result keeps the tokens sampled so far.
         self.conversation = None
+        # Without one, every call through ``ctx.llm`` is captured here instead (handlers that put
+        # every sampled token in the trajectory on every path themselves may set it False).
+        self.capture_tokens = True
+
+    @property
+    def llm(self):
+        """The leased LLM: ``await ctx.llm(prompt_ids, params) -> (Generation, backend, version)``.
+        Every call through it is recorded (``CallCapture``), so a failed job keeps what it sampled
+        whatever the handler did with it."""
+        return self._llm
+
+    @llm.setter
+    def llm(self, generate):
+        self._llm = generate if generate is None or isinstance(generate, CapturingLLM) else CapturingLLM(generate)
 
     # -- job fields ---------------------------------------------------------------------
     @property
@@ -71,12 +85,32 @@ class JobContext:
         return self.job.sandbox
 
     def tools(self):
-        """An asyncio client for the tool server of this job's sandbox."""
+        """An asyncio client for the tool server of this job's sandbox. In eval, its first call
+        is preceded by a purge: whatever the agent left running is killed before any eval step
+        (issue 24), whichever tools a handler's eval uses."""
         if self.job.sandbox is None:
             raise RuntimeError("this job has no sandbox; create one in init")
         from rolloutd.sandbox import AsyncToolClient
 
-        return AsyncToolClient(self.job.sandbox["tool_socket"])
+        return AsyncToolClient(self.job.sandbox["tool_socket"], purge_first=self.phase == "eval")
+
+    async def grade(self, argv: list[str], *, timeout: float, cwd: str | None = None,
+                    env: dict[str, str] | None = None, stdin: str | None = None, tail_bytes: int = 1 << 20):
+        """Run a grader in this job's sandbox as its only process (the ``grade`` tool): every
+        process the agent started is killed first, and the ToolResult holds only what the
+        grader printed (stdout+stderr tail), on pipes no earlier process held."""
+        from rolloutd.sandbox import AsyncToolClient
+
+        args = {"argv": list(argv), "timeout": float(timeout), "env": dict(env or {}), "tail_bytes": int(tail_bytes)}
+        if cwd is not None:
+            args["cwd"] = cwd
+        if stdin is not None:
+            args["stdin"] = stdin
+        async with AsyncToolClient(self.job.sandbox["tool_socket"]) as client:
+            r = await client.call("grade", args, timeout=float(timeout))
+        if r.error and "purged" not in r.info:  # nothing was graded: a failure, not a reward
+            raise RuntimeError(f"grading in the sandbox failed: {r.error}")
+        return r
 
     def set_reward(self, reward: float, **details: Any):
         self.trajectory["reward"] = float(reward)
@@ -95,11 +129,99 @@ class JobContext:
         cancel still return turn 1's sampled ids, mask and logprobs)."""
         conv = self.conversation
         if conv is None:
+            capture = self._llm.capture if isinstance(self._llm, CapturingLLM) and self.capture_tokens else None
+            if capture is not None and capture.sampled > _sampled(self.trajectory):
+                # The handler kept no conversation and its trajectory holds less than was sampled
+                # (synthetic_llm writes its tokens only at the end): what the lease saw, instead.
+                self.trajectory.update(capture.trajectory())
             return
         self.trajectory.update(conv.arrays())
         self.trajectory["turns"] = list(conv.turns)
         if conv.turns and self.trajectory.get("policy_version") is None:
             self.trajectory["policy_version"] = conv.turns[0].get("policy_version")
+
+
+def _sampled(traj: dict) -> int:
+    """Sampled tokens in a trajectory (every segment's, when it has several)."""
+    import numpy as np
+
+    segs = traj.get("segments") or [traj]
+    return int(sum(int(np.count_nonzero(np.asarray(s.get("loss_mask", ())))) for s in segs))
+
+
+class CallCapture:
+    """Every generation of one job's LLM lease, as token sequences: a call whose prompt extends
+    the current sequence (prompt, sampled tokens and what came between) continues it (the new
+    prompt tokens with loss_mask 0, the sampled ones with 1); any other prompt starts a new
+    segment. Kept incrementally: one copy of the trajectory, not one prompt per call."""
+
+    def __init__(self):
+        self.segments: list[dict] = []  # {"prompt": ids, "parts": [(ids, mask, logprobs)], "turns", "seq"}
+        self.sampled = 0
+
+    def add(self, prompt_ids, gen, backend, version):
+        import numpy as np
+
+        prompt = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)
+        ids = np.asarray(gen.token_ids, dtype=np.int32).reshape(-1)
+        lps = np.asarray(gen.logprobs if gen.logprobs is not None else np.zeros(len(ids)), dtype=np.float32).reshape(-1)
+        if len(lps) != len(ids):
+            lps = np.zeros(len(ids), np.float32)
+        seg = self.segments[-1] if self.segments else None
+        if seg is not None and len(prompt) >= len(seg["seq"]) and np.array_equal(prompt[:len(seg["seq"])], seg["seq"]):
+            new = prompt[len(seg["seq"]):]  # what came between (observations, template tokens)
+            if len(new):
+                seg["parts"].append((new, np.zeros(len(new), np.int8), np.zeros(len(new), np.float32)))
+                seg["response_len"] += len(new)
+        else:
+            seg = {"prompt": prompt, "parts": [], "turns": [], "response_len": 0}
+            self.segments.append(seg)
+        start = seg["response_len"]
+        seg["parts"].append((ids, np.ones(len(ids), np.int8), lps))
+        seg["response_len"] += len(ids)
+        seg["seq"] = np.concatenate([prompt, ids])
+        seg["turns"].append({"span": [start, start + len(ids)], "finish_reason": gen.finish_reason,
+                             "backend": backend, "policy_version": version})
+        self.sampled += len(ids)
+
+    def trajectory(self) -> dict:
+        """The captured calls in the trajectory's shape: the last segment at the top level and,
+        with two or more, ``segments`` (as the bring-your-own-agent endpoint returns them)."""
+        import numpy as np
+
+        out = []
+        for i, seg in enumerate(self.segments):
+            parts = seg["parts"]
+            out.append({"index": i, "prompt_ids": seg["prompt"],
+                        "response_ids": np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int32),
+                        "loss_mask": np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int8),
+                        "logprobs": np.concatenate([p[2] for p in parts]) if parts else np.zeros(0, np.float32),
+                        "turns": list(seg["turns"])})
+        if not out:
+            return {}
+        top = {k: v for k, v in out[-1].items() if k != "index"}
+        if len(out) > 1:
+            top["segments"] = out
+        first = next((t for s in out for t in s["turns"]), None)
+        top["policy_version"] = first["policy_version"] if first else None
+        return top
+
+
+class CapturingLLM:
+    """``ctx.llm``: the daemon's LLM session (or any generate callable), recording each call's
+    prompt and generation in ``capture``. Everything else is the session's."""
+
+    def __init__(self, generate):
+        self._generate = generate
+        self.capture = CallCapture()
+
+    async def __call__(self, prompt_ids, params):
+        g, backend, version = await self._generate(prompt_ids, params)
+        self.capture.add(prompt_ids, g, backend, version)
+        return g, backend, version
+
+    def __getattr__(self, name):
+        return getattr(self._generate, name)
 
 
 class Services:

@@ -7,7 +7,8 @@ The agent gets the function signature and docstring and writes the complete func
 problem's hidden tests INSIDE the job's sandbox, in a fresh interpreter with a clean
 environment and a timeout: the problem's prompt (imports and helper functions some tests
 use), then ``solution.py``, then the tests are executed in one namespace and
-``check(<entry point>)`` is called, as HumanEval's own harness does. The reward is 1 only if
+``check(<entry point>)`` is called, as HumanEval's own harness does. It runs through the
+``grade`` tool: nothing the agent started is alive by then, and the output is the checker's own. The reward is 1 only if
 every assertion passes (exit code 0 and a per-run random marker printed after ``check``).
 As in HumanEval, the candidate's code runs in the grading process, so a policy bent on it
 could still forge a pass; the tests are never visible to the agent (written after the run).
@@ -20,7 +21,7 @@ from __future__ import annotations
 import secrets
 
 from rolloutd.handlers.base import JobContext
-from rolloutd.handlers.tasks import (DomainHandler, clean_command, eval_sandbox, give_to_sandbox, humaneval_problem,
+from rolloutd.handlers.tasks import (DomainHandler, clean_env, eval_sandbox, give_to_sandbox, humaneval_problem,
                             workspace_inside)
 
 CHECK_TEMPLATE = '''\
@@ -96,13 +97,12 @@ class CodeHandler(DomainHandler):
             give_to_sandbox(sb, [check])
 
         await asyncio.to_thread(write)
-        client = ctx.tools()
         try:
-            cmd = clean_command(["python3", "-B", check.name], cwd=workspace_inside(sb))
-            # restart: a fresh shell, whatever the agent left running or redefined in its own
-            r = await client.call("bash", {"command": cmd, "restart": True, "timeout": self.test_timeout_s})
+            # The grade tool: every process the agent left is killed first; the output is the
+            # grading process's own, on fresh pipes (issue 24).
+            r = await ctx.grade(["python3", "-B", check.name], cwd=workspace_inside(sb), env=clean_env(),
+                                timeout=self.test_timeout_s)
         finally:
-            await client.close()
             check.unlink(missing_ok=True)
         passed = (r.exit_code == 0 and not r.timed_out and r.error is None
                   and f"ROLLOUTD-CHECK-{marker}" in (r.output or ""))

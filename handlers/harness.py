@@ -46,12 +46,15 @@ from pathlib import Path
 from typing import Any
 
 from rolloutd.handlers.base import AgentHandler, JobContext, PhaseTimeout
-from rolloutd.handlers.harness_presets import AGENT_DIR, PRESETS, agent_script_binds
+from rolloutd.handlers.harness_presets import AGENT_DIR, PRESETS, agent_script_binds, node_bin
 
 TOP_KEYS = {"preset", "command", "env", "task_via", "task", "setup", "limits", "eval", "tokenizer", "parser",
-            "task_tag", "cwd"}
+            "task_tag", "cwd", "home_files"}
 SETUP_KEYS = {"domain", "instance", "files", "repository", "image"}
-LIMIT_KEYS = {"max_llm_calls": int, "max_context": int, "max_tokens": int, "wall_s": float}
+LIMIT_KEYS = {"max_llm_calls": int, "max_context": int, "max_tokens": int, "wall_s": float, "memory_mb": int,
+              "address_space_mb": int}
+# Placeholders of env values and home files, filled in run (the endpoint's in-sandbox address).
+ENDPOINT_VARS = ("{base_url}", "{base_root}", "{api_key}", "{model}")
 EVAL_KEYS = {"command", "timeout_s", "reward", "scorer"}
 DOMAINS = ("swe", "math", "code")
 TASK_VIA = ("arg", "file", "stdin")
@@ -116,6 +119,14 @@ def validate(instance: Any, config: dict) -> dict:
     out["command"] = _strs(command, "'command'")
     out["env"] = dict(base.get("env") or {})
     out["env"].update(_env(instance.get("env", {}), "'env'"))
+    home_files = instance.get("home_files", {})
+    if not isinstance(home_files, dict) or not all(
+            isinstance(k, str) and k and not k.startswith("/") and ".." not in k.split("/") and isinstance(v, str)
+            for k, v in home_files.items()):
+        _fail("'home_files' maps paths relative to $HOME (no '..') to file contents (strings)")
+    out["home_files"] = dict(base.get("home_files") or {}, **home_files)
+    if out["home_files"] and not out["env"].get("HOME", "").startswith("/"):
+        _fail("'home_files' need an absolute HOME in 'env' (a writable directory inside the sandbox)")
     out["task_via"] = instance.get("task_via", base.get("task_via", "arg"))
     if out["task_via"] not in TASK_VIA:
         _fail(f"'task_via' must be one of {TASK_VIA}, got {out['task_via']!r}")
@@ -173,6 +184,9 @@ def validate(instance: Any, config: dict) -> dict:
     lim.setdefault("wall_s", float(config.get("wall_s", 900.0)))
     lim.setdefault("max_context", int(config.get("max_context", 16384)))
     lim.setdefault("max_tokens", int(config.get("max_tokens", 1024)))
+    for k in ("memory_mb", "address_space_mb"):  # the handler's config wins over a preset's default
+        if k not in limits and config.get(k) is not None:
+            lim[k] = _number(config[k], int, f"[handlers.harness] {k}")
     out["limits"] = lim
 
     ev = instance.get("eval")
@@ -266,6 +280,28 @@ class HarnessHandler(AgentHandler):
             raise ValueError(f"agent_venv {v!r} is not a virtual environment (no bin/python)")
         return v
 
+    def agent_mounts(self) -> list[str]:
+        """Host directories mounted read-only at the same path: the agent venv (with the Node
+        harnesses' cache in ``<venv>/node``) and ``[handlers.harness] mounts`` (any other agent's
+        install: a node_modules tree, a binary's directory). Config only, never a request."""
+        out = [v for v in (self.agent_venv(),) if v]
+        extra = self.config.get("mounts") or []
+        if isinstance(extra, str) or not all(isinstance(p, str) and os.path.isabs(p) for p in extra):
+            raise ValueError(f"[handlers.harness] mounts must be a list of absolute paths, got {extra!r}")
+        for p in extra:
+            if not os.path.isdir(p):
+                raise ValueError(f"[handlers.harness] mounts: {p} is not a directory")
+        return out + [p for p in extra if p not in out]
+
+    def agent_path(self) -> str:
+        """PATH inside the sandbox: the venv's bin, the Node cache's .bin, each mount's bin."""
+        from rolloutd.handlers.tasks import SANDBOX_PATH
+
+        dirs = []
+        for m in self.agent_mounts():
+            dirs += [d for d in (f"{m}/bin", node_bin(m), f"{m}/node_modules/.bin") if os.path.isdir(d)]
+        return ":".join(dirs + [SANDBOX_PATH])
+
     def tokenizer_path(self, ctx: JobContext) -> str:
         path = self.spec(ctx)["tokenizer"] or self.config.get("tokenizer") or os.environ.get("ROLLOUTD_TOKENIZER")
         if not path:
@@ -302,13 +338,16 @@ class HarnessHandler(AgentHandler):
         # The sandbox outlives the agent's wall budget by the eval's and the endpoint's margins.
         spec.limits = Limits(**dict(spec.limits.to_dict(), wall_seconds=max(spec.limits.wall_seconds or 0,
                                                                             wall + 3600)))
+        # Memory (docs/HARNESS.md, "Memory"): memory_mb bounds the sandbox's resident memory (a
+        # cgroup where delegated); address_space_mb replaces the per-process RLIMIT_AS that is the
+        # fallback, sized so Node harnesses (V8 reserves far more than it uses) run.
+        mem = {k: h["limits"][k] for k in ("memory_mb", "address_space_mb") if h["limits"].get(k)}
+        if mem:
+            spec.limits = Limits(**dict(spec.limits.to_dict(), **mem))
         if setup["image"]:
             spec.image = setup["image"]
         spec.workspace_files = dict(spec.workspace_files, **setup["files"])
-        venv = self.agent_venv()
-        if venv:
-            spec.binds = list(spec.binds) + [(venv, venv, True)]
-        spec.binds = list(spec.binds) + agent_script_binds()
+        spec.binds = list(spec.binds) + [(p, p, True) for p in self.agent_mounts()] + agent_script_binds()
         ctx.create_sandbox(spec)
         from rolloutd.handlers.tasks import give_to_sandbox
 
@@ -322,7 +361,7 @@ class HarnessHandler(AgentHandler):
     # -- run -----------------------------------------------------------------------------------
     def agent_call(self, ctx: JobContext, h: dict, base_url: str, api_key: str) -> dict:
         """The ``agent`` tool call for this job (argv, env, stdin, timeout)."""
-        from rolloutd.handlers.tasks import SANDBOX_PATH, give_to_sandbox, workspace_inside
+        from rolloutd.handlers.tasks import give_to_sandbox, workspace_inside
 
         sb = ctx.sandbox
         inside_ws = workspace_inside(sb)
@@ -333,7 +372,8 @@ class HarnessHandler(AgentHandler):
             p.write_text(task, encoding="utf-8")
             give_to_sandbox(sb, [p])
         subst = {"{task}": task, "{task_file}": task_file, "{agent_dir}": AGENT_DIR,
-                 "{max_llm_calls}": str(h["limits"].get("max_llm_calls") or 0)}
+                 "{max_llm_calls}": str(h["limits"].get("max_llm_calls") or 0),
+                 "{model}": str(self.config.get("model_name", "rolloutd"))}
         argv = []
         for a in h["command"]:
             for k, v in subst.items():
@@ -342,10 +382,23 @@ class HarnessHandler(AgentHandler):
         venv = self.agent_venv()
         env = {"OPENAI_BASE_URL": base_url, "OPENAI_API_BASE": base_url, "OPENAI_API_KEY": api_key,
                "ROLLOUTD_TASK_FILE": task_file if h["task_via"] == "file" else "",
-               "PATH": (f"{venv}/bin:" if venv else "") + SANDBOX_PATH, "PYTHONUNBUFFERED": "1"}
+               "PATH": self.agent_path(), "PYTHONUNBUFFERED": "1"}
         if venv:
             env["VIRTUAL_ENV"] = venv
-        env.update({k: v.replace("{agent_dir}", AGENT_DIR) for k, v in h["env"].items()})
+        fill = {"{agent_dir}": AGENT_DIR, "{base_url}": base_url, "{base_root}": base_url.removesuffix("/v1"),
+                "{api_key}": api_key, "{model}": str(self.config.get("model_name", "rolloutd"))}
+
+        def filled(v: str) -> str:
+            for k, x in fill.items():
+                v = v.replace(k, x)
+            return v
+
+        env.update({k: filled(v) for k, v in h["env"].items()})
+        if h["home_files"]:  # written into the sandbox's own HOME by the launcher, then exec
+            import json
+
+            env["ROLLOUTD_HOME_FILES"] = json.dumps({k: filled(v) for k, v in h["home_files"].items()})
+            argv = ["python3", "-I", f"{AGENT_DIR}/launch.py", "--"] + argv
         return {"argv": argv, "env": env, "cwd": h["cwd"] or inside_ws, "timeout": h["limits"]["wall_s"],
                 "stdin": task if h["task_via"] == "stdin" else None, "tail_bytes": 16384,
                 "log": f"{inside_ws}/.rolloutd_agent.log"}
@@ -371,6 +424,7 @@ class HarnessHandler(AgentHandler):
         tok = await self.tokenizer_async(ctx)
         await asyncio.to_thread(importlib.import_module, "uvicorn")
         api_key = "rolloutd-" + secrets.token_hex(16)
+        ctx.capture_tokens = False  # the endpoint's trajectory (segments, stop cuts) is copied on every path below
         session = EndpointSession(ctx.llm, tok, parser=h["parser"] or self.config.get("parser", "hermes"),
                                   model=str(self.config.get("model_name", "rolloutd")),
                                   limits=self.endpoint_limits(ctx, h), api_key=api_key)
@@ -424,14 +478,10 @@ class HarnessHandler(AgentHandler):
     async def _eval_command(self, ctx: JobContext, ev: dict) -> tuple[float, dict]:
         from rolloutd.handlers.tasks import SANDBOX_PATH, workspace_inside
 
-        client = ctx.tools()
-        try:
-            r = await client.call("agent", {"argv": ev["command"], "timeout": ev["timeout_s"],
-                                            "cwd": workspace_inside(ctx.sandbox),
-                                            "env": {"PATH": SANDBOX_PATH, "HOME": "/tmp", "OPENAI_API_KEY": ""}},
-                                  timeout=ev["timeout_s"])
-        finally:
-            await client.close()
+        # The grade tool: the agent's processes are all dead first, the output is the eval
+        # command's own (issue 24).
+        r = await ctx.grade(ev["command"], timeout=ev["timeout_s"], cwd=workspace_inside(ctx.sandbox),
+                            env={"PATH": SANDBOX_PATH, "HOME": "/tmp", "OPENAI_API_KEY": ""})
         out = r.output or ""
         details = {"eval_exit_code": r.exit_code, "eval_timed_out": r.timed_out, "eval_output": out[-TAIL_CHARS:]}
         if r.error:

@@ -11,20 +11,20 @@ daemon's own environment is bind-mounted read-only at ``/opt/rolloutd-pytest`` a
 runtime, which has no mounts, gets a directory of symlinks instead).
 
 eval captures the agent's patch (``git diff``), restores the test files, runs the task's
-``test_cmd`` in the sandbox in a fresh shell with a clean environment and the task's
-timeout, and grades it: reward 1 only if every FAIL_TO_PASS and every PASS_TO_PASS test
-passes. The output goes to a file in the workspace, so the grader reads all of it.
+``test_cmd`` in the sandbox through the ``grade`` tool (every process the agent started is
+killed first; the output is the test run's own, on fresh pipes) with a clean environment and
+the task's timeout, and grades it: reward 1 only if every FAIL_TO_PASS and every PASS_TO_PASS
+test passes.
 
 ``[handlers.swe]`` config (besides the common keys): ``cache_dir`` (the swe_tasks cache).
 """
 from __future__ import annotations
 
 import asyncio
-import secrets
 from pathlib import Path
 
 from rolloutd.handlers.base import JobContext
-from rolloutd.handlers.tasks import (PYTEST_MOUNT, DomainHandler, clean_command, eval_sandbox, give_to_sandbox, pytest_binds,
+from rolloutd.handlers.tasks import (PYTEST_MOUNT, DomainHandler, clean_env, eval_sandbox, give_to_sandbox, pytest_binds,
                             pytest_link_dir, workspace_inside)
 
 MAX_PATCH_CHARS = 20000
@@ -91,27 +91,15 @@ class SWEHandler(DomainHandler):
         task = get_task(ctx.state["task_id"])
         sb, ws = eval_sandbox(ctx, "swe")
         inside = workspace_inside(sb)
-        client = ctx.tools()
-        log_name = f".rolloutd_tests_{secrets.token_hex(6)}.log"
-        try:
-            patch = await client.call("bash", {
-                "restart": True, "timeout": 30,
-                "command": clean_command(["git", "-c", "core.pager=cat", "diff", "--no-color", "--no-ext-diff"],
-                                         cwd=inside)})
-            restored = await asyncio.to_thread(restore_tests, task["task_id"], ws, self.cache_dir)
-            await asyncio.to_thread(give_to_sandbox, sb, [ws / r for r in restored])
-            env = {"PYTHONPATH": self._pythonpath(sb), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-            cmd = clean_command(list(task["test_cmd"]), cwd=inside, env=env) + f" > {log_name} 2>&1"
-            r = await client.call("bash", {"command": cmd, "restart": True, "timeout": float(task["timeout_s"])})
-        finally:
-            await client.close()
-        log_path = ws / log_name
-        try:
-            output = await asyncio.to_thread(log_path.read_text, encoding="utf-8", errors="replace")
-        except FileNotFoundError:
-            output = r.output or ""
-        finally:
-            log_path.unlink(missing_ok=True)
+        # The grade tool: every process the agent left is killed first and the output is the
+        # grading process's own, on fresh pipes (issue 24); the tests' whole output (1 MiB tail).
+        patch = await ctx.grade(["git", "-c", "core.pager=cat", "diff", "--no-color", "--no-ext-diff"],
+                                cwd=inside, env=clean_env(), timeout=30)
+        restored = await asyncio.to_thread(restore_tests, task["task_id"], ws, self.cache_dir)
+        await asyncio.to_thread(give_to_sandbox, sb, [ws / r for r in restored])
+        env = clean_env({"PYTHONPATH": self._pythonpath(sb), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+        r = await ctx.grade(list(task["test_cmd"]), cwd=inside, env=env, timeout=float(task["timeout_s"]))
+        output = r.output or ""
         exit_code = 124 if r.timed_out else r.exit_code
         result = grade(task, output, exit_code)
         details = {

@@ -274,14 +274,20 @@ def give_to_sandbox(sandbox: dict, paths: Iterable[str | os.PathLike]) -> None:
             os.lchown(p, uid, uid)
 
 
+def clean_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The whole environment of a grading process (plus ``env``)."""
+    e = {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": "/tmp",
+         "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "200", "TERM": "dumb"}
+    e.update(env or {})
+    return e
+
+
 def clean_command(argv: list[str], *, cwd: str, env: dict[str, str] | None = None) -> str:
     """A shell command running ``argv`` in ``cwd`` in a clean environment (``env -i``), so
     what an agent did to its shell (functions, aliases, exports) cannot change grading."""
     import shlex
 
-    e = {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": "/tmp",
-         "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "200", "TERM": "dumb"}
-    e.update(env or {})
+    e = clean_env(env)
     assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(e.items()))
     return f"cd {shlex.quote(cwd)} && command env -i {assigns} {' '.join(shlex.quote(a) for a in argv)}"
 

@@ -22,6 +22,14 @@ from .toolserver.wire import HEADER, FrameError, check_length, decode_body, enco
 
 # Tools whose calls carry a timeout that the server enforces itself.
 _TIMED_TOOLS = ("bash", "python")
+# Calls that need no purge before them (grade purges itself).
+_NO_PURGE = ("ping", "purge", "grade")
+PURGE_TIMEOUT = 60.0
+
+
+def _purged(r: "ToolResult", socket_path: str) -> None:
+    if r.error:
+        raise ToolTransportError("tool server at %s could not clear the sandbox: %s" % (socket_path, r.error))
 
 
 @dataclass
@@ -52,9 +60,12 @@ class ToolResult:
 
 class _Base:
     def __init__(self, socket_path: str, timeout: float = 60.0, connect_timeout: float = 5.0,
-                 grace: float = 10.0) -> None:
+                 grace: float = 10.0, purge_first: bool = False) -> None:
         """timeout: default per-call tool timeout (sent to the server when the call has none);
-        grace: extra time the client waits beyond it, for the server's interrupt escalation."""
+        grace: extra time the client waits beyond it, for the server's interrupt escalation;
+        purge_first: before this client's first tool call, kill every process in the sandbox
+        (the ``purge`` tool; what JobContext.tools() does in eval)."""
+        self.purge_pending = bool(purge_first)
         self.socket_path = str(socket_path)
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
@@ -96,6 +107,9 @@ class ToolClient(_Base):
 
     def call(self, tool: str, args: Optional[Dict[str, Any]] = None, timeout: Optional[float] = None) -> ToolResult:
         try:
+            if self.purge_pending and tool not in _NO_PURGE:
+                _purged(self._call("purge", {}, PURGE_TIMEOUT), self.socket_path)
+                self.purge_pending = False
             return self._call(tool, args, timeout)
         except ToolTransportError as e:
             raise _why_gone(self.socket_path, e) from e
@@ -193,6 +207,9 @@ class AsyncToolClient(_Base):
 
     async def call(self, tool: str, args: Optional[Dict[str, Any]] = None, timeout: Optional[float] = None) -> ToolResult:
         try:
+            if self.purge_pending and tool not in _NO_PURGE:
+                _purged(await self._call("purge", {}, PURGE_TIMEOUT), self.socket_path)
+                self.purge_pending = False
             return await self._call(tool, args, timeout)
         except ToolTransportError as e:
             raise _why_gone(self.socket_path, e) from e

@@ -104,6 +104,7 @@ def run_agent(a: Dict[str, Any], base_env: Dict[str, str], default_cwd: str, lim
               canceller: Canceller) -> Dict[str, Any]:
     import subprocess
 
+    from .guard import check_spawn
     from .procs import MANAGED, SPAWN_LOCK, apply_limits
 
     env = dict(base_env)
@@ -114,6 +115,7 @@ def run_agent(a: Dict[str, Any], base_env: Dict[str, str], default_cwd: str, lim
     t0 = time.monotonic()
     try:
         with SPAWN_LOCK:  # registered in MANAGED before the orphan reaper can see it
+            check_spawn()  # only the grader while a grade call runs
             try:
                 proc = subprocess.Popen(
                     a["argv"], env=env, cwd=cwd, stdin=subprocess.PIPE if a["stdin"] is not None else subprocess.DEVNULL,

@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Tuple
 from ptyprocess import PtyProcess
 
 from .cancel import NEVER, Canceller
+from .guard import check_spawn
 from .output import DEFAULT_MAX_OUTPUT, CappedBuffer, finish_text
 from .procs import MANAGED, SPAWN_LOCK, apply_limits, kill_pids, session_members
 from .session import Session, call_result
@@ -169,6 +170,7 @@ class BashSession(Session):
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> None:
+        check_spawn()  # not while a grader runs
         self._files = {n: _anon_file(str(n)) for n in _FILES}
         ctl_r, ctl_w = os.pipe()
         self._ctl_r, self._ctl_buf = ctl_r, bytearray()
@@ -179,9 +181,13 @@ class BashSession(Session):
         pairs = [(ours, n) for n, ours in self._files.items()] + [(ctl_w, FD_CTL)]
         try:
             with SPAWN_LOCK:
+                check_spawn()
                 self.proc = PtyProcess.spawn(argv, env=env, cwd=self.cwd, echo=False, dimensions=(50, 200),
                                              preexec_fn=_child_setup(pairs), pass_fds=[p[0] for p in pairs])
                 MANAGED.add(self.proc.pid)
+        except BaseException:
+            self.kill()  # closes the memfds and the read end
+            raise
         finally:
             os.close(ctl_w)  # the shell holds the only write end: its exit is EOF here
         apply_limits(self.proc.pid, self.limits)

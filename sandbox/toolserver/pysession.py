@@ -19,6 +19,7 @@ from typing import Dict, Optional
 from .cancel import NEVER, Canceller
 from .output import DEFAULT_MAX_OUTPUT, CappedBuffer, finish_text
 from .session import Session, call_result
+from .guard import check_spawn
 from .procs import MANAGED, SPAWN_LOCK, apply_limits
 from .wire import HEADER
 
@@ -66,11 +67,13 @@ class PythonSession(Session):
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self, timeout: float = 15.0) -> None:
+        check_spawn()  # not while a grader runs
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         out_r, out_w = os.pipe()
         try:
             SPAWN_LOCK.acquire()
+            check_spawn()
             self.proc = subprocess.Popen(
                 [self.python, "-u", DRIVER, str(req_r), str(resp_w)],
                 stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w,
@@ -78,6 +81,10 @@ class PythonSession(Session):
                 start_new_session=True,  # its own process group: SIGINT reaches its children too
             )
             MANAGED.add(self.proc.pid)
+        except BaseException:
+            for fd in (req_w, resp_r, out_r):
+                os.close(fd)
+            raise
         finally:
             SPAWN_LOCK.release()
             for fd in (req_r, resp_w, out_w):

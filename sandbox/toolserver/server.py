@@ -62,6 +62,7 @@ class ToolServer:
         self.locks = {name: threading.Lock() for name in ("bash", "python", "editor")}
         self.tools: Dict[str, Callable[[Dict[str, Any], Canceller], Dict[str, Any]]] = {
             "ping": self.t_ping, "bash": self.t_bash, "python": self.t_python, "editor": self.t_editor,
+            "grade": self.t_grade, "purge": self.t_purge,
         }
         from . import agentproc, relay  # bring-your-own-agent: agent processes, the LLM relay (issue 12)
 
@@ -71,6 +72,8 @@ class ToolServer:
         self.abandoned = 0  # calls whose client went away while they waited for their tool
         self._tools_ready = threading.Event()
         self._tools_error: Optional[str] = None
+        self._grading = threading.Lock()  # one grade/purge at a time
+        self.hardened = False
 
     def _load_tools(self) -> None:
         from . import editor, procs
@@ -100,12 +103,18 @@ class ToolServer:
 
     # -- lifecycle -------------------------------------------------------------------
     def serve_forever(self) -> None:
+        from .guard import harden
+
+        self.hardened = harden()  # before any agent process exists (see guard.py)
         home = self.cfg.get("home")
         if home:
             os.makedirs(home, exist_ok=True)
         path = self.cfg["socket"]
         self._run_dir_mode = os.stat(os.path.dirname(path)).st_mode & 0o7777
-        self._listen(path)
+        if self.cfg.get("socket_fd") is not None:  # bwrap: bound by the host, the dir is read-only here
+            self._adopt(int(self.cfg["socket_fd"]), path)
+        else:
+            self._listen(path)
         if os.getpid() == 1:
             # pid 1 of the sandbox's pid namespace (bwrap --as-pid-1): the kernel drops SIGKILL and
             # SIGSTOP sent from inside, and every signal we have no handler for, so `kill -9 $PPID`
@@ -151,6 +160,12 @@ class ToolServer:
         threading.Thread(target=self._accept, args=(sock,), name="accept", daemon=True).start()
         if previous is not None:
             previous.close()  # unreachable by path anyway; its accept thread ends
+
+    def _adopt(self, fd: int, path: str) -> None:
+        self.sock = socket.socket(fileno=fd)
+        st = os.stat(path)
+        self._sock_id = (st.st_dev, st.st_ino)
+        threading.Thread(target=self._accept, args=(self.sock,), name="accept", daemon=True).start()
 
     def _accept(self, sock: socket.socket) -> None:
         while True:
@@ -342,7 +357,7 @@ class ToolServer:
             "tools_loaded": self._tools_ready.is_set(),
             "bash_restarts": self.bash.restarts if self.bash else 0,
             "python_restarts": self.python.restarts if self.python else 0,
-            "abandoned": self.abandoned,
+            "abandoned": self.abandoned, "hardened": self.hardened,
         }
         return result(output="pong", exit_code=0, info=info)
 
@@ -377,6 +392,57 @@ class ToolServer:
         finally:
             self._finish(self.python, canceller)
             lock.release()
+
+    def _clear(self, canceller: Canceller) -> Dict[str, Any]:
+        """Under the seal: kill every other process, end both sessions, verify. Raises ToolError
+        (nothing is graded) if a process survives."""
+        from .guard import purge
+
+        t0 = time.monotonic()
+        killed, left = purge()
+        # The sessions' threads see their processes die and give their locks back.
+        for name, session in (("bash", self.bash), ("python", self.python)):
+            lock = self._locked(name, 30.0, canceller)
+            try:
+                session.kill()
+            finally:
+                lock.release()
+        more, left = purge()
+        if left:
+            log("purge_failed", survivors=left)
+            raise ToolError("could not stop every process of the sandbox before grading (%d left: %s)"
+                            % (len(left), left[:10]))
+        info = {"killed": killed + more, "purge_ms": round((time.monotonic() - t0) * 1000, 3)}
+        log("sandbox_purged", **info)
+        return info
+
+    def t_purge(self, args: Dict[str, Any], canceller: Canceller) -> Dict[str, Any]:
+        """Kill every process the agent started (the shell and Python session restart on their next call)."""
+        from .guard import sealed
+
+        self._wait_tools()
+        with self._grading, sealed():
+            info = self._clear(canceller)
+        return result(output="", exit_code=0, purged=info)
+
+    def t_grade(self, args: Dict[str, Any], canceller: Canceller) -> Dict[str, Any]:
+        """Run a grader as the only process of the sandbox: every other process is killed first
+        (and verified gone), nothing else may start while it runs, and its output comes back on
+        pipes created for it. Arguments as for the agent tool; env is exactly ``env`` (+ PATH)."""
+        from .agentproc import _check_args, kill_agent, run_agent  # noqa: F401
+        from .guard import purge, sealed
+
+        a = _check_args(args, self.max_timeout)
+        self._wait_tools()
+        env = {"PATH": self._session_env({})["PATH"]}
+        env.update(a.pop("env"))
+        a["env"] = {}
+        with self._grading, sealed():
+            info = self._clear(canceller)
+            out = run_agent(a, env, self.workdir, self._limits, canceller)
+            purge()  # whatever the grader left behind
+        out["purged"] = info
+        return out
 
     def t_editor(self, args: Dict[str, Any], canceller: Canceller) -> Dict[str, Any]:
         t0 = time.monotonic()

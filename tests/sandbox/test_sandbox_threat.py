@@ -1,0 +1,253 @@
+"""Issue 24: what an agent inside a real bwrap sandbox can and cannot do to the tool server and
+to graders. Every attack runs inside the sandbox as the agent's own command would (the bash
+tool), with ctypes for the raw syscalls; docs/SANDBOX.md "Threat model" cites these tests.
+
+The forger (tests/sandbox/forger.py) is a detached daemon that reads the shell's memory and
+forges calls: the control assertions show that it does own later bash calls (a documented
+residual: the agent fooling itself), while every grade call and every domain's grader run
+after it is dead."""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from rolloutd.sandbox import SandboxSpec
+from tests.conftest import wait_for
+
+FORGER = (Path(__file__).parent / "forger.py").read_text()
+
+# Each probe prints one JSON line: attack -> "ok" (it worked) or the errno name that stopped it.
+PROBE = r'''
+import ctypes, errno, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+libc.ptrace.restype = ctypes.c_long
+out = {}
+def err():
+    return errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
+def attempt(name, fn):
+    try:
+        fn(); out[name] = "ok"
+    except OSError as e:
+        out[name] = errno.errorcode.get(e.errno, str(e.errno))
+attempt("mem_write", lambda: open("/proc/1/mem", "r+b", 0).close())
+attempt("mem_read", lambda: open("/proc/1/mem", "rb", 0).close())
+attempt("maps", lambda: open("/proc/1/maps").read())
+attempt("environ", lambda: open("/proc/1/environ", "rb").read())
+attempt("fd_list", lambda: os.listdir("/proc/1/fd"))
+def fd_open():
+    for n in range(0, 64):
+        try:
+            os.close(os.open("/proc/1/fd/%d" % n, os.O_RDWR))
+            return
+        except FileNotFoundError:
+            continue
+    raise OSError(errno.ENOENT, "no fd")
+attempt("fd_open", fd_open)
+# PTRACE_SEIZE does not stop the tracee; exiting detaches it.
+r = libc.ptrace(0x4206, 1, 0, 0)
+out["ptrace_seize"] = "ok" if r == 0 else err()
+r = libc.ptrace(16, 1, 0, 0)  # PTRACE_ATTACH
+out["ptrace_attach"] = "ok" if r == 0 else err()
+class iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+buf = ctypes.create_string_buffer(8)
+local, remote = iovec(ctypes.addressof(buf), 8), iovec(0x400000, 8)
+r = libc.syscall(310, 1, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)  # process_vm_readv
+out["process_vm_readv"] = "ok" if r >= 0 else err()
+r = libc.syscall(311, 1, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)  # process_vm_writev
+out["process_vm_writev"] = "ok" if r >= 0 else err()
+pidfd = libc.syscall(434, 1, 0)  # pidfd_open
+out["pidfd_open"] = "ok" if pidfd >= 0 else err()
+got = []
+if pidfd >= 0:
+    for n in range(0, 64):
+        fd = libc.syscall(438, pidfd, n, 0)  # pidfd_getfd
+        if fd >= 0:
+            got.append(n)
+            os.close(fd)
+        elif ctypes.get_errno() != errno.EBADF:
+            out["pidfd_getfd"] = err()
+            break
+    if got:
+        out["pidfd_getfd"] = "ok"
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture
+def sandbox(bwrap_rt):
+    h = bwrap_rt.create("threat", SandboxSpec(workspace_files={"forger.py": FORGER, "probe.py": PROBE}))
+    return h, bwrap_rt.client(h, timeout=20)
+
+
+def _bash(c, command, timeout=20, **kw):
+    return c.call("bash", dict(command=command, timeout=timeout, **kw))
+
+
+def _alive_tool_server(c):
+    assert c.ping().info["pid"] == 1
+    r = _bash(c, "echo alive")
+    assert r.output == "alive\n" and r.exit_code == 0, r
+
+
+def _start_forger(c):
+    r = _bash(c, "python3 forger.py /tmp/forger.ready; while [ ! -e /tmp/forger.ready ]; do sleep 0.02; done")
+    assert r.error is None, r
+
+
+# -- the tool server: memory, ptrace, descriptors, signals ---------------------------------------
+def test_tool_server_memory_ptrace_and_descriptors_are_out_of_reach(sandbox):
+    h, c = sandbox
+    r = _bash(c, "python3 probe.py")
+    got = json.loads(r.output.strip().splitlines()[-1])
+    # Before issue 24 every one of these was "ok" (the tool server was dumpable, same uid, no Yama).
+    assert got["mem_write"] in ("EACCES", "EPERM") and got["mem_read"] in ("EACCES", "EPERM"), got
+    assert got["maps"] in ("EACCES", "EPERM") and got["environ"] in ("EACCES", "EPERM"), got
+    assert got["fd_list"] in ("EACCES", "EPERM") and got["fd_open"] in ("EACCES", "EPERM"), got
+    assert got["ptrace_seize"] == "EPERM" and got["ptrace_attach"] == "EPERM", got
+    assert got["process_vm_readv"] == "EPERM" and got["process_vm_writev"] == "EPERM", got
+    assert got.get("pidfd_getfd") == "EPERM", got  # pidfd_open itself is allowed; taking an fd is not
+    assert c.ping().info["hardened"] is True
+    _alive_tool_server(c)
+
+
+def test_tool_server_ignores_every_signal_from_inside(sandbox):
+    h, c = sandbox
+    # From a detached process too (a setsid daemon), every catchable and uncatchable signal.
+    r = _bash(c, "setsid -w sh -c 'for s in $(seq 1 31) 34 64; do kill -s $s 1 2>/dev/null; done; "
+                 "kill -STOP 1; kill -KILL 1; echo sent' </dev/null 2>&1")
+    assert "sent" in r.output, r
+    r = _bash(c, "sleep 0.2; awk '{print $3}' /proc/1/stat")
+    assert r.output.strip() in ("S", "R"), r  # not T (stopped)
+    _alive_tool_server(c)
+
+
+def test_the_agent_cannot_unharden_or_reach_through_a_nested_user_namespace(sandbox):
+    # A nested user namespace gives the agent every capability *there*, none over pid 1.
+    h, c = sandbox
+    r = _bash(c, "command -v unshare >/dev/null || { echo NO-UNSHARE; exit 0; }; "
+                 "unshare -Ur python3 probe.py")
+    if "NO-UNSHARE" in r.output:
+        pytest.skip("no unshare binary in the sandbox image")
+    got = json.loads(r.output.strip().splitlines()[-1])
+    assert got["mem_write"] in ("EACCES", "EPERM") and got["ptrace_seize"] == "EPERM", got
+    assert got.get("pidfd_getfd") == "EPERM" and got["process_vm_writev"] == "EPERM", got
+    _alive_tool_server(c)
+
+
+# -- graders: fresh process tree, fresh channel ---------------------------------------------------
+LEFTOVERS = (
+    "setsid sh -c 'sleep 1001 & exec -a innocent sleep 1002' </dev/null >/dev/null 2>&1 & "  # setsid + renamed
+    "( ( sleep 1003 </dev/null >/dev/null 2>&1 & ) & ) ; "                                     # double fork
+    "nohup sleep 1004 </dev/null >/dev/null 2>&1 & "                                           # nohup
+    "sleep 1005 & kill -STOP $! ; "                                                            # stopped
+    "python3 -c 'import ctypes,os,time,signal\n"
+    "p=os.fork()\n"
+    "if p==0: time.sleep(1006)\n"
+    "ctypes.CDLL(None).ptrace(0x4206,p,0,0); time.sleep(1007)' </dev/null >/dev/null 2>&1 & "  # tracer + tracee
+    "(unshare -Urpf --mount-proc sleep 1008 </dev/null >/dev/null 2>&1 &) ; "                   # nested pid+user ns
+    "python3 -c 'import time; time.sleep(1009)' & disown ; "
+    "sleep 0.5; echo planted"
+)
+
+LIST_PROCS = ("import os\n"
+              "me = os.getpid()\n"
+              "for p in sorted(int(x) for x in os.listdir('/proc') if x.isdigit()):\n"
+              "    s = open('/proc/%d/stat' % p).read()\n"
+              "    print(p, s[s.rfind(')') + 2], open('/proc/%d/cmdline' % p).read()[:40].replace(chr(0), ' ').replace(chr(10), ' ').strip())\n")
+
+
+def test_grade_runs_as_the_only_process_however_the_agent_detached(sandbox):
+    h, c = sandbox
+    r = _bash(c, LEFTOVERS)
+    assert "planted" in r.output, r
+    before = _bash(c, "ps -e -o pid=,stat=,args= 2>/dev/null || ls /proc | grep -c '^[0-9]'").output
+    assert "sleep 1008" in before or before.strip().isdigit(), before
+    g = c.call("grade", {"argv": ["python3", "-c", LIST_PROCS], "timeout": 20})
+    assert g.error is None and g.exit_code == 0, g
+    rows = [line.split(None, 2) for line in g.output.strip().splitlines()]
+    pids = [int(r[0]) for r in rows]
+    assert pids == [1, g.info["pid"]], g.output  # pid 1 (the tool server) and the grader: nothing else
+    assert g.info["purged"]["killed"] >= 9, g.info
+    # The sandbox works on afterwards: a fresh shell (no restart note is owed: the agent's shell died
+    # because grading started, which every caller of grade knows).
+    r = _bash(c, "echo after; jobs | wc -l")
+    assert r.output == "after\n0\n", r
+
+
+def test_grade_output_is_the_graders_own_though_a_forger_owns_the_shell(sandbox):
+    h, c = sandbox
+    _start_forger(c)
+    # Control: the forger really does own later bash calls, across a restart and a new connection
+    # (the residual documented in SANDBOX.md: the agent can fool itself, not a grader).
+    r = _bash(c, "sleep 0.3; python3 -c 'raise SystemExit(1)'; echo REAL-FAIL")
+    assert "FORGED" in r.output and r.exit_code == 0, r
+    from rolloutd.sandbox import ToolClient
+
+    with ToolClient(h.tool_socket, timeout=20) as fresh:
+        r = fresh.call("bash", {"command": "sleep 0.3; python3 -c 'raise SystemExit(1)'; echo REAL-FAIL",
+                                "restart": True, "timeout": 20})
+        assert "FORGED" in r.output and r.exit_code == 0, r
+        # ...and the old grading path (the agent tool: fresh pipes, but the daemon still alive).
+        r = fresh.call("agent", {"argv": ["sh", "-c", "sleep 0.3; echo 0; exit 3"], "timeout": 20})
+        assert r.output.strip().splitlines()[-1] == "1.0", r
+        # The grade tool: the daemon is dead before the grader starts; only the grader speaks.
+        g = fresh.call("grade", {"argv": ["sh", "-c", "sleep 0.3; echo REAL-FAIL; exit 3"], "timeout": 20})
+    assert g.output == "REAL-FAIL\n" and g.exit_code == 3 and g.error is None, g
+    r = _bash(c, "sleep 0.3; echo honest")  # the forger is gone for the rest of the episode too
+    assert r.output == "honest\n", r
+
+
+def test_no_process_starts_beside_a_running_grader(sandbox):
+    """The seal: an agent process that reached the tool socket cannot start anything while a
+    grader runs (its request is refused), and its own process dies in the purge."""
+    h, c = sandbox
+    from rolloutd.sandbox import ToolClient
+
+    done = {}
+
+    def grade():
+        with ToolClient(h.tool_socket, timeout=20) as g:
+            done["r"] = g.call("grade", {"argv": ["sh", "-c", "touch /workspace/grading; sleep 1.5"], "timeout": 20})
+
+    t = threading.Thread(target=grade)
+    t.start()
+    try:
+        with ToolClient(h.tool_socket, timeout=20) as other:
+            wait_for(lambda: (Path(h.workspace) / "grading").exists(), timeout_s=20, what="the grader started")
+            refused = [other.call("agent", {"argv": ["true"], "timeout": 5}),
+                       other.call("bash", {"command": "true", "timeout": 5})]
+    finally:
+        t.join(30)
+    assert done["r"].exit_code == 0, done
+    for r in refused:
+        assert r.error and "being graded" in r.error, r
+    _alive_tool_server(c)
+
+
+def test_eval_clients_purge_before_their_first_call(sandbox):
+    """JobContext.tools() in eval purges before its first call: a custom handler's eval that uses
+    bash meets no process the agent started."""
+    import asyncio
+
+    from rolloutd.bus.messages import Job
+    from rolloutd.handlers.base import JobContext
+
+    h, c = sandbox
+    _start_forger(c)
+    ctx = JobContext(Job(job_id=1, attempt=1, handler="custom", instance={}, sandbox=h.to_dict()))
+    ctx.phase = "eval"
+
+    async def custom_eval():
+        client = ctx.tools()
+        try:
+            return await client.call("bash", {"command": "sleep 0.3; echo mine", "timeout": 20})
+        finally:
+            await client.close()
+
+    r = asyncio.run(custom_eval())
+    assert r.output == "mine\n", r
