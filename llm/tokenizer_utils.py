@@ -256,6 +256,36 @@ def load_qwen25_tokenizer(out_dir: str | None = None):
     return load_tokenizer(qwen25_tokenizer_dir(out_dir))
 
 
+def trie_pattern(strings) -> re.Pattern[str] | None:
+    """A regex matching any of ``strings`` (longest first at each position), written as a
+    trie: with a thousand control tokens (harmony, tekken, DeepSeek) a flat alternation
+    tries each one at every character; the trie fails at the first character."""
+    words = sorted({s for s in strings if s})
+    if not words:
+        return None
+
+    def build(ws: list[str]) -> str:
+        alts, end = [], False
+        groups: dict[str, list[str]] = {}
+        for w in ws:
+            if not w:
+                end = True
+            else:
+                groups.setdefault(w[0], []).append(w[1:])
+        for c in sorted(groups):
+            rest = groups[c]
+            alts.append(re.escape(c) + (build(rest) if rest != [""] else ""))
+        body = alts[0] if len(alts) == 1 and not end else "(?:" + "|".join(alts) + ")"
+        return body + "?" if end and alts else body
+
+    return re.compile(build(words))
+
+
+# Texts longer than this are encoded through the tokenizer's batch call, which releases the GIL
+# (its single-text encode holds it: ~1 s per MB of Qwen2.5 text, a stalled event loop).
+NOGIL_CHARS = 8192
+
+
 class FastEncoder:
     """Thin, allocation-light encoding on top of a HF tokenizer.
 
@@ -264,7 +294,7 @@ class FastEncoder:
     are not turned into control tokens (used for untrusted observation content).
     """
 
-    __slots__ = ("tokenizer", "_backend", "_control_re", "control_tokens")
+    __slots__ = ("tokenizer", "_backend", "_control_re", "control_tokens", "_plain")
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -272,14 +302,14 @@ class FastEncoder:
         added = list(getattr(tokenizer, "added_tokens_encoder", {}) or {})
         specials = [t for t in getattr(tokenizer, "all_special_tokens", []) or [] if t]
         self.control_tokens: tuple[str, ...] = tuple(sorted(set(added) | set(specials), key=len, reverse=True))
-        self._control_re = (
-            re.compile("|".join(re.escape(t) for t in self.control_tokens)) if self.control_tokens else None
-        )
+        self._control_re = trie_pattern(self.control_tokens)
 
     def encode(self, text: str) -> list[int]:
         if not text:
             return []
         if self._backend is not None:
+            if len(text) > NOGIL_CHARS:  # the batch call releases the GIL (same ids), encode() holds it
+                return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
             return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -295,6 +325,17 @@ class FastEncoder:
             if fn is None:  # pragma: no cover - slow tokenizers without that helper
                 return list(self.tokenizer.encode(text, add_special_tokens=False))
             return list(fn(text))
+        if len(text) > NOGIL_CHARS:  # a copy without added tokens: the same ids, with the GIL released
+            plain = getattr(self, "_plain", None)
+            if plain is None:
+                import json as _json
+
+                from tokenizers import Tokenizer
+
+                d = _json.loads(b.to_str())
+                d["added_tokens"], d["post_processor"] = [], None
+                plain = self._plain = Tokenizer.from_str(_json.dumps(d))
+            return plain.encode_batch([text], add_special_tokens=False)[0].ids
         norm = b.normalizer.normalize_str(text) if b.normalizer is not None else text
         pieces = b.pre_tokenizer.pre_tokenize_str(norm) if b.pre_tokenizer is not None else [(norm, None)]
         ids: list[int] = []

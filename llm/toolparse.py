@@ -19,9 +19,14 @@ user-visible text (``ParseResult.content``), which is what an OpenAI-compatible
 endpoint returns as ``reasoning_content`` / ``content`` / ``tool_calls``
 (:meth:`ParseResult.to_openai_message`).
 
-A parser whose format uses control tokens (``[TOOL_CALLS]``, ``<|channel|>``) says
-``skip_special_tokens = False``: the agent loop then decodes the sampled ids with the
-special tokens kept before parsing.
+Parsers read the sampled ids, never the backend's text (:func:`parse_ids`): the ids
+are decoded with the handler's tokenizer, each added/special token id as its token
+string (a delimiter), and control-token *text* the model wrote with ordinary ids
+(``'<|call|>'`` inside a JSON string argument) as a placeholder the parser cannot
+mistake for a delimiter, restored in the result. A parser whose format needs
+control tokens says ``skip_special_tokens = False``; otherwise special token ids are
+dropped before parsing. Content and reasoning never carry a sampled special token.
+The agent loop and the OpenAI endpoint both go through :func:`parse_ids`.
 
 More parsers can be added with :func:`register_parser` or through the entry-point
 group ``rolloutd.toolparsers`` (value: a ``ToolParser`` subclass).
@@ -43,6 +48,9 @@ __all__ = [
     "get_parser",
     "register_parser",
     "available_parsers",
+    "parse_ids",
+    "parser_name_for",
+    "CallIds",
 ]
 
 
@@ -72,6 +80,8 @@ class ParseResult:
     content: str | None = None
     # the reasoning text (``<think>`` body, harmony analysis channel), None when there is none
     reasoning: str | None = None
+    # the whole message as the agent sees it (decoded from the ids without special tokens)
+    text: str | None = None
 
     @property
     def has_actions(self) -> bool:
@@ -99,9 +109,16 @@ class ToolParser:
     name = "base"
     # False: parse() needs the text decoded with special tokens kept
     skip_special_tokens = True
+    # True: parse() sets ParseResult.content (else it is the text minus the calls' raw text)
+    sets_content = False
 
     def parse(self, text: str) -> ParseResult:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def with_tools(self, tools: list[dict] | None) -> "ToolParser":
+        """This parser for a request with these tool schemas (a parser that types arguments
+        from the schemas returns a new one; the others ignore them)."""
+        return self
 
 
 def split_reasoning(text: str, open_tag: str, close_tag: str) -> tuple[str | None, str, bool]:
@@ -148,6 +165,7 @@ class HermesParser(ToolParser):
     """``<tool_call>{json}</tool_call>`` blocks (Qwen2.5, Hermes, many others)."""
 
     name = "hermes"
+    sets_content = True
     FORMAT_HINT = (
         'Expected format: <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     )
@@ -335,8 +353,150 @@ def available_parsers() -> list[str]:
     return sorted(names)
 
 
-def get_parser(name: str, **options: Any) -> ToolParser:
+def get_parser(name: str, tools: list[dict] | None = None, **options: Any) -> ToolParser:
+    """The parser ``name``; with ``tools`` the one for those tool schemas (:meth:`ToolParser.with_tools`)."""
     factory = _REGISTRY.get(name) or _family_parser(name) or _entry_point(name)
     if factory is None:
         raise KeyError(f"unknown tool-call parser {name!r}; available: {', '.join(available_parsers())}")
-    return factory(**options)
+    p = factory(**options)
+    return p.with_tools(tools) if tools else p
+
+
+def parser_name_for(tokenizer: Any, name: str | None = None) -> str:
+    """``name`` when given, else the parser of the tokenizer's model family, else ``hermes``."""
+    if name:
+        return name
+    from .families import family_of
+
+    fam = family_of(tokenizer)
+    return fam.parser if fam is not None else "hermes"
+
+
+# -- parsing the sampled ids -----------------------------------------------------------------
+# Placeholders for control-token text written with ordinary ids: one private-use code point
+# per added token, from the first base whose range the text does not use.
+_PLANES = (0xF0000, 0x100000, 0xE000)
+
+
+class _IdText:
+    """Per tokenizer: which ids are added/special tokens, and their strings."""
+
+    __slots__ = ("tokenizer", "added", "special", "special_strings", "strings", "index", "pattern")
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        dec = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.added: dict[int, str] = {int(i): str(getattr(t, "content", t)) for i, t in dec.items()}
+        self.special = frozenset(int(i) for i, t in dec.items() if getattr(t, "special", True))
+        self.special_strings = frozenset(self.added[i] for i in self.special)
+        self.strings = sorted({s for s in self.added.values() if s}, key=len, reverse=True)
+        self.index = {s: k for k, s in enumerate(self.strings)}
+        from .tokenizer_utils import trie_pattern
+
+        self.pattern = trie_pattern(self.strings)
+
+    def decode(self, ids: list[int], skip_special: bool) -> tuple[str, dict[int, str] | None]:
+        """``(text, unescape table)``: added-token ids as their strings (special ones dropped
+        when ``skip_special``), control-token text inside ordinary ids as placeholders."""
+        tok = self.tokenizer
+        added = self.added
+        runs: list[tuple[bool, Any]] = []  # (is_token, ids | string)
+        run: list[int] = []
+        for t in ids:
+            s = added.get(t)
+            if s is None:
+                run.append(t)
+                continue
+            if run:
+                runs.append((False, run))
+                run = []
+            if not (skip_special and t in self.special):
+                runs.append((True, s))
+        if run:
+            runs.append((False, run))
+        pieces = [(k, s if k else tok.decode(s, skip_special_tokens=False)) for k, s in runs]
+        plain = "".join(p for _, p in pieces)
+        if self.pattern is None or not any(not k and self.pattern.search(p) for k, p in pieces):
+            return plain, None
+        full = tok.decode(ids, skip_special_tokens=skip_special)
+        if full != plain:  # a decoder that is not piecewise (SentencePiece's leading space): as decoded
+            return full, None
+        n = len(self.strings)
+        for base in _PLANES:
+            lo, hi = chr(base), chr(base + n - 1)
+            if not re.search(f"[{re.escape(lo)}-{re.escape(hi)}]", plain):
+                break
+        else:  # pragma: no cover - every candidate range is used by the text itself
+            return plain, None
+        idx = self.index
+        sub = lambda m: chr(base + idx[m.group(0)])  # noqa: E731
+        text = "".join(p if k else self.pattern.sub(sub, p) for k, p in pieces)
+        return text, {base + k: s for k, s in enumerate(self.strings)}
+
+
+_ID_TEXT: dict[int, tuple[Any, _IdText]] = {}
+
+
+def _id_text(tokenizer: Any) -> _IdText:
+    hit = _ID_TEXT.get(id(tokenizer))
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    it = _IdText(tokenizer)
+    _ID_TEXT[id(tokenizer)] = (tokenizer, it)
+    return it
+
+
+def _restore(obj: Any, table: dict[int, str]) -> Any:
+    if isinstance(obj, str):
+        return obj.translate(table)
+    if isinstance(obj, dict):
+        return {_restore(k, table): _restore(v, table) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_restore(v, table) for v in obj]
+    return obj
+
+
+def parse_ids(parser: ToolParser, ids: Any, tokenizer: Any, tools: list[dict] | None = None) -> ParseResult:
+    """Parse an assistant message from its sampled token ids (never from a server's text).
+
+    Delimiters are token ids: an added or special token id is its token string, while the
+    same string written with ordinary ids (control-token text inside an argument or a
+    message) is text and comes back unchanged in the arguments and content. ``content``
+    and ``reasoning`` never carry a sampled special token (end of turn, channel markup);
+    ``text`` is the message decoded without special tokens.
+    """
+    if tools:
+        parser = parser.with_tools(tools)
+    ids = [int(t) for t in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+    it = _id_text(tokenizer)
+    skip = getattr(parser, "skip_special_tokens", True)
+    text, table = it.decode(ids, skip)
+    res = parser.parse(text)
+    if not getattr(parser, "sets_content", False):
+        content = text
+        for c in res.calls:
+            if c.raw:
+                content = content.replace(c.raw, "", 1)
+        res.content = content.strip() or None
+    pat = it.pattern
+    if pat is not None:  # sampled control tokens are markup, never content
+        sp = it.special_strings
+        drop = lambda s: pat.sub(lambda m: "" if m.group(0) in sp else m.group(0), s)  # noqa: E731
+        if res.content is not None:
+            res.content = drop(res.content).strip() or None
+        if res.reasoning is not None:
+            res.reasoning = drop(res.reasoning)
+    visible, vtable = (text, table) if skip else it.decode(ids, True)
+    res.text = visible.translate(vtable) if vtable else visible
+    if table:
+        for c in res.calls:
+            c.name = c.name.translate(table)
+            c.arguments = _restore(c.arguments, table)
+            c.raw = c.raw.translate(table)
+        res.errors = [e.translate(table) for e in res.errors]
+        res.items = [(k, v.translate(table) if k == "error" else v) for k, v in res.items]
+        if res.content is not None:
+            res.content = res.content.translate(table)
+        if res.reasoning is not None:
+            res.reasoning = res.reasoning.translate(table)
+    return res

@@ -37,6 +37,7 @@ _FENCE = re.compile(r"^(.*?)\n```(?:json)?\n(.*)\n```\s*$", re.DOTALL)
 
 class DeepSeekParser(ToolParser):
     name = "deepseek_v31"
+    sets_content = True
     skip_special_tokens = False
 
     def __init__(self, max_calls: int = 32) -> None:

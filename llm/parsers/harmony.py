@@ -39,6 +39,7 @@ _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 class HarmonyParser(ToolParser):
     name = "harmony"
+    sets_content = True
     skip_special_tokens = False  # the format is made of special tokens
 
     def __init__(self, max_calls: int = 32) -> None:

@@ -18,6 +18,7 @@ FORMAT_HINT = 'Expected format: {"name": <function-name>, "parameters": <args-js
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    sets_content = True
     skip_special_tokens = False  # <|python_tag|> is special
 
     def __init__(self, max_calls: int = 32) -> None:

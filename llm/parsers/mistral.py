@@ -31,6 +31,7 @@ def call_id(idx: int, raw: str) -> str:
 
 class MistralParser(ToolParser):
     name = "mistral"
+    sets_content = True
     skip_special_tokens = False  # [TOOL_CALLS] is a control token
 
     def __init__(self, max_calls: int = 32) -> None:

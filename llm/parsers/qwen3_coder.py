@@ -32,15 +32,25 @@ _PARAM = re.compile(r"<parameter=([^>\n]*)>")
 
 class Qwen3CoderParser(ToolParser):
     name = "qwen3_coder"
+    sets_content = True
     skip_special_tokens = False
 
     def __init__(self, tools: list[dict] | None = None, max_calls: int = 32) -> None:
         self.max_calls = max_calls
         self.types: dict[str, dict[str, str]] = {}
         for t in tools or []:
-            f = t.get("function", t)
-            props = ((f.get("parameters") or {}).get("properties") or {}) if isinstance(f, dict) else {}
-            self.types[str(f.get("name"))] = {k: str(v.get("type", "string")) for k, v in props.items() if isinstance(v, dict)}
+            f = t.get("function", t) if isinstance(t, dict) else None
+            if not isinstance(f, dict):
+                continue
+            props = (f.get("parameters") or {}).get("properties") if isinstance(f.get("parameters"), dict) else None
+            if isinstance(props, dict):
+                self.types[str(f.get("name"))] = {k: str(v.get("type", "string")) for k, v in props.items()
+                                                  if isinstance(v, dict)}
+
+    def with_tools(self, tools: list[dict] | None) -> "Qwen3CoderParser":
+        """A parser that types parameter values from these schemas (the loop and the endpoint
+        call this with each request's tools)."""
+        return Qwen3CoderParser(tools=tools, max_calls=self.max_calls) if tools else self
 
     def _error(self, res: ParseResult, idx: int, msg: str) -> None:
         res.error(f"Error: tool call #{idx + 1} is malformed: {msg}. {FORMAT_HINT}")
