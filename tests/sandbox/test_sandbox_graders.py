@@ -1,0 +1,96 @@
+"""Issue 24 in the built-in domains: a leftover daemon that owns the agent's shell (it forges
+every later bash call, across a restart and a new connection) cannot replace what the code, swe
+and harness graders see. Each test first shows the daemon at work on a bash call (the control),
+then runs the domain's real eval code against the same real bwrap sandbox.
+
+Before issue 24 the code eval ran `restart: true` + the check in the shell (forged: reward 1 for
+a wrong solution) and the harness eval ran its command with the agent tool (its stdout pipe
+taken over from /proc: the forged "1.0" was the last line)."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from rolloutd.bus.messages import Job
+from rolloutd.handlers.base import JobContext, Services
+from rolloutd.sandbox import SandboxSpec
+
+FORGER = (Path(__file__).parent / "forger.py").read_text()
+
+
+def _ctx(h, rt, **state):
+    ctx = JobContext(Job(job_id=1, attempt=1, handler="test", instance={}, sandbox=h.to_dict()),
+                     Services(lambda: rt))
+    ctx.state.update(state)
+    ctx.phase = "eval"
+    return ctx
+
+
+def _forger_owns_the_shell(c):
+    r = c.call("bash", {"command": "python3 forger.py /tmp/forger.ready; "
+                                   "while [ ! -e /tmp/forger.ready ]; do sleep 0.02; done", "timeout": 20})
+    assert r.error is None, r
+    r = c.call("bash", {"command": "sleep 0.3; python3 -c 'raise SystemExit(1)'; echo REAL-FAIL",
+                        "restart": True, "timeout": 20})
+    assert "FORGED" in r.output and r.exit_code == 0, r  # the control: the daemon is at work
+
+
+def test_code_grader_ignores_a_forger_daemon(bwrap_rt):
+    from rolloutd.handlers.code import CodeHandler
+    from rolloutd.handlers.tasks import humaneval_problem
+
+    p = humaneval_problem("HumanEval/0")
+    wrong = "def has_close_elements(numbers, threshold):\n    return True\n"
+    h = bwrap_rt.create("code", SandboxSpec(workspace_files={"solution.py": wrong, "forger.py": FORGER}))
+    c = bwrap_rt.client(h, timeout=20)
+    _forger_owns_the_shell(c)
+    handler = CodeHandler()
+    ctx = _ctx(h, bwrap_rt.rt, task_id="HumanEval/0")
+    reward, details = asyncio.run(handler.evaluate(ctx))
+    assert reward == 0.0 and details["passed"] is False, details
+    assert "FORGED" not in details["output"], details
+    # The same path passes a right solution (the grader works; nothing of the daemon is left).
+    (Path(h.workspace) / "solution.py").write_text(p["prompt"] + p["canonical_solution"])
+    from rolloutd.handlers.tasks import give_to_sandbox
+    give_to_sandbox(h.to_dict(), [Path(h.workspace) / "solution.py"])
+    reward, details = asyncio.run(handler.evaluate(ctx))
+    assert reward == 1.0 and details["passed"] is True, details
+
+
+def test_harness_eval_command_ignores_a_forger_daemon(bwrap_rt):
+    from rolloutd.handlers.harness import HarnessHandler
+
+    h = bwrap_rt.create("harness", SandboxSpec(workspace_files={"forger.py": FORGER}))
+    c = bwrap_rt.client(h, timeout=20)
+    _forger_owns_the_shell(c)
+    ctx = _ctx(h, bwrap_rt.rt)
+    ev = {"command": ["sh", "-c", "sleep 0.3; echo 0"], "timeout_s": 20.0, "reward": "last_line"}
+    reward, details = asyncio.run(HarnessHandler()._eval_command(ctx, ev))
+    assert reward == 0.0 and details["eval_output"] == "0\n", details
+
+
+def test_swe_grader_ignores_a_forger_daemon(bwrap_rt):
+    from rolloutd.handlers.swe import SWEHandler
+    from rolloutd.handlers.swe_tasks import DownloadError, build_task, task_ids
+
+    task_id = sorted(task_ids())[0]
+    try:
+        build_task(task_id)
+    except DownloadError as e:  # only a cold cache with no package index
+        import pytest
+        pytest.skip(f"swe task sdist not cached and the package index cannot be reached: {e}")
+    handler = SWEHandler()
+    ctx = _ctx(type("H", (), {"to_dict": lambda self: None})(), bwrap_rt.rt)
+    ctx.job.instance = {"task_id": task_id}
+    handler.setup_task(ctx)
+    spec = handler.sandbox_spec(ctx)
+    spec.workspace_files = {"forger.py": FORGER}
+    h = bwrap_rt.create("swe", spec)
+    ctx.job.sandbox = h.to_dict()
+    handler.prepare_sandbox(ctx)
+    c = bwrap_rt.client(h, timeout=20)
+    _forger_owns_the_shell(c)
+    reward, details = asyncio.run(handler.evaluate(ctx))  # the unfixed repository: its tests fail
+    assert reward == 0.0 and details["resolved"] is False, details
+    assert details["counts"]["parsed"], details
+    assert details["FAIL_TO_PASS_failed"], details
