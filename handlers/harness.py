@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutd.handlers.base import AgentHandler, JobContext, PhaseTimeout
-from rolloutd.handlers.harness_presets import AGENT_DIR, PRESETS, agent_script_binds, node_bin
+from rolloutd.handlers.harness_presets import AGENT_DIR, PRESETS, agent_script_binds, node_bin, record_requests
 
 TOP_KEYS = {"preset", "command", "env", "task_via", "task", "setup", "limits", "eval", "tokenizer", "parser",
             "task_tag", "cwd", "home_files"}
@@ -430,7 +430,8 @@ class HarnessHandler(AgentHandler):
                                   limits=self.endpoint_limits(ctx, h), api_key=api_key)
         sock = os.path.join(os.path.dirname(sb["tool_socket"]), LLM_SOCKET)
         inside_sock = sock if sb.get("runtime") == "local" else "/run/rolloutd/" + LLM_SOCKET
-        server = await serve(make_app(session), uds=sock)
+        app = record_requests(make_app(session), self.config.get("record_requests"), ctx.job.job_id)
+        server = await serve(app, uds=sock)
         client = ctx.tools()
         outcome = "cancelled"
         try:

@@ -21,6 +21,11 @@ class Limits:
     sandbox. Where a writable cgroup v2 is configured, memory_mb and nproc also apply to
     the sandbox as a whole.
 
+    address_space_mb, when set, is the per-process RLIMIT_AS instead of memory_mb (which then
+    bounds only the sandbox's resident memory, through the cgroup where one is delegated): Node
+    and other runtimes that reserve far more address space than they use (V8's WebAssembly
+    guard regions, pointer cages) need a large one. See docs/HARNESS.md, "Memory".
+
     disk_mb bounds what the sandbox's /workspace holds in total (allocated blocks of every
     file). The workspace is a host directory (init fills it, eval reads it), so the quota is
     enforced from the host: the node's init daemon measures every running sandbox's
@@ -35,6 +40,7 @@ class Limits:
     file_size_mb: Optional[int] = None
     wall_seconds: Optional[float] = None
     disk_mb: Optional[int] = None
+    address_space_mb: Optional[int] = None
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -25,6 +25,7 @@ _LIMIT_NAMES = {
     "nproc": ("RLIMIT_NPROC", 1),
     "cpu_seconds": ("RLIMIT_CPU", 1),
     "file_size_mb": ("RLIMIT_FSIZE", 1024 * 1024),
+    "address_space_mb": ("RLIMIT_AS", 1024 * 1024),  # replaces memory_mb's RLIMIT_AS (spec.Limits)
 }
 
 
@@ -49,6 +50,8 @@ def apply_limits(pid: int, limits: Dict[str, Optional[float]]) -> List[str]:
         return list(k for k, v in limits.items() if v)
     for key, value in limits.items():
         if value is None or key not in _LIMIT_NAMES:
+            continue
+        if key == "memory_mb" and limits.get("address_space_mb"):
             continue
         name, mult = _LIMIT_NAMES[key]
         n = int(value * mult)
