@@ -44,7 +44,9 @@ DEFAULTS: dict = {
                "lease_ttl_s": 30.0, "node_affinity": 0.1, "max_policy_lag": 0,
                "stale_policy": "finish"},
     "sandbox": {"runtime": "auto", "root_dir": "", "janitor_interval_s": 5.0, "janitor_grace_s": 10.0,
-                "quota_interval_s": 1.0, "disk_low_mb": 1024},
+                "quota_interval_s": 1.0, "disk_low_mb": 1024,
+                "disk_quota": "auto",   # auto | loop | tmpfs | measured (docs/SANDBOX.md "Disk quota")
+                "shm_size_mb": 64},     # bwrap: /dev/shm is a tmpfs of this size
     "handlers": {},                # per-handler config, by name
 }
 

@@ -56,7 +56,11 @@ class PhaseDaemon(Daemon):
     def _make_runtime(self):
         from rolloutd.sandbox import get_runtime
 
-        return get_runtime(self.cfg.section("sandbox")["runtime"], root_dir=self.cfg.sandbox_root())
+        sb = self.cfg.section("sandbox")
+        opts = {"disk_quota": sb["disk_quota"]}
+        if sb["runtime"] in ("auto", "bwrap"):  # auto drops it again if it falls back to local
+            opts["shm_size_mb"] = int(sb["shm_size_mb"])
+        return get_runtime(sb["runtime"], root_dir=self.cfg.sandbox_root(), **opts)
 
     async def setup(self):
         s = self.sockets

@@ -18,6 +18,7 @@ import os
 import re
 import select
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -103,6 +104,7 @@ def build_argv(
     python: str = "python3",
     info_fd: Optional[int] = None,
     tmp_size_mb: Optional[int] = 512,
+    shm_size_mb: Optional[int] = 64,
     hostname: str = "sandbox",
 ) -> List[str]:
     """The exact bwrap command line (pure: no filesystem access, golden-testable)."""
@@ -118,16 +120,20 @@ def build_argv(
         argv += ["--setenv", k, v]
     for op, src, dst in fs_ops:
         argv += ["--" + op, src, dst]
+    # Every writable mount is bounded (docs/SANDBOX.md "Layout"): /tmp and /dev/shm are tmpfs of
+    # a fixed size (without --size, /dev/shm would be a dir on /dev's tmpfs: half the host's RAM);
+    # /run/rolloutd is read-only (the host binds tool.sock and hands the tool server its fd).
     argv += ["--proc", "/proc", "--dev", "/dev"]
-    if tmp_size_mb:
-        argv += ["--size", str(int(tmp_size_mb) * 1024 * 1024)]
-    argv += ["--tmpfs", "/tmp"]
-    argv += ["--bind", workspace, WORKSPACE, "--bind", run_dir, RUN_DIR, "--ro-bind", lib_dir, LIB_DIR]
+    for size_mb, path in ((shm_size_mb, "/dev/shm"), (tmp_size_mb, "/tmp")):
+        if size_mb:
+            argv += ["--size", str(int(size_mb) * 1024 * 1024)]
+        argv += ["--tmpfs", path]
+    argv += ["--bind", workspace, WORKSPACE, "--ro-bind", run_dir, RUN_DIR, "--ro-bind", lib_dir, LIB_DIR]
     for src, dst, ro in binds:
         argv += ["--ro-bind" if ro else "--bind", src, dst]
-    # bwrap's root is a writable tmpfs holding the mount points; freeze it (not recursive:
-    # /workspace, /run/rolloutd and /tmp stay writable).
-    argv += ["--remount-ro", "/", "--chdir", workdir]
+    # bwrap's root and /dev are tmpfs owned by the sandbox's uid; freeze both (not recursive:
+    # /workspace, /tmp, /dev/shm and /dev/pts stay writable, each bounded).
+    argv += ["--remount-ro", "/", "--remount-ro", "/dev", "--chdir", workdir]
     if info_fd is not None:
         argv += ["--info-fd", str(info_fd)]
     argv += ["--", python, "-S", "-m", "rolloutd_toolserver", "--config", CONFIG]
@@ -182,9 +188,11 @@ def probe(bwrap: str = "bwrap", run_as: Optional[Tuple[int, int]] = None, timeou
 class BwrapRuntime(Runtime):
     name = "bwrap"
     nproc_scoped = True  # each sandbox has its own user namespace
+    run_dir_read_only = True  # --ro-bind: the host binds tool.sock (see _pre_launch)
 
     def __init__(self, root_dir=None, *, bwrap: str = "bwrap", run_as: Any = "auto",
-                 tmp_size_mb: Optional[int] = 512, cgroup: Any = "auto", **kw: Any) -> None:
+                 tmp_size_mb: Optional[int] = 512, shm_size_mb: Optional[int] = 64, cgroup: Any = "auto",
+                 **kw: Any) -> None:
         super().__init__(root_dir, **kw)
         path = shutil.which(bwrap)
         if path is None:
@@ -192,7 +200,13 @@ class BwrapRuntime(Runtime):
         self.bwrap = path
         self.run_as = resolve_run_as(run_as)
         version = bwrap_version(path) or (0, 0)
-        self.tmp_size_mb = tmp_size_mb if version >= (0, 5) else None  # --size needs a recent bwrap
+        if version < (0, 5):  # --size: bubblewrap >= 0.5 (Debian 12 has 0.8)
+            raise RuntimeUnavailable("bubblewrap %s is too old: /tmp and /dev/shm could not be bounded "
+                                     "(--size needs >= 0.5)" % ".".join(map(str, version)))
+        for name, v in (("tmp_size_mb", tmp_size_mb), ("shm_size_mb", shm_size_mb)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise SandboxSpecError("%s must be a positive number of MB, got %r" % (name, v))
+        self.tmp_size_mb, self.shm_size_mb = tmp_size_mb, shm_size_mb
         self.cgroup = None
         if cgroup == "auto":
             self.cgroup = CgroupV2.detect()
@@ -205,15 +219,28 @@ class BwrapRuntime(Runtime):
         return {"socket": RUN_DIR + "/tool.sock", "ctl_dir": "/tmp/.rolloutd", "workdir": ctx.spec.workdir,
                 "home": "/tmp/home", "python": None}
 
+    def _owner(self) -> Tuple[int, int]:
+        return self.run_as if (self.run_as is not None and os.geteuid() == 0) else (os.geteuid(), os.getegid())
+
+    def _pre_launch(self, ctx: LaunchContext) -> None:
+        # /run/rolloutd is read-only inside, so the tool server cannot bind its socket there: we
+        # bind it here and hand the listening fd down (bwrap passes inherited fds through). The
+        # socket file stays ours (0600): as root, the agent (nobody) cannot even connect to it.
+        fd = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).detach()
+        ctx.extra.setdefault("fds", []).append(fd)  # closed by create() once bwrap holds it
+        _bind_listen(fd, str(ctx.run_dir / "tool.sock"))  # no sandbox sees the dir yet
+        os.chmod(ctx.run_dir / "tool.sock", 0o600)  # not os.umask: process-wide, and create() runs in threads
+        ctx.extra["socket_fd"] = fd
+
     def _prepare_dirs(self, ctx: LaunchContext) -> None:
         if self.run_as is None or os.geteuid() != 0:
             return
         uid, gid = self.run_as
-        for base in (ctx.workspace, ctx.run_dir):
-            os.chown(base, uid, gid)
-            for dirpath, dirnames, filenames in os.walk(base):
-                for name in dirnames + filenames:
-                    os.lchown(os.path.join(dirpath, name), uid, gid)
+        os.chown(ctx.workspace, uid, gid)
+        for dirpath, dirnames, filenames in os.walk(ctx.workspace):
+            for name in dirnames + filenames:
+                os.lchown(os.path.join(dirpath, name), uid, gid)
+        os.chmod(ctx.config_path, 0o644)  # read by the tool server; the run dir itself stays ours
 
     def _launch(self, ctx: LaunchContext) -> Dict[str, Any]:
         spec = ctx.spec
@@ -234,8 +261,9 @@ class BwrapRuntime(Runtime):
             bwrap=self.bwrap, fs_ops=fs_ops, workspace=str(ctx.workspace), run_dir=str(ctx.run_dir),
             lib_dir=str(ctx.lib_dir), binds=spec.binds, network=spec.network, workdir=spec.workdir,
             env=server_env, python=self.python, info_fd=info_w, tmp_size_mb=self.tmp_size_mb,
+            shm_size_mb=self.shm_size_mb,
         )
-        pass_fds = [info_w] + ([ctx.ready_fd] if ctx.ready_fd is not None else [])
+        pass_fds = [info_w, ctx.extra["socket_fd"]] + ([ctx.ready_fd] if ctx.ready_fd is not None else [])
         kw: Dict[str, Any] = {}
         cg_path = cg_fd = None
         drop = self.run_as if (self.run_as is not None and os.geteuid() == 0) else None
@@ -282,6 +310,15 @@ class BwrapRuntime(Runtime):
             log.warning("sandbox_processes_survived_kill", sandbox_id=state.get("sandbox_id"), pids=pids)
         if extra.get("cgroup"):
             CgroupV2.kill_and_remove(Path(extra["cgroup"]))
+
+
+def _bind_listen(fd: int, path: str) -> None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(fd))
+    try:
+        s.bind(path)
+        s.listen(128)
+    finally:
+        s.close()  # the dup only; fd stays open and listening
 
 
 def _enter_cgroup_then_drop(cg_fd: int, drop: Optional[Tuple[int, int]]):

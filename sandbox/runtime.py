@@ -2,8 +2,10 @@
 
 Layout under root_dir (one dir per sandbox, the source of truth for the janitor):
   sb/<sandbox_id>/state.json   who/what/pids/deadline (written before launch, updated after)
-  sb/<sandbox_id>/workspace/   the job's workspace (/workspace inside)
-  sb/<sandbox_id>/run/         tool.sock, config.json, per-call scratch (/run/rolloutd inside)
+  sb/<sandbox_id>/workspace/   the job's workspace (/workspace inside); as root a mounted
+                               ext4 image (disk.img) or tmpfs of Limits.disk_mb (bounds.py)
+  sb/<sandbox_id>/disk.img     that image (sparse, exactly disk_mb)
+  sb/<sandbox_id>/run/         tool.sock, config.json, llm.sock (/run/rolloutd inside)
   sb/<sandbox_id>/log          stderr of the runtime and the tool server
   lib/<hash>/                  tool server + ptyprocess, mounted read-only (toollib.py)
   loopback.json/.lock          the loopback allocator
@@ -25,9 +27,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from . import procs, toollib
+from . import bounds, procs, toollib
 from .client import ToolClient
 from .errors import SandboxError, SandboxNoSpace, SandboxSpecError, SandboxStartError, ToolTransportError
 from .log import log
@@ -38,6 +40,7 @@ from .spec import SandboxHandle, SandboxSpec
 MAX_SOCKET_PATH = 107
 _SID = re.compile(r"^[0-9a-f]{12}$")
 STARTING_GRACE = 60.0   # a sandbox still "starting" this long after creation is garbage
+DISK_QUOTAS = ("auto", "loop", "tmpfs", "measured")
 EXPIRY_GRACE = 5.0      # the in-sandbox watchdog gets this long to enforce wall_seconds itself
 
 
@@ -70,6 +73,7 @@ class Runtime(abc.ABC):
     name = "abstract"
     uses_ready_fd = True       # the tool server can signal readiness on an inherited fd
     nproc_scoped = False       # RLIMIT_NPROC counts only this sandbox's processes
+    run_dir_read_only = False  # the sandbox cannot write its run dir (bwrap binds it read-only)
 
     def __init__(
         self,
@@ -82,6 +86,7 @@ class Runtime(abc.ABC):
         loopback_range: Iterable[str] = ("127.1.0.1", "127.254.255.254"),
         python: Optional[str] = None,
         shell: str = "/bin/bash",
+        disk_quota: str = "auto",
     ) -> None:
         self.root_dir = Path(root_dir or default_root()).absolute()
         self.sb_dir = self.root_dir / "sb"
@@ -100,6 +105,7 @@ class Runtime(abc.ABC):
         first, last = tuple(loopback_range)
         self.loopback = LoopbackAllocator(self.root_dir, first, last)
         self._children: Dict[str, subprocess.Popen] = {}
+        self.disk_quota, self.disk_quota_reason = resolve_disk_quota(disk_quota)
 
     # -- hooks -----------------------------------------------------------------------
     @abc.abstractmethod
@@ -118,6 +124,35 @@ class Runtime(abc.ABC):
     def _prepare_dirs(self, ctx: LaunchContext) -> None:
         """Hook: e.g. chown the workspace to the uid the sandbox runs as."""
 
+    def _pre_launch(self, ctx: LaunchContext) -> None:
+        """Hook before the config is written (e.g. bind the tool socket); fds put in
+        ctx.extra["fds"] are closed once _launch returns or fails."""
+
+    def _owner(self) -> Tuple[int, int]:
+        """uid/gid the sandbox's processes run as (owner of the mounted workspace)."""
+        return os.geteuid(), os.getegid()
+
+    def _bound_dirs(self, d: Path, disk_mb: Optional[float]) -> Dict[str, str]:
+        """Mount the hard bounds (root): the workspace on an image/tmpfs of disk_mb, a writable run
+        dir on a tiny tmpfs. Returns how each writable host dir is bounded (kept in state.json)."""
+        uid, gid = self._owner()
+        out = {"workspace": "none" if not disk_mb else "measured",
+               "run": "read-only" if self.run_dir_read_only else "measured"}
+        if self.disk_quota == "measured":
+            return out
+        if disk_mb:
+            size = int(float(disk_mb) * 2**20) // 4096 * 4096
+            if self.disk_quota == "loop":
+                bounds.make_ext4_image(d / "disk.img", size, uid, gid)
+                bounds.mount_ext4_image(d / "disk.img", d / "workspace")
+            else:
+                bounds.mount_tmpfs(d / "workspace", size, uid, gid)
+            out["workspace"] = self.disk_quota
+        if not self.run_dir_read_only:
+            bounds.mount_tmpfs(d / "run", bounds.RUN_DIR_BYTES, uid, gid, bounds.RUN_DIR_INODES)
+            out["run"] = "tmpfs"
+        return out
+
     # -- public API ------------------------------------------------------------------
     def create(self, job_id: str, spec: Optional[SandboxSpec] = None) -> SandboxHandle:
         t0 = time.monotonic()
@@ -135,7 +170,7 @@ class Runtime(abc.ABC):
             "created_at": time.time(), "creator_pid": os.getpid(),
             "creator_start": procs.start_time(os.getpid()), "pids": [], "extra": {},
             "workspace": str(d / "workspace"), "tool_socket": str(sock), "loopback": None, "deadline": None,
-            "disk_mb": spec.limits.disk_mb,
+            "disk_mb": spec.limits.disk_mb, "bounds": {},
         }
         try:
             self._write_state(d, state)
@@ -143,12 +178,15 @@ class Runtime(abc.ABC):
             _rmtree(d)
             raise _start_error(self.name, job_id, self.root_dir, e) from e
         ready_r = ready_w = None
+        ctx: Optional[LaunchContext] = None
         try:
             if len(str(sock).encode()) > MAX_SOCKET_PATH:
                 raise SandboxSpecError("socket path %s is longer than %d bytes; use a shorter root_dir"
                                        % (sock, MAX_SOCKET_PATH))
             for sub in ("workspace", "run"):
                 (d / sub).mkdir(mode=0o755)
+            # Before any file lands there; unmounted by destroy/reap from the mount table alone.
+            state["bounds"] = self._bound_dirs(d, spec.limits.disk_mb)
             self._write_workspace(d / "workspace", spec.workspace_files)
             if spec.loopback:
                 state["loopback"] = self.loopback.allocate(sid, path=str(d))
@@ -162,9 +200,14 @@ class Runtime(abc.ABC):
                 log_path=d / "log", config_path=d / "run" / "config.json", loopback=state["loopback"],
                 deadline=state["deadline"], lib_dir=toollib.prepare(self.root_dir), ready_fd=ready_w,
             )
+            self._pre_launch(ctx)
             self._write_config(ctx)
             self._prepare_dirs(ctx)
-            launched = self._launch(ctx)
+            try:
+                launched = self._launch(ctx)
+            finally:
+                for fd in ctx.extra.pop("fds", ()):
+                    os.close(fd)
             state["pids"] = list(launched.get("pids", []))
             state["extra"] = dict(launched.get("extra", {}))
             self._write_state(d, state)  # from here on, destroy() can find the processes
@@ -177,7 +220,7 @@ class Runtime(abc.ABC):
             if state["loopback"] and state["pids"]:
                 self.loopback.update(state["loopback"], state["pids"][-1])
         except BaseException as e:
-            for fd in (ready_r, ready_w):
+            for fd in [ready_r, ready_w] + list(ctx.extra.pop("fds", ()) if ctx else ()):
                 if fd is not None:
                     os.close(fd)
             tail = _tail(d / "log")
@@ -239,7 +282,7 @@ class Runtime(abc.ABC):
                 except OSError:
                     continue
                 if age > STARTING_GRACE:
-                    _rmtree(d)
+                    _remove_sandbox_dir(d)
                 continue
             if state.get("runtime") != self.name:
                 continue
@@ -274,8 +317,16 @@ class Runtime(abc.ABC):
                 continue
             if not state.get("disk_mb"):
                 continue
+            b = state.get("bounds") or {}
+            if b.get("workspace") in ("loop", "tmpfs") and b.get("run") != "measured":
+                continue  # hard bounds: the kernel says ENOSPC, there is nothing to measure
+            measured = [d / "workspace"] + ([d / "run"] if b.get("run", "measured") == "measured" else [])
             limit = int(float(state["disk_mb"]) * 1024 * 1024)
-            used = disk_usage(d / "workspace", stop_above=limit)
+            used = 0
+            for p in measured:
+                used += disk_usage(p, stop_above=limit - used)
+                if used > limit:
+                    break
             if used <= limit:
                 continue
             state.update(status=DISK_QUOTA_STATUS, disk_used_bytes=used, stopped_at=time.time())
@@ -283,6 +334,10 @@ class Runtime(abc.ABC):
             try:
                 self._kill(state)
             finally:
+                # Exact, not where the walk stopped: the processes are gone, nothing grows now.
+                used = sum(disk_usage(p) for p in measured)
+                state.update(disk_used_bytes=used)
+                self._write_state(d, state)
                 _empty_dir(d / "workspace")
             info = {"job_id": state.get("job_id"), "sandbox_id": d.name, "disk_mb": state["disk_mb"],
                     "used_bytes": used}
@@ -310,7 +365,7 @@ class Runtime(abc.ABC):
                     child.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     child.kill()
-            _rmtree(d)
+            _remove_sandbox_dir(d)
             if state.get("loopback"):
                 self.loopback.release(state["loopback"], owner=str(state.get("sandbox_id")))
 
@@ -372,7 +427,7 @@ class Runtime(abc.ABC):
     def _write_config(self, ctx: LaunchContext) -> None:
         inside = self._inside(ctx)
         cfg = {
-            "socket": inside["socket"], "ctl_dir": inside["ctl_dir"], "workdir": inside["workdir"],
+            "socket": inside["socket"], "workdir": inside["workdir"],
             "home": inside["home"], "python": inside.get("python"), "shell": self.shell,
             "env": self._session_env(ctx), "limits": {k: v for k, v in ctx.spec.limits.to_dict().items()
                                                       if k != "wall_seconds" and v is not None},
@@ -380,6 +435,8 @@ class Runtime(abc.ABC):
             "default_timeout": self.default_timeout, "interrupt_grace": self.interrupt_grace,
             "deadline": ctx.deadline, "ready_fd": ctx.ready_fd, "sandbox_id": ctx.sandbox_id, "job_id": ctx.job_id,
         }
+        if ctx.extra.get("socket_fd") is not None:
+            cfg["socket_fd"] = ctx.extra["socket_fd"]
         with open(ctx.config_path, "w", encoding="utf-8") as f:
             json.dump(cfg, f)
 
@@ -419,6 +476,33 @@ def _start_error(runtime: str, job_id: str, root: Path, e: OSError) -> SandboxEr
         return SandboxNoSpace("%s sandbox for job %s not created: no space left on the sandbox root %s (%s)"
                               % (runtime, job_id, root, e))
     return SandboxStartError("%s sandbox for job %s did not start: %s" % (runtime, job_id, e))
+
+
+def resolve_disk_quota(mode: str) -> Tuple[str, str]:
+    """("loop" | "tmpfs" | "measured", why). auto: a loop-mounted ext4 image per workspace
+    where this process can mount (root), else the measured fallback."""
+    if mode not in DISK_QUOTAS:
+        raise SandboxSpecError("disk_quota must be one of %s, got %r" % (", ".join(DISK_QUOTAS), mode))
+    why_not = bounds.why_no_mounts()
+    if mode == "measured":
+        return mode, "chosen"
+    if why_not is not None:
+        if mode != "auto":
+            raise SandboxSpecError("disk_quota=%r needs mounts: %s" % (mode, why_not))
+        return "measured", why_not
+    return ("loop" if mode == "auto" else mode), "root: mounts available"
+
+
+def _remove_sandbox_dir(d: Path) -> None:
+    """Unmount whatever is mounted under d (the mount table is the truth: this works after a
+    crash, without state), then delete it. rmtree never crosses into a live mount."""
+    try:
+        bounds.unmount_under(d)
+    except OSError as e:
+        log.warning("sandbox_unmount_failed", dir=str(d), error=str(e))
+        if bounds.mounts_under(d):
+            return  # leave it to the next reap rather than empty a mount still in use
+    _rmtree(d)
 
 
 def disk_usage(path: Path, stop_above: Optional[int] = None) -> int:

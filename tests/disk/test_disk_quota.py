@@ -1,6 +1,10 @@
-"""Limits.disk_mb: a sandbox whose workspace outgrows its quota is stopped by the node, its
-job fails with error.type DiskQuotaExceeded, its neighbours are untouched (issue 17.1)."""
+"""Limits.disk_mb. Measured (no root, or disk_quota="measured"): a sandbox whose workspace
+outgrows its quota is stopped by the node, its job fails with error.type DiskQuotaExceeded, its
+neighbours are untouched (issue 17.1). Hard (root: a loop-mounted image per workspace, issue
+24.3): a write past the quota gets ENOSPC and the job goes on."""
 from __future__ import annotations
+
+import os
 
 import pytest
 from rolloutd.sandbox import (
@@ -42,7 +46,7 @@ def test_disk_usage_counts_blocks_and_hard_links_once(tmp_path):
 @pytest.fixture
 def bwrap_rt(bwrap_required):
     root = short_tmpdir("rd-dq-")
-    rt = get_runtime("bwrap", root_dir=root, ready_timeout=20.0)
+    rt = get_runtime("bwrap", root_dir=root, ready_timeout=20.0, disk_quota="measured")
     yield rt
     for h in rt.list():
         rt.destroy(h)
@@ -81,7 +85,7 @@ def test_a_plain_dead_sandbox_is_still_a_transport_error(bwrap_rt):
 
 
 def test_agent_writing_until_stopped_fails_its_job_neighbour_ok(up_factory, bwrap_required, diskhog_entry_point):
-    up = up_factory("sandbox.runtime=bwrap", "sandbox.quota_interval_s=0.2")
+    up = up_factory("sandbox.runtime=bwrap", "sandbox.quota_interval_s=0.2", "sandbox.disk_quota=measured")
     with up.client(timeout_s=10) as c:
         hog, calm = c.submit([
             {"handler": "diskhog", "instance_id": "hog", "instance": {"disk_mb": 16, "command": HOG}},
@@ -97,6 +101,62 @@ def test_agent_writing_until_stopped_fails_its_job_neighbour_ok(up_factory, bwra
     assert good["status"] == "ok", good
     assert good["eval_details"]["output"].strip() == "4000000"
     assert "sandbox_disk_quota_exceeded" in up.log()
+
+
+def require_root_mounts():
+    from rolloutd.sandbox.bounds import why_no_mounts
+
+    why = why_no_mounts()
+    if why is not None:
+        if os.environ.get("ROLLOUTD_TEST_STRICT") == "1":  # CI runs as root: there it must work
+            pytest.fail("ROLLOUTD_TEST_STRICT=1: no hard disk quota here: " + why)
+        pytest.skip("no hard disk quota here: " + why)
+
+
+def test_hard_quota_agent_gets_enospc_and_the_job_goes_on(up_factory, bwrap_required, diskhog_entry_point):
+    require_root_mounts()
+    up = up_factory("sandbox.runtime=bwrap", "sandbox.quota_interval_s=0.2")
+    fill = "head -c 40M /dev/zero > big; echo rc=$?; rm big; head -c 1M /dev/zero > small && echo small ok"
+    with up.client(timeout_s=10) as c:
+        hog, calm = c.submit([
+            {"handler": "diskhog", "instance_id": "hog", "instance": {"disk_mb": 16, "command": fill}},
+            {"handler": "diskhog", "instance_id": "calm",
+             "instance": {"disk_mb": 16, "command": "head -c 4000000 /dev/zero > data && wc -c < data"}},
+        ])
+        results = {r["job_id"]: r for r in c.gather([hog, calm], timeout_s=120)}
+    bad, good = results[hog], results[calm]
+    assert bad["status"] == "ok", bad
+    out = bad["eval_details"]["output"]
+    assert "No space left on device" in out and "rc=1" in out and "small ok" in out, out
+    assert good["status"] == "ok" and good["eval_details"]["output"].strip() == "4000000", good
+    assert "sandbox_disk_quota_exceeded" not in up.log()
+
+
+def test_destroy_and_reap_unmount_even_after_a_crash(bwrap_required):
+    """The mounts are found in the mount table, not in the state: a creator that died (its
+    sandbox "starting" forever, no state at all) is cleaned up by any later reap."""
+    require_root_mounts()
+    from rolloutd.sandbox import bounds
+    from rolloutd.sandbox.runtime import STARTING_GRACE
+
+    root = short_tmpdir("rd-dqm-")
+    try:
+        rt = get_runtime("bwrap", root_dir=root, ready_timeout=20.0)
+        h = rt.create("5.1", SandboxSpec(limits=Limits(disk_mb=8)))
+        assert len(bounds.mounts_under(h.sandbox_dir)) == 1  # the workspace (run/ is read-only)
+        rt.destroy(h)
+        assert not bounds.mounts_under(root) and not os.path.exists(h.sandbox_dir)
+        # a dir left by a create() that died after mounting, before its first state write
+        d = rt.sb_dir / "0123456789ab"
+        (d / "workspace").mkdir(parents=True)
+        bounds.make_ext4_image(d / "disk.img", 8 << 20, 0, 0)
+        bounds.mount_ext4_image(d / "disk.img", d / "workspace")
+        old = __import__("time").time() - STARTING_GRACE - 5
+        os.utime(d, (old, old))
+        rt.reap(keep=())
+        assert not bounds.mounts_under(root) and not d.exists()
+    finally:
+        remove_tree(root)
 
 
 def test_full_sandbox_root_refuses_cleanly_and_the_janitor_still_reaps(bwrap_required):

@@ -149,7 +149,7 @@ def test_tool_socket_is_put_back(tool_env, attack):
     run_dir = os.path.dirname(h.tool_socket)
     mode = os.stat(run_dir).st_mode & 0o7777
     r = c.call("bash", {"command": attack + "; echo done", "timeout": 10})
-    assert r.output == "done\n"
+    assert r.output.endswith("done\n")  # under bwrap the dir is read-only: the attack fails outright
 
     def reachable():
         try:

@@ -21,15 +21,17 @@ def test_bwrap_argv_golden():
         "/usr/bin/bwrap", "--unshare-all", "--new-session", "--hostname", "sandbox", "--clearenv", "--as-pid-1",
         "--setenv", "PATH", "/usr/bin", "--setenv", "PYTHONPATH", "/run/rolloutd-lib",
         "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--ro-bind", "/etc/passwd", "/etc/passwd",
-        "--proc", "/proc", "--dev", "/dev", "--size", str(64 * 1024 * 1024), "--tmpfs", "/tmp",
-        "--bind", "/r/sb/x/workspace", "/workspace", "--bind", "/r/sb/x/run", "/run/rolloutd",
+        "--proc", "/proc", "--dev", "/dev", "--size", str(64 * 1024 * 1024), "--tmpfs", "/dev/shm",
+        "--size", str(64 * 1024 * 1024), "--tmpfs", "/tmp",
+        "--bind", "/r/sb/x/workspace", "/workspace", "--ro-bind", "/r/sb/x/run", "/run/rolloutd",
         "--ro-bind", "/r/lib/h", "/run/rolloutd-lib",
         "--ro-bind", "/data", "/data", "--bind", "/out", "/out",
-        "--remount-ro", "/", "--chdir", "/workspace", "--info-fd", "5",
+        "--remount-ro", "/", "--remount-ro", "/dev", "--chdir", "/workspace", "--info-fd", "5",
         "--", "python3", "-S", "-m", "rolloutd_toolserver", "--config", "/run/rolloutd/config.json",
     ]
     assert "--die-with-parent" not in argv  # sandboxes outlive a daemon restart on purpose
-    net = build_argv(bwrap="bwrap", fs_ops=[], workspace="/w", run_dir="/r", lib_dir="/l", network=True, tmp_size_mb=None)
+    net = build_argv(bwrap="bwrap", fs_ops=[], workspace="/w", run_dir="/r", lib_dir="/l", network=True,
+                     tmp_size_mb=None, shm_size_mb=None)
     assert net[:3] == ["bwrap", "--unshare-all", "--share-net"] and "--size" not in net
 
 
