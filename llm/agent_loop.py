@@ -6,7 +6,8 @@ session that leases a backend from the router and fails over on ``BackendError``
 
 Stop reasons (``LoopResult.stop_reason``):
 
-* ``"no_tool_call"``: the model answered without calling a tool (``final_text`` is the answer);
+* ``"no_tool_call"``: the model answered without calling a tool (``final_text`` is the answer:
+  the message's content, without reasoning, call markup or special tokens);
 * ``"length"``: the model hit ``params.max_tokens`` (the per-turn budget) without a tool call;
 * ``"max_turns"``: ``max_turns`` assistant messages were generated; tool calls in the last one
   are not executed (the model would never see their result);
@@ -19,6 +20,12 @@ weight swap) keeps its tokens (valid samples of the policy version that produced
 same assistant message is continued by the next call, recorded as a separate turn with
 ``continuation=True`` and its own backend/policy_version. More than ``max_aborts`` aborts in a
 row raise ``BackendError``.
+
+What the parser reads comes from the sampled ids, decoded with the conversation's
+tokenizer (:func:`~rolloutd.llm.toolparse.parse_ids`), never from the backend's ``text``
+field, whatever the backend's detokenization settings: the trainer trains on those ids.
+A parser that types arguments from the tool schemas (Qwen3-Coder) gets the
+conversation's tools.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import structlog
 
 from .client import BackendError, ContextOverflow, Generation, SamplingParams
 from .conversation import Conversation
-from .toolparse import ToolCall, ToolParser
+from .toolparse import ToolCall, ToolParser, parse_ids
 
 log = structlog.get_logger("rolloutd.llm")
 
@@ -77,7 +84,12 @@ async def run_agent_loop(
     stop_reason = "max_turns"
     final_text = ""
     sent: list[dict] = []
-    parts: list[str] = []  # text of the current assistant message (several parts after aborts)
+    parser = parser.with_tools(conv.renderer.tools) if hasattr(parser, "with_tools") else parser
+    parts: list[int] = []  # ids of the current assistant message (several parts after aborts)
+
+    def answer(ids: list[int]) -> str:
+        return parse_ids(parser, ids, tokenizer).content or "" if ids else ""
+
     used = 0  # tokens already generated in the current assistant message
     aborts = 0
     n_turns = 0
@@ -91,7 +103,7 @@ async def run_agent_loop(
             stop_reason = "context_overflow"
             if parts:
                 conv.set_last_finish_reason("context_overflow")
-                final_text = "".join(parts)
+                final_text = answer(parts)
             break
         p = params if max_new == params.max_tokens else params.replace(max_tokens=max_new)
         t0 = perf()
@@ -100,7 +112,7 @@ async def run_agent_loop(
         except ContextOverflow as e:
             log.info("agent_context_overflow_rejected", error=str(e)[:200], context=conv.num_tokens)
             stop_reason = "context_overflow"
-            final_text = "".join(parts)
+            final_text = answer(parts)
             break
         finally:
             metrics["llm_s"] += perf() - t0
@@ -108,11 +120,7 @@ async def run_agent_loop(
         if g.finish_reason == "length" and max_new < budget and k >= max_new:
             g.finish_reason = "context_overflow"
         conv.add_generation(g, backend, policy_version)
-        text = g.text
-        skip = getattr(parser, "skip_special_tokens", True)
-        if text is None or not skip:  # a parser that reads control tokens decodes the ids itself
-            text = tokenizer.decode(np.asarray(g.token_ids).tolist(), skip_special_tokens=skip)
-        parts.append(text)
+        parts.extend(np.asarray(g.token_ids).tolist())
         if g.finish_reason == "abort":
             aborts += 1
             metrics["aborts"] += 1
@@ -125,13 +133,12 @@ async def run_agent_loop(
         used = 0
         n_turns += 1
         metrics["turns"] = n_turns
-        text = parts[0] if len(parts) == 1 else "".join(parts)
+        res = parse_ids(parser, parts, tokenizer)
         parts = []
-        final_text = text
+        final_text = res.content or ""
         if g.finish_reason == "context_overflow":
             stop_reason = "context_overflow"
             break
-        res = parser.parse(text)
         if not res.has_actions:
             stop_reason = "no_tool_call" if g.finish_reason == "stop" else "length"
             break

@@ -165,6 +165,7 @@ class HermesParser(ToolParser):
     """``<tool_call>{json}</tool_call>`` blocks (Qwen2.5, Hermes, many others)."""
 
     name = "hermes"
+    skip_special_tokens = False  # markers may be special tokens; parse_ids strips the rest from content
     sets_content = True
     FORMAT_HINT = (
         'Expected format: <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
@@ -255,6 +256,7 @@ class FencedBashParser(ToolParser):
     """Fenced shell blocks as ``bash`` calls (SWE-agent / mini-swe-agent style)."""
 
     name = "fenced_bash"
+    skip_special_tokens = False
     _FENCE = re.compile(r"```(bash|sh|shell)[ \t]*\r?\n(.*?)```", re.DOTALL)
     _OPEN = re.compile(r"```(bash|sh|shell)\b")
 

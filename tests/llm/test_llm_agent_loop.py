@@ -249,3 +249,68 @@ def test_many_concurrent_rollouts_one_loop(qwen_tokenizer, scripted, arun):
     results = arun(main(), timeout=120)
     assert all(r.stop_reason == "no_tool_call" and r.metrics["turns"] == 4 for r in results)
     assert be.stats["requests"] == 800
+
+
+# -- the parser reads the sampled ids, never the backend's text (issue 28.1) ----------------------
+@pytest.fixture(scope="module")
+def special_marker_tokenizer(qwen_tokenizer, tmp_path_factory):
+    """The Qwen2.5 tokenizer with <tool_call> and </tool_call> made special tokens: a backend that
+    detokenizes with skip_special_tokens (vLLM's and SGLang's default) drops them from its text."""
+    import json
+
+    from rolloutd.llm.tokenizer_utils import load_tokenizer
+
+    d = tmp_path_factory.mktemp("special_markers")
+    qwen_tokenizer.save_pretrained(str(d))
+    for name, key in (("tokenizer.json", "added_tokens"), ("tokenizer_config.json", "added_tokens_decoder")):
+        data = json.loads((d / name).read_text())
+        items = data.get(key) or []
+        items = items if isinstance(items, list) else items.values()
+        for t in items:
+            if t["content"] in ("<tool_call>", "</tool_call>"):
+                t["special"] = True
+        (d / name).write_text(json.dumps(data))
+    tok = load_tokenizer(d)
+    assert "<tool_call>" not in tok.decode(tok.encode("<tool_call>x</tool_call>"), skip_special_tokens=True)
+    return tok
+
+
+def _text_mode(tok, generate, mode):
+    """The backend's ``text``: with special tokens kept, skipped, or a lie (never to be used)."""
+    import numpy as np
+
+    async def gen(ids, params):
+        g, b, v = await generate(ids, params)
+        toks = np.asarray(g.token_ids).tolist()
+        g.text = {"keep": lambda: tok.decode(toks, skip_special_tokens=False),
+                  "skip": lambda: tok.decode(toks, skip_special_tokens=True),
+                  "lie": lambda: '<tool_call>{"name": "rm", "arguments": {}}</tool_call><|im_end|>'}[mode]()
+        return g, b, v
+
+    return gen
+
+
+@pytest.mark.parametrize("mode", ["keep", "skip", "lie"])
+@pytest.mark.parametrize("parser", ["hermes", "qwen3"])
+def test_parser_reads_the_sampled_ids_not_the_backend_text(mode, parser, special_marker_tokenizer, scripted, arun):
+    tok = special_marker_tokenizer
+    call = '<tool_call>\n{"name": "bash", "arguments": {"command": "echo \'<|im_end|>\'"}}\n</tool_call>'
+    be = scripted(tok, Script([call, "Done."]))
+    seen = []
+
+    async def execute(c):
+        seen.append((c.name, c.arguments))
+        return "ok"
+
+    async def main():
+        async with LLMClient(be.url, "vllm", timeout=10) as c:
+            conv = Conversation(tok, [{"role": "user", "content": "go"}], None, 4096)
+            gen = _text_mode(tok, simple_generate(c, "b0", 1), mode)
+            return await run_agent_loop(gen, conv, get_parser(parser), execute, SamplingParams(128), 4, tok)
+
+    res = arun(main())
+    # the call's markers are special ids (a skip-special backend text has none); the argument's
+    # "<|im_end|>" is text the model wrote (the scripted backend encodes the reply as text)
+    assert seen == [("bash", {"command": "echo '<|im_end|>'"})], seen
+    assert res.stop_reason == "no_tool_call" and res.final_text == "Done."  # no <|im_end|> in it
+    assert res.metrics["tool_calls"] == 1 and res.metrics["malformed_tool_calls"] == 0
