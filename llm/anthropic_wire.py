@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import secrets
 from typing import Any
 
@@ -244,7 +245,7 @@ def _tool_choice(raw: Any, tools: list[dict] | None) -> tuple[bool, Any]:
         return False, "none"
     if t == "tool":
         names = {x["function"]["name"] for x in tools or ()}
-        if raw.get("name") not in names:
+        if not isinstance(raw.get("name"), str) or raw["name"] not in names:
             raise bad(f"tool_choice: tool {raw.get('name')!r} is not in tools", "tool_choice")
         return True, {"name": raw["name"]}
     if tools is None:
@@ -256,8 +257,8 @@ def _number(body: dict, key: str, lo: float, hi: float | None, cast=float) -> An
     v = body.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (cast is int and isinstance(v, float)
-                                                                  and not v.is_integer()):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or (cast is int and isinstance(v, float) and not v.is_integer()):
         raise bad(f"{key}: Input should be a valid {'integer' if cast is int else 'number'}", key)
     v = cast(v)
     if v < lo or (hi is not None and v > hi):

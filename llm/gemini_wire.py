@@ -26,6 +26,7 @@ send and parse); snake_case names are accepted too, as Google's JSON parser does
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from .openai_wire import (
@@ -131,6 +132,9 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[bool, Any]:
     if mode == "NONE":
         return False, "none"
     allowed = _g(fcc, "allowedFunctionNames", "allowed_function_names")
+    if allowed is not None and not (isinstance(allowed, list) and all(isinstance(n, str) for n in allowed)):
+        raise bad("Invalid value at 'tool_config.function_calling_config.allowed_function_names': must be a list of "
+                  "strings", "toolConfig")
     if allowed and tools:
         names = {t["function"]["name"] for t in tools}
         missing = [n for n in allowed if n not in names]
@@ -235,7 +239,7 @@ def _number(cfg: dict, camel: str, snake: str, lo: float | None, hi: float | Non
     v = _g(cfg, camel, snake)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise bad(f"Invalid value at 'generation_config.{snake}' ({v!r}): must be a number", "generationConfig")
     v = cast(v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import time
 from typing import Any
 
@@ -46,7 +47,6 @@ from .openai_wire import (
     Reply,
     Sampling,
     WireRequest,
-    _num,
     bad,
     canon_args,
     dumps,
@@ -164,7 +164,7 @@ def _tool_choice(raw: Any, kinds: dict[str, dict]) -> tuple[bool, Any]:
     if isinstance(raw, dict):
         t = raw.get("type")
         if t in ("function", "custom"):
-            if raw.get("name") not in kinds:
+            if not isinstance(raw.get("name"), str) or raw["name"] not in kinds:
                 raise bad(f"tool_choice names {raw.get('name')!r}, which is not in 'tools'", "tool_choice")
             return True, {"name": raw["name"]}
         if t == "allowed_tools":
@@ -172,6 +172,18 @@ def _tool_choice(raw: Any, kinds: dict[str, dict]) -> tuple[bool, Any]:
         if t in _IGNORED_TOOLS or t == "local_shell":
             return bool(kinds), "auto"
     raise bad("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}", "tool_choice")
+
+
+def _num(body: dict, key: str, default: Any, cast=float, lo: float | None = None, hi: float | None = None) -> Any:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad(f"Invalid type for '{key}': expected a number", key)
+    v = cast(v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad(f"Invalid '{key}': {v} is out of range [{lo}, {hi}]", key)
+    return v
 
 
 def _reasoning_text(it: dict) -> str:
@@ -345,6 +357,10 @@ def parse(body: Any, history: list | None = None) -> WireRequest:
             "metadata": body.get("metadata") or {}, "user": body.get("user"),
             "reasoning": body.get("reasoning") if isinstance(body.get("reasoning"), dict) else None,
             "text": body.get("text") if isinstance(body.get("text"), dict) else {"format": {"type": "text"}}}
+    try:  # the response object repeats these fields: a lone surrogate (valid JSON, not UTF-8) is refused now
+        dumps(echo)
+    except UnicodeEncodeError as e:
+        raise bad(f"the body contains text that is not valid Unicode: {e.reason}") from None
     extras = {"input_items": all_items, "tool_kinds": kinds, "ignored_tools": ignored, "include": include,
               "store": echo["store"], "previous_response_id": prev, "parallel_tool_calls": echo["parallel_tool_calls"],
               "reasoning": echo["reasoning"], "text": echo["text"], "echo": echo}
@@ -457,12 +473,21 @@ def stream_events(r: Reply, req: WireRequest | None = None) -> list[bytes]:
     ``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``)."""
     seq = 0
     out: list[bytes] = []
+    tools_json = None
 
     def ev(kind: str, **data: Any) -> None:
-        nonlocal seq
+        nonlocal seq, tools_json
         d = {"type": kind, "sequence_number": seq}
         d.update(data)
-        out.append(b"event: " + kind.encode() + b"\ndata: " + dumps(d) + b"\n\n")
+        resp = d.get("response")
+        if resp is None:
+            body = dumps(d)
+        else:  # the request's tools (often large) are echoed three times: encoded once, put last
+            tools = resp.pop("tools")
+            if tools_json is None:
+                tools_json = dumps(tools)
+            body = dumps(d)[:-2] + b',"tools":' + tools_json + b"}}"
+        out.append(b"event: " + kind.encode() + b"\ndata: " + body + b"\n\n")
         seq += 1
 
     ev("response.created", response=_response(r, req, [], "in_progress"))

@@ -16,7 +16,7 @@ pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rol
 from rolloutd.llm import anthropic_wire as W
 from rolloutd.llm.openai_wire import canon_args
 
-from .wire_helpers import Answer, WireServer, chat_msg, reply, same_turn
+from .wire_helpers import Answer, WireServer, chat_msg, fuzz, reply, same_turn
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -287,3 +287,21 @@ def test_error_body_maps_endpoint_refusals():
         assert b["type"] == "error" and b["error"]["type"] == kind
     b = json.loads(W.error_body(W.bad("the messages take 900 tokens", "messages", "context_length_exceeded")))
     assert b["error"]["message"].startswith("prompt is too long")
+
+
+def test_fuzzed_bodies_give_400_never_a_crash():
+    body = {"model": "m", "max_tokens": 100, "stream": True, "temperature": 0.5, "top_k": 5, "stop_sequences": ["x"],
+            "system": [{"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}],
+            "thinking": {"type": "enabled", "budget_tokens": 10}, "metadata": {"user_id": "u"},
+            "tool_choice": {"type": "tool", "name": "Bash"}, "tools": TOOLS,
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
+                                                           {"type": "text", "text": "ok"},
+                                                           {"type": "tool_use", "id": "toolu_1", "name": "Bash",
+                                                            "input": {"command": "ls"}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                       "content": [{"type": "text", "text": "a"}]},
+                                                      {"type": "text", "text": "go"}]}]}
+    r = reply("x", CALLS, reasoning="y")
+    refused = fuzz(W.parse, lambda req: (W.response(r, req), W.stream_events(r, req)), body)
+    assert 0 < refused < 400

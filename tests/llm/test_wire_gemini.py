@@ -21,7 +21,7 @@ from google.genai import types
 from rolloutd.llm import gemini_wire as W
 from rolloutd.llm.openai_wire import canon_args
 
-from .wire_helpers import Answer, WireServer, chat_msg, reply, same_turn
+from .wire_helpers import Answer, WireServer, chat_msg, fuzz, reply, same_turn
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -270,3 +270,26 @@ def test_error_body_maps_endpoint_refusals():
                          (404, "NOT_FOUND"), (500, "INTERNAL")]:
         b = json.loads(W.error_body(W.EndpointError(status, "x")))
         assert b == {"error": {"code": status, "message": "x", "status": name}}
+
+
+def test_fuzzed_bodies_give_400_never_a_crash():
+    body = {"systemInstruction": {"role": "user", "parts": [{"text": "sys"}]},
+            "contents": [{"role": "user", "parts": [{"text": "hi"}]},
+                         {"role": "model", "parts": [{"text": "t", "thought": True}, {"text": "ok"},
+                                                     {"functionCall": {"id": "c1", "name": "run_shell_command",
+                                                                       "args": {"command": "ls"}},
+                                                      "thoughtSignature": "c2ln"}]},
+                         {"role": "user", "parts": [{"functionResponse": {"id": "c1", "name": "run_shell_command",
+                                                                          "response": {"output": "a"}}}]}],
+            "tools": [{"functionDeclarations": [{"name": "run_shell_command", "description": "d",
+                                                 "parametersJsonSchema": {"type": "object"}},
+                                                {"name": "replace", "parameters": {"type": "OBJECT", "properties": {
+                                                    "x": {"type": "STRING"}}}}]}],
+            "toolConfig": {"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["replace"]}},
+            "generationConfig": {"temperature": 0.5, "topP": 0.9, "topK": 3, "maxOutputTokens": 50,
+                                 "stopSequences": ["x"], "seed": 1, "candidateCount": 1,
+                                 "thinkingConfig": {"includeThoughts": True, "thinkingBudget": 10},
+                                 "responseMimeType": "application/json", "responseJsonSchema": {"type": "object"}}}
+    r = reply("x", CALLS, reasoning="y")
+    refused = fuzz(lambda b: W.parse(b, "m", True), lambda req: (W.response(r, req), W.stream_chunks(r, req)), body)
+    assert 0 < refused < 400

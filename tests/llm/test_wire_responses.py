@@ -17,7 +17,7 @@ pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rol
 from rolloutd.llm import responses_wire as W
 from rolloutd.llm.openai_wire import canon_args
 
-from .wire_helpers import Answer, WireServer, chat_msg, reply, same_turn
+from .wire_helpers import Answer, WireServer, chat_msg, fuzz, reply, same_turn
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -283,3 +283,27 @@ def test_bad_input_gets_openai_error_shape(arun):
         assert status == 400, name
         assert set(body) == {"error"} and body["error"]["type"] == "invalid_request_error", name
         assert needle in body["error"]["message"], (name, body)
+
+
+def test_fuzzed_bodies_give_400_never_a_crash():
+    body = {"model": "m", "instructions": "sys", "stream": True, "store": False, "max_output_tokens": 100,
+            "temperature": 0.5, "top_p": 0.9, "include": ["reasoning.encrypted_content"], "parallel_tool_calls": True,
+            "reasoning": {"effort": "low"}, "tools": TOOLS, "tool_choice": {"type": "function", "name": "exec_command"},
+            "previous_response_id": None,
+            "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "d"}]},
+                      {"type": "message", "role": "user", "content": "hi"},
+                      {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}],
+                       "content": [{"type": "reasoning_text", "text": "r"}], "encrypted_content": "rolloutd:eA=="},
+                      {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+                      {"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": '{"cmd":"ls"}'},
+                      {"type": "custom_tool_call", "call_id": "c2", "name": "apply_patch", "input": PATCH},
+                      {"type": "local_shell_call", "call_id": "c3", "status": "completed",
+                       "action": {"type": "exec", "command": ["ls"], "timeout_ms": 5, "working_directory": "/"}},
+                      {"type": "function_call_output", "call_id": "c1", "output": "a"},
+                      {"type": "custom_tool_call_output", "call_id": "c2", "output": [{"type": "input_text",
+                                                                                      "text": "b"}]},
+                      {"type": "local_shell_call_output", "call_id": "c3", "output": "c"}]}
+    r = reply("x", CALLS, reasoning="y")
+    refused = fuzz(W.parse, lambda req: (W.response(r, req), W.stream_events(r, req),
+                                         W.conversation_items(req, r)), body)
+    assert 0 < refused < 400

@@ -102,3 +102,57 @@ def chat_msg(r: Reply):
 def same_turn(a, b) -> bool:
     """Two assistant Msgs the endpoint treats as the same turn: role, content (stripped), calls."""
     return (a.role, a.content.strip(), a.calls) == (b.role, b.content.strip(), b.calls)
+
+
+_ODD = [None, 0, -1, 1.5, True, "", "x", [], [None], {}, {"type": None}, {"type": "text"}, [{"type": "zzz"}],
+        "\udc80", 10 ** 30, float("nan")]
+
+
+def _paths(v, path=()):
+    yield path
+    if isinstance(v, dict):
+        for k, x in v.items():
+            yield from _paths(x, path + (k,))
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            yield from _paths(x, path + (i,))
+
+
+def mutations(body: dict, n: int, seed: int = 0):
+    """``n`` copies of ``body``, each with one node replaced by an odd JSON value or deleted (seeded)."""
+    import copy
+    import random
+
+    rng = random.Random(seed)
+    paths = [p for p in _paths(body) if p]
+    for _ in range(n):
+        b = copy.deepcopy(body)
+        p = rng.choice(paths)
+        parent = b
+        for k in p[:-1]:
+            parent = parent[k]
+        if isinstance(parent, dict) and rng.random() < 0.25:
+            del parent[p[-1]]
+        else:
+            parent[p[-1]] = copy.deepcopy(rng.choice(_ODD))
+        yield p, b
+
+
+def fuzz(parse, render, body: dict, n: int = 400) -> int:
+    """Every mutation of ``body`` is either parsed (and its reply rendered) or refused with a 400
+    EndpointError: never another exception. Returns how many were refused."""
+    refused = 0
+    for p, b in mutations(body, n):
+        try:
+            req = parse(b)
+        except EndpointError as e:
+            assert e.status == 400 and e.message, p
+            refused += 1
+            continue
+        except Exception as e:  # noqa: BLE001 - the point: a crash here would be a 500
+            raise AssertionError(f"mutation at {p} raised {type(e).__name__}: {e}") from e
+        try:
+            render(req)
+        except Exception as e:  # noqa: BLE001
+            raise AssertionError(f"rendering after the mutation at {p} raised {type(e).__name__}: {e}") from e
+    return refused
