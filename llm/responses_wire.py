@@ -358,12 +358,13 @@ def parse(body: Any, history: list | None = None) -> WireRequest:
             "reasoning": body.get("reasoning") if isinstance(body.get("reasoning"), dict) else None,
             "text": body.get("text") if isinstance(body.get("text"), dict) else {"format": {"type": "text"}}}
     try:  # the response object repeats these fields: a lone surrogate (valid JSON, not UTF-8) is refused now
-        dumps(echo)
+        tools_json = dumps(echo["tools"])  # kept: the stream repeats them three times
+        dumps({k: v for k, v in echo.items() if k != "tools"})
     except UnicodeEncodeError as e:
         raise bad(f"the body contains text that is not valid Unicode: {e.reason}") from None
     extras = {"input_items": all_items, "tool_kinds": kinds, "ignored_tools": ignored, "include": include,
               "store": echo["store"], "previous_response_id": prev, "parallel_tool_calls": echo["parallel_tool_calls"],
-              "reasoning": echo["reasoning"], "text": echo["text"], "echo": echo}
+              "reasoning": echo["reasoning"], "text": echo["text"], "echo": echo, "tools_json": tools_json}
     return WireRequest(messages=msgs, tools=tools, parse_calls=parse_calls, sampling=samp, stream=stream,
                        model=body.get("model") if isinstance(body.get("model"), str) else None,
                        tool_choice=choice, extras=extras)
@@ -473,7 +474,7 @@ def stream_events(r: Reply, req: WireRequest | None = None) -> list[bytes]:
     ``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``)."""
     seq = 0
     out: list[bytes] = []
-    tools_json = None
+    tools_json = req.extras.get("tools_json") if req is not None else None
 
     def ev(kind: str, **data: Any) -> None:
         nonlocal seq, tools_json
