@@ -4,7 +4,13 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-shuffled bench bench-smoke venv clean
+# The agent venv the harness handler mounts into sandboxes: mini-swe-agent, openai and aider-chat
+# from PyPI, the pinned npm harnesses (Claude Code, Codex, Gemini CLI, Qwen Code, OpenCode, Pi)
+# in $(AGENT_VENV)/node (docs/HARNESS.md, "Presets"). Under /var/tmp: the sandbox's uid (nobody
+# under root) must reach it. Reused while its pinned package lists match.
+AGENT_VENV ?= /var/tmp/rolloutd-agent-venv-$(shell id -u)
+
+.PHONY: demo test test-shuffled bench bench-smoke venv agent-venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,16 +25,19 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+agent-venv: $(STAMP)
+	$(BIN)/python -m rolloutd.handlers.harness_presets venv $(AGENT_VENV)
+
 demo: $(STAMP)
 	$(BIN)/rolloutd demo
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+test: $(STAMP) agent-venv
+	ROLLOUTD_TEST_AGENT_VENV=$(AGENT_VENV) $(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
 
 # The suite in a random order (pytest-random-order; modules and the tests inside them shuffled):
 # no test may depend on another's leftovers. The seed is printed; rerun one with RANDOM_SEED=N.
-test-shuffled: $(STAMP)
-	$(BIN)/python -m pytest -q tests -p random_order --random-order $(if $(RANDOM_SEED),--random-order-seed=$(RANDOM_SEED)) $(PYTEST_ARGS)
+test-shuffled: $(STAMP) agent-venv
+	ROLLOUTD_TEST_AGENT_VENV=$(AGENT_VENV) $(BIN)/python -m pytest -q tests -p random_order --random-order $(if $(RANDOM_SEED),--random-order-seed=$(RANDOM_SEED)) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"

@@ -101,7 +101,8 @@ def choose_runtime(want: str, console) -> str:
     return "local"
 
 
-def build_tasks(per_domain: int, domains: list[str], hf: bool) -> list[dict]:
+def build_tasks(per_domain: int, domains: list[str], hf: bool,
+                presets: tuple[str, ...] = ("mini-swe-agent",)) -> list[dict]:
     tasks: list[dict] = []
     limits = {"max_turns": 3, "max_context": 4096, "sampling": {"max_tokens": 96}} if hf else {}
     swe_ids: list[str] = []
@@ -122,9 +123,11 @@ def build_tasks(per_domain: int, domains: list[str], hf: bool) -> list[dict]:
                 if i >= HARNESS_JOBS:
                     continue
                 tid = swe_ids[i % len(swe_ids)]
-                tasks.append({"handler": d, "instance_id": f"harness/mini-swe-agent/{tid}", "instance": {
-                    "preset": "mini-swe-agent", "setup": {"domain": "swe", "instance": {"task_id": tid}},
-                    "limits": {"max_llm_calls": 3 if hf else 8, "wall_s": 120}}})
+                for preset in presets:  # --harness-presets: mini-swe-agent, claude-code, codex, ...
+                    tasks.append({"handler": d, "instance_id": f"harness/{preset}/{tid}", "instance": {
+                        "preset": preset, "setup": {"domain": "swe", "instance": {"task_id": tid}},
+                        "limits": {"max_llm_calls": 3 if hf else 8,
+                                   "wall_s": 120 if preset == "mini-swe-agent" else 600}}})
                 continue
             else:
                 tid = swe_ids[i % len(swe_ids)]
@@ -288,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--domains", default=",".join(DOMAINS),
                    help="comma-separated subset of math,code,swe,harness (harness: mini-swe-agent on swe tasks, "
                         "needs its venv: built with pip on first use)")
+    p.add_argument("--harness-presets", default="mini-swe-agent",
+                   help="comma-separated harness presets for the harness section (default mini-swe-agent; also "
+                        "claude-code, codex, gemini-cli, qwen-code, opencode, pi, aider: docs/HARNESS.md)")
     p.add_argument("--agent-venv", default=None,
                    help="the harness's agent venv (default: $ROLLOUTD_AGENT_VENV or /var/tmp/rolloutd-agent-venv-UID)")
     p.add_argument("--backend", choices=["scripted", "hf"], default="scripted",
@@ -410,7 +416,9 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
 
         policy = HarnessOracle(wrong_every=args.wrong_every)  # the domain oracle, and mini-swe-agent's
         policy.warm()
-        backend = children.add("scripted backend", ScriptedBackend(str(model_dir), policy=policy))
+        # The coding harnesses' system prompts and tool lists run to ~40K tokens of the tiny vocabulary.
+        backend = children.add("scripted backend",
+                               ScriptedBackend(str(model_dir), policy=policy, max_model_len=1 << 20))
         backend.start()
         url = backend.url
         backend_desc = f"oracle scripted backend (wrong_every={args.wrong_every}) at {url}"
@@ -420,7 +428,7 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
     from rolloutd.gateway.client import RolloutClient
     from rolloutd.gateway.records import to_jsonable
 
-    tasks = build_tasks(args.per_domain, domains, hf)
+    tasks = build_tasks(args.per_domain, domains, hf, harness_presets(args.harness_presets))
     results: list[dict] = []
     with RolloutClient(gateway, timeout_s=10.0) as client:
         client.add_backend(url, policy_version=0)
@@ -451,6 +459,16 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
     if missing_n:
         console.print(f"[red]{missing_n} jobs did not finish before the deadline[/]")
     return 0 if n_ok == len(ids) else 1
+
+
+def harness_presets(spec: str) -> tuple[str, ...]:
+    from rolloutd.handlers.harness_presets import PRESETS
+
+    names = tuple(p.strip() for p in spec.split(",") if p.strip())
+    bad = [p for p in names if p not in PRESETS]
+    if bad or not names:
+        raise DemoError(f"--harness-presets: unknown {bad or spec!r}; presets: {', '.join(sorted(PRESETS))}")
+    return names
 
 
 def harness_venv(args, console) -> str:
