@@ -33,6 +33,7 @@ DEFAULTS: dict = {
         "default_budget_s": 3600.0,
         "lease_timeout_s": 10.0,    # a job unseen in any heartbeat for this long is re-dispatched
         "daemon_dead_s": 5.0,       # a daemon silent this long is presumed dead
+        "daemon_hung_s": 30.0,      # ... unless its liveness thread says its loop is busy, for up to this lag
         "max_attempts": 3,
         "retention_s": 86400.0,     # un-acknowledged results of vanished clients are dropped after this
         "router_timeout_s": 5.0,

@@ -10,6 +10,7 @@ import asyncio
 import gc
 import os
 import signal
+import threading
 import time
 import traceback
 
@@ -33,6 +34,7 @@ class Daemon:
         self.sockets: Sockets | None = None
         self.events: Publisher | None = None
         self._stop_event: asyncio.Event | None = None
+        self._loop_beat = time.monotonic()  # when the loop last published a heartbeat
 
     # -- to override ------------------------------------------------------------------
     async def setup(self) -> None:
@@ -81,6 +83,8 @@ class Daemon:
         self.events = Publisher(self.sockets, self.name, self.node)
         rc = 0
         hb = None
+        alive_stop = threading.Event()
+        alive = None
         try:
             await self.setup()
             # Everything imported so far lives as long as the daemon: keep the collector off it
@@ -89,6 +93,9 @@ class Daemon:
             self.log.info("daemon_started", pid=os.getpid(), incarnation=self.incarnation)
             self.events.publish("daemon.started", incarnation=self.incarnation)
             hb = asyncio.create_task(self._heartbeats())
+            alive = threading.Thread(target=self._liveness, args=(Publisher(self.sockets, self.name, self.node),
+                                                                  alive_stop), name="liveness", daemon=True)
+            alive.start()
             await self.serve()
         except Exception as e:  # noqa: BLE001 - the death notice must go out whatever broke
             rc = 1
@@ -97,6 +104,9 @@ class Daemon:
         finally:
             if hb is not None:
                 hb.cancel()
+            alive_stop.set()
+            if alive is not None:
+                alive.join(5.0)
             try:
                 await self.teardown()
             except Exception as e:  # noqa: BLE001
@@ -108,9 +118,21 @@ class Daemon:
             self.sockets.close()
         return rc
 
+    def _liveness(self, pub: Publisher, stop: threading.Event):
+        """A thread apart from the loop, with its own PUB socket: while the loop's heartbeat is
+        late (the loop is busy: a long callback, a GIL-holding call), it publishes
+        ``daemon.busy`` with the loop's lag, so the gateway can tell a busy daemon from a dead
+        one (docs/RELIABILITY.md). A stopped or hung process sends nothing at all."""
+        period = float(self.dcfg["heartbeat_s"])
+        while not stop.wait(period):
+            lag = time.monotonic() - self._loop_beat
+            if lag > 2 * period:
+                pub.publish("daemon.busy", incarnation=self.incarnation, loop_lag_s=round(lag, 3))
+
     async def _heartbeats(self):
         period = float(self.dcfg["heartbeat_s"])
         while True:
+            self._loop_beat = time.monotonic()
             try:
                 self.events.publish("daemon.heartbeat", incarnation=self.incarnation,
                                     uptime_s=round(time.time() - self.started_at, 3), **self.heartbeat())

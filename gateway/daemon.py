@@ -544,6 +544,10 @@ class Gateway(Daemon):
                 # that no live holder lists after another round still comes back.
                 self._suspect_unlisted(who, f"{who}#{prev.get('incarnation')} stopped")
             self.held.pop(who, None)
+        elif topic == "daemon.busy":  # its liveness thread: alive, the loop late by loop_lag_s
+            hb = self.daemons.get(who)
+            if hb is not None and hb.get("incarnation") == body.get("incarnation"):
+                hb["busy_ts"], hb["loop_lag_s"] = body.get("ts"), body.get("loop_lag_s")
         elif topic == "daemon.abandoned":
             for jid, attempt in body.get("jobs", ()):
                 self._redispatch(jid, attempt, f"abandoned by {who} at its drain deadline")
@@ -672,7 +676,7 @@ class Gateway(Daemon):
                 rec.last_seen = max(rec.last_seen, now)
         silent = []
         for who, hb in list(self.daemons.items()):
-            if wall - hb.get("ts", wall) > dead_s:
+            if wall - hb.get("ts", wall) > dead_s and not self._busy(who, wall):
                 self.daemons.pop(who)
                 self.hb_seen.pop(who, None)
                 self.log.warning("daemon_presumed_dead", daemon=who, silent_s=round(wall - hb.get("ts", wall), 1))
@@ -687,6 +691,23 @@ class Gateway(Daemon):
         if self._commit():
             self._flush_replies()
 
+    def _busy(self, who: str, wall: float) -> bool:
+        """A holder whose loop is late but whose liveness thread still reports (``daemon.busy``
+        within ``daemon_dead_s``, lag under ``daemon_hung_s``) is busy, not dead: it keeps its
+        jobs (one job's load must not cost every job on the node an attempt)."""
+        hb = self.daemons.get(who)
+        if hb is None or not isinstance(hb.get("busy_ts"), (int, float)):
+            return False
+        lag = hb.get("loop_lag_s")
+        if wall - hb["busy_ts"] > float(self.gcfg["daemon_dead_s"]) or not isinstance(lag, (int, float)):
+            return False
+        if lag < float(self.gcfg["daemon_hung_s"]):
+            if not hb.get("busy_logged"):
+                hb["busy_logged"] = True
+                self.log.warning("daemon_busy", daemon=who, loop_lag_s=lag)
+            return True
+        return False
+
     def _sweep_leases(self, now: float):
         """Re-dispatch jobs unseen for ``lease_timeout_s``. A job listed by a holder whose heartbeats
         are complete and current is renewed by each of them without being touched (heartbeats that
@@ -695,8 +716,10 @@ class Gateway(Daemon):
         whole table each second was 12% of the gateway at 1,000 nodes, docs/SCALING.md.)"""
         lease = float(self.gcfg["lease_timeout_s"])
         hb_seen, unvouched = self.hb_seen, self.table.unvouched
+        wall = time.time()
         for who, t in self.held.items():
-            if t.valid and now - hb_seen.get(who, 0.0) > lease:  # no complete heartbeat for a whole lease
+            if t.valid and now - hb_seen.get(who, 0.0) > lease and not self._busy(who, wall):  # no complete
+                # heartbeat for a whole lease (a busy holder keeps its jobs until daemon_hung_s)
                 self._unvouch(f"{who}#{t.incarnation}", t.jobs.items(), hb_seen.get(who, 0.0))
         jobs = self.table.jobs
         for jid in list(unvouched):
@@ -708,7 +731,7 @@ class Gateway(Daemon):
             t = self.held.get(who)
             if t is not None and t.valid and t.incarnation == inc and t.jobs.get(jid) == rec.attempt:
                 seen = hb_seen.get(who, 0.0)
-                if now - seen <= lease:
+                if now - seen <= lease or self._busy(who, wall):
                     unvouched.discard(jid)  # a current holder lists it: its heartbeats renew it
                     continue
                 rec.last_seen = max(rec.last_seen, seen)

@@ -39,10 +39,12 @@ request's messages. docs/HARNESS.md says what a trainer does with segments.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -73,11 +75,12 @@ from .openai_wire import (
     parse_tool_choice,
     parse_tools,
 )
-from .toolparse import get_parser
+from .toolparse import CallIds, get_parser, parse_reply, parser_name_for
 
 log = structlog.get_logger("rolloutd.llm")
 
-__all__ = ["EndpointError", "EndpointLimits", "EndpointServer", "EndpointSession", "make_app", "serve"]
+__all__ = ["EndpointBounds", "EndpointError", "EndpointLimits", "EndpointServer", "EndpointSession", "make_app",
+           "max_bytes_per_token", "serve"]
 
 GenerateFn = Callable[[Any, SamplingParams], Awaitable[tuple[Generation, str, int]]]
 
@@ -91,6 +94,69 @@ class EndpointLimits:
     max_tokens: int = 1024  # per request, when the request names none (capped by the context left)
     deadline: float | None = None
     max_aborts: int = 3  # server-side aborts (weight swaps) continued within one request
+    max_cpu_s: float = 300.0  # CPU the endpoint may spend preparing this job's requests, all calls together
+
+
+@dataclass(slots=True)
+class EndpointBounds:
+    """What one job's HTTP traffic may cost the run daemon (docs/HARNESS.md, "Bounds").
+
+    The body bound itself is per session (:meth:`EndpointSession.max_body`): it derives from
+    the job's context window and the tokenizer's longest token."""
+
+    max_header_bytes: int = 64 * 1024  # request line + headers (h11's max incomplete event size): 400
+    max_headers: int = 100  # header fields: 431
+    request_timeout_s: float = 30.0  # a request (headers and body) not complete this long after its first byte: 408
+    send_timeout_s: float = 60.0  # a reply the client does not take in this long: the connection is closed
+    max_connections: int = 64  # open connections per job: more are answered 503 and closed
+    max_inflight: int = 16  # requests being handled per job: more get 429
+    max_depth: int = 400  # JSON nesting: deeper bodies get 400
+    json_overhead: int = 64 * 1024  # body bytes allowed beyond the content bound (JSON structure, sampling fields)
+    json_expansion: int = 6  # body bytes per content byte at most (\u00XX escapes)
+
+
+# Endpoint requests are parsed, rendered and tokenized here, never on the run daemon's loop:
+# the tokenizer releases the GIL for long texts (tokenizer_utils.FastEncoder), so a job's big
+# request costs a thread, not every job's latency. One thread per job at a time (_Session.work).
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="endpoint")
+_MBPT: dict[int, tuple[Any, int]] = {}
+_MBPT_LOCK = threading.Lock()
+
+
+def max_bytes_per_token(tokenizer: Any) -> int:
+    """The most UTF-8 bytes one token of ``tokenizer`` decodes to (control tokens included;
+    a lone byte of a multi-byte character counts as its 3-byte replacement: an upper bound).
+    Cached per tokenizer object; ~0.5 s for a 150k vocabulary, so call it off the loop."""
+    hit = _MBPT.get(id(tokenizer))
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    with _MBPT_LOCK:
+        hit = _MBPT.get(id(tokenizer))
+        if hit is not None and hit[0] is tokenizer:
+            return hit[1]
+        b = getattr(tokenizer, "backend_tokenizer", None)
+        if b is not None:
+            n = b.get_vocab_size(with_added_tokens=True)
+            texts = b.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+        else:
+            texts = [tokenizer.decode([i], skip_special_tokens=False) for i in range(len(tokenizer))]
+        m = max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=1)
+        _MBPT[id(tokenizer)] = (tokenizer, max(1, m))
+        return max(1, m)
+
+
+def _nesting_ok(obj: Any, limit: int) -> bool:
+    """No container of ``obj`` deeper than ``limit`` (iterative: deep input must not recurse)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if d > limit:
+            return False
+        if type(o) is dict:
+            stack.extend((v, d + 1) for v in o.values() if type(v) in (dict, list))
+        elif type(o) is list:
+            stack.extend((v, d + 1) for v in o if type(v) in (dict, list))
+    return True
 
 
 @dataclass(slots=True, eq=False)
@@ -152,12 +218,14 @@ class _Segment:
 class EndpointSession:
     """One job's endpoint: its segments, limits and the backend call in flight."""
 
-    def __init__(self, generate: GenerateFn, tokenizer: Any, *, parser: str = "hermes", model: str = "rolloutd",
+    def __init__(self, generate: GenerateFn, tokenizer: Any, *, parser: str | None = None, model: str = "rolloutd",
                  limits: EndpointLimits | None = None, api_key: str | None = None,
                  parser_options: dict | None = None, conv_options: dict | None = None) -> None:
         self.generate = generate
         self.tokenizer = tokenizer
-        self.parser = get_parser(parser, **(parser_options or {}))
+        # no parser named: the tokenizer's model family's, else hermes
+        self.parser = get_parser(parser_name_for(tokenizer, parser), **(parser_options or {}))
+        self.call_ids = CallIds(tokenizer)  # the model's call ids <-> the agent's
         self.model = model
         self.limits = limits or EndpointLimits()
         self.api_key = api_key
@@ -175,6 +243,66 @@ class EndpointSession:
         self._call_ids = itertools.count()
         self._decode_cache: dict[int, str] = {}
         self._prev_msgs: tuple[list, list[Msg]] | None = None
+        self.bounds = EndpointBounds()
+        self._work = asyncio.Semaphore(1)  # this job's share of the endpoint threads: one at a time
+        self._mbpt: int | None = None
+        self.metrics["endpoint_cpu_s"] = 0.0
+
+    # -- bounds ----------------------------------------------------------------------------
+    async def _offload(self, fn, *args):
+        """Run ``fn(*args)`` in an endpoint thread, one at a time per job; its CPU time is
+        counted against ``limits.max_cpu_s``."""
+        def timed():
+            t0 = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                self.metrics["endpoint_cpu_s"] += time.thread_time() - t0
+
+        async with self._work:
+            return await asyncio.get_running_loop().run_in_executor(_POOL, timed)
+
+    async def max_body(self) -> int:
+        """The largest body this job may send: one whose content could still fit its context
+        window, ``max_context x max bytes per token x json_expansion + json_overhead``."""
+        if self._mbpt is None:
+            self._mbpt = await asyncio.get_running_loop().run_in_executor(_POOL, max_bytes_per_token, self.tokenizer)
+        b = self.bounds
+        return self.limits.max_context * self._mbpt * b.json_expansion + b.json_overhead
+
+    def _load(self, raw: bytes | dict) -> dict:
+        """The JSON body (bounded nesting) as a dict; runs in an endpoint thread."""
+        if isinstance(raw, dict):
+            return raw
+        depth = self.bounds.max_depth
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            body = None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad(f"the body is not valid JSON: {e}") from None
+        if body is None or not _nesting_ok(body, depth):
+            raise bad(f"the body is nested deeper than {depth} levels")
+        if not isinstance(body, dict):
+            raise bad("the body must be a JSON object")
+        return body
+
+    def _prepare_chat(self, raw: bytes | dict):
+        """Parse and check a chat request, the cheap refusals first; runs in an endpoint thread."""
+        body = self._load(raw)
+        msgs_raw = body.get("messages")
+        if isinstance(msgs_raw, list) and len(msgs_raw) > self.limits.max_context:
+            raise bad(f"{len(msgs_raw)} messages cannot fit this job's context window of {self.limits.max_context} "
+                      "tokens", "messages", "context_length_exceeded")
+        msgs = parse_messages(msgs_raw, self._prev_msgs)
+        self._prev_msgs = (msgs_raw, msgs)
+        # A token is at most max_bytes_per_token bytes, a character at least one byte.
+        chars = sum(len(m.content) for m in msgs)
+        if self._mbpt is not None and chars > self._mbpt * self.limits.max_context:
+            raise bad(f"the messages hold {chars} characters; no tokenization of them fits this job's context "
+                      f"window of {self.limits.max_context} tokens", "messages", "context_length_exceeded")
+        tools = parse_tools(body.get("tools"))
+        return body, msgs, tools, parse_tool_choice(body.get("tool_choice"), tools), parse_sampling(body)
 
     # -- admission -------------------------------------------------------------------------
     def cancel(self, reason: str = "cancelled") -> None:
@@ -211,21 +339,26 @@ class EndpointSession:
         if cap is not None and self.metrics["llm_calls"] >= cap:
             raise self._refuse(EndpointError(429, f"this job's budget of {cap} LLM calls is spent",
                                              type="insufficient_quota", code="insufficient_quota", retry=False))
+        if self.metrics["endpoint_cpu_s"] > self.limits.max_cpu_s:
+            raise self._refuse(EndpointError(429, f"this job's requests used more than {self.limits.max_cpu_s:g} s "
+                                             "of the endpoint's CPU", type="insufficient_quota",
+                                             code="cpu_budget_exhausted", retry=False))
 
     # -- chat ------------------------------------------------------------------------------
-    async def chat(self, body: dict) -> Reply:
-        """One ``/v1/chat/completions`` request. Raises :class:`EndpointError`."""
+    async def chat(self, body: dict | bytes) -> Reply:
+        """One ``/v1/chat/completions`` request (the body as bytes or parsed). Raises
+        :class:`EndpointError`. Parsing, rendering and tokenization run in an endpoint thread."""
+        return (await self._chat(body))[0]
+
+    async def _chat(self, body: dict | bytes) -> tuple[Reply, dict]:
         self._admit()
-        raw = body.get("messages")
-        msgs = parse_messages(raw, self._prev_msgs)
-        self._prev_msgs = (raw, msgs)
-        tools = parse_tools(body.get("tools"))
-        parse_calls = parse_tool_choice(body.get("tool_choice"), tools)
-        samp = parse_sampling(body)
+        if self._mbpt is None:
+            await self.max_body()
+        body, msgs, tools, parse_calls, samp = await self._offload(self._prepare_chat, body)
         async with self._lock:
             self._admit()
             self.metrics["llm_calls"] += 1
-            seg = self._place(msgs, tools)
+            seg = await self._offload(self._place, msgs, tools)
             n_turns, n_ctx = seg.conv.num_turns, seg.conv.num_tokens
             try:
                 ids, lps, finish, text = await self._sample(seg.conv, samp)
@@ -233,40 +366,25 @@ class EndpointSession:
                 if seg.conv.num_turns > n_turns:  # a partial (aborted) reply is in it: never extend it again
                     seg.closed = True
                 raise
-            return self._chat_reply(seg, n_ctx, ids, lps, finish, text, parse_calls, bool(body.get("logprobs")))
+            return self._chat_reply(seg, n_ctx, ids, lps, finish, text, parse_calls, bool(body.get("logprobs"))), body
 
     def _chat_reply(self, seg: _Segment, n_ctx: int, ids: list[int], lps: list[float], finish: str, text: str,
                     parse_calls: bool, want_lp: bool) -> Reply:
-        content, reasoning, tool_calls, calls = text, None, [], ()
-        if parse_calls:
-            # A parser that reads control tokens (harmony, Mistral) gets the ids decoded with them
-            # kept, as in the built-in agent loop; it should then also set ParseResult.content.
-            skip = getattr(self.parser, "skip_special_tokens", True)
-            res = self.parser.parse(text if skip else self.tokenizer.decode(ids, skip_special_tokens=False))
-            if res.errors:  # a malformed call stays in the content as text (vLLM does the same)
-                self.metrics["malformed_tool_calls"] += len(res.errors)
-            if res.calls:
-                n = next(self._call_ids)
-                tool_calls = [{"id": f"call_{n}_{k}", "type": "function",
-                               "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-                              for k, c in enumerate(res.calls)]
-                calls = tuple((c.name, canon_args(c.arguments)) for c in res.calls)
-                content = getattr(res, "content", None)
-                if content is None:  # the text around the calls
-                    content = text
-                    for c in res.calls:
-                        content = content.replace(c.raw, "", 1) if c.raw else content
-                    content = content.strip()
-            elif getattr(res, "content", None) is not None:  # e.g. reasoning split off by the parser
-                content = res.content
-            reasoning = getattr(res, "reasoning", None)
+        # from the sampled ids with this tokenizer, never the backend's text (llm/toolparse.py)
+        res, tool_calls = parse_reply(ids, self.tokenizer, self.parser, seg.tools, call_ids=self.call_ids,
+                                      parse_calls=parse_calls)
+        text, content, reasoning, calls = res.text or "", res.content, res.reasoning, ()
+        if parse_calls and res.errors:  # a malformed call is not returned as a call (vLLM does the same)
+            self.metrics["malformed_tool_calls"] += len(res.errors)
+        if tool_calls:
+            calls = tuple((c.name, canon_args(c.arguments)) for c in res.calls)
         if finish == "stop" and tool_calls:
             finish = "tool_calls"
         gen = _Gen(content=content or "", raw=text, calls=calls, n_tokens=len(ids))
         seg.entries.append(gen)
         self._gens.append(gen)
-        return Reply(id=f"chatcmpl-{uuid.uuid4().hex}", model=self.model, content=content if content or not tool_calls
-                     else None, tool_calls=tool_calls, reasoning=reasoning, finish_reason=finish,
+        return Reply(id=f"chatcmpl-{uuid.uuid4().hex}", model=self.model, content=content or None,
+                     tool_calls=tool_calls, reasoning=reasoning, finish_reason=finish,
                      prompt_tokens=n_ctx, completion_tokens=len(ids), token_ids=ids,
                      logprobs=lps, token_strs=self._token_strs(ids) if want_lp else None)
 
@@ -283,7 +401,7 @@ class EndpointSession:
                     return seg
                 if tail and not conv.awaiting_generation:
                     try:
-                        conv.add_messages([m.template_dict() for m in tail])
+                        conv.add_messages(self.call_ids.prepare([m.template_dict() for m in tail]))
                     except ContextOverflow as e:
                         raise bad(str(e), "messages", "context_length_exceeded") from None
                     except Exception as e:  # noqa: BLE001 - the template refused them (e.g. raise_exception on role order)
@@ -299,7 +417,7 @@ class EndpointSession:
 
     def _new_segment(self, msgs: list[Msg], tools: list | None) -> _Segment:
         try:
-            conv = Conversation(self.tokenizer, [m.template_dict() for m in msgs], tools,
+            conv = Conversation(self.tokenizer, self.call_ids.prepare([m.template_dict() for m in msgs]), tools,
                                 self.limits.max_context, **self.conv_options)
         except Exception as e:  # noqa: BLE001 - TemplateError, or the template's own raise_exception
             raise bad(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
@@ -338,7 +456,7 @@ class EndpointSession:
                 finish = "length"
                 break
             g, backend, pv = await self._call(conv.context_ids, samp.params(max_new))
-            text = g.text if g.text is not None else self._decode(g.token_ids)
+            text = self._decode(g.token_ids)  # from the ids, never the backend's text
             if samp.stop:
                 text = self._apply_stop(g, text, samp.stop, "".join(texts))
             capped = max_new < want - len(ids) and g.finish_reason == "length" and len(g.token_ids) >= max_new
@@ -437,19 +555,36 @@ class EndpointSession:
         return out
 
     # -- completions -----------------------------------------------------------------------
-    async def complete(self, body: dict) -> tuple[Reply, str]:
-        """One ``/v1/completions`` request: a text or token-id prompt, recorded as its own segment."""
-        self._admit()
+    def _prepare_completion(self, raw: bytes | dict):
+        body = self._load(raw)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt)["input_ids"])
+            if self._mbpt is not None and len(prompt) > self._mbpt * self.limits.max_context:
+                raise bad(f"the prompt holds {len(prompt)} characters; no tokenization of them fits this job's "
+                          f"context window of {self.limits.max_context} tokens", "prompt", "context_length_exceeded")
+            b = getattr(self.tokenizer, "backend_tokenizer", None)
+            if b is not None:  # the batch call releases the GIL (what tokenizer(prompt) gives, same ids)
+                ids = list(b.encode_batch([prompt], add_special_tokens=True)[0].ids)
+            else:
+                ids = list(self.tokenizer(prompt)["input_ids"])
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = [int(t) for t in prompt]
         else:
             raise bad("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
-        samp = parse_sampling(body)
+        return body, ids, parse_sampling(body)
+
+    async def complete(self, body: dict | bytes) -> tuple[Reply, str]:
+        """One ``/v1/completions`` request: a text or token-id prompt, recorded as its own segment."""
+        r, text, _ = await self._complete(body)
+        return r, text
+
+    async def _complete(self, body: dict | bytes) -> tuple[Reply, str, dict]:
+        self._admit()
+        if self._mbpt is None:
+            await self.max_body()
+        body, ids, samp = await self._offload(self._prepare_completion, body)
         want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
         async with self._lock:
             self._admit()
@@ -460,7 +595,7 @@ class EndpointSession:
             self.metrics["llm_calls"] += 1
             want = samp.max_tokens if samp.max_tokens is not None else min(16, self.limits.max_tokens)
             g, backend, pv = await self._call(np.asarray(ids, dtype=np.int32), samp.params(min(want, room)))
-            text = g.text if g.text is not None else self._decode(g.token_ids)
+            text = self._decode(g.token_ids)  # from the ids, never the backend's text
             if samp.stop:
                 text = self._apply_stop(g, text, samp.stop, "")
             out = np.asarray(g.token_ids, dtype=np.int32).reshape(-1)
@@ -481,7 +616,7 @@ class EndpointSession:
                           reasoning=None, finish_reason=fr, prompt_tokens=len(ids), completion_tokens=len(ids_out),
                           token_ids=ids_out, logprobs=lps_out,
                           token_strs=self._token_strs(ids_out) if want_lp else None)
-            return reply, text
+            return reply, text, body
 
     # -- result ----------------------------------------------------------------------------
     def trajectory(self) -> dict:
@@ -519,45 +654,71 @@ _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
-async def _read_body(receive, limit: int) -> bytes:
+_GATE_CODES = ("request_too_large", "too_many_requests", "too_many_bytes_in_flight", "request_header_fields_too_large")
+
+
+class _Gate:
+    """One job's requests in flight and the body bytes they hold (EndpointBounds)."""
+
+    __slots__ = ("bytes", "inflight")
+
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.bytes = 0
+
+
+async def _read_body(receive, limit: int, gate: _Gate, budget: int) -> bytes:
+    """The body, refused (413) past ``limit``, or when this job's bodies in flight would pass
+    ``budget``; the bytes stay counted in ``gate.bytes`` until the caller releases them."""
     chunks: list[bytes] = []
-    size = 0
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
             raise ConnectionResetError("client went away")
         chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise EndpointError(413, f"request body larger than {limit} bytes", code="request_too_large")
+        gate.bytes += len(chunk)
         chunks.append(chunk)
+        size = sum(map(len, chunks))
+        if size > limit:
+            raise EndpointError(413, f"request body larger than {limit} bytes, more than any content that fits "
+                                     "this job's context window", code="request_too_large", retry=False)
+        if gate.bytes > budget:
+            raise EndpointError(429, f"this job's requests in flight hold more than {budget} bytes",
+                                type="rate_limit_exceeded", code="too_many_bytes_in_flight")
         if not msg.get("more_body"):
             return b"".join(chunks)
 
 
-def _json_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad(f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad("the body must be a JSON object")
-    return body
+def _content_length(scope) -> int | None:
+    for k, v in scope.get("headers", ()):
+        if k == b"content-length":
+            try:
+                return int(v)
+            except ValueError:
+                return None
+    return None
 
 
-def make_app(session: EndpointSession, *, max_body: int = MAX_BODY):
-    """A raw ASGI 3 app serving ``session`` (no framework: three routes)."""
+def make_app(session: EndpointSession, *, max_body: int = MAX_BODY, bounds: EndpointBounds | None = None):
+    """A raw ASGI 3 app serving ``session`` (no framework: a few routes). Request bodies are
+    bounded by ``session.max_body()`` (and ``max_body``), parsed off the loop by the session."""
+    b = session.bounds = bounds or session.bounds
+    gate = _Gate()
+
+    async def timed_send(send, msg) -> None:
+        # A client that never takes its reply must not hold the request (and its job's slot) forever.
+        await asyncio.wait_for(send(msg), b.send_timeout_s)
 
     async def send_json(send, status: int, payload: bytes, extra: list | None = None) -> None:
         headers = _JSON + [(b"content-length", str(len(payload)).encode())] + (extra or [])
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
+        await timed_send(send, {"type": "http.response.start", "status": status, "headers": headers})
+        await timed_send(send, {"type": "http.response.body", "body": payload})
 
     async def send_sse(send, chunks: list[bytes]) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+        await timed_send(send, {"type": "http.response.start", "status": 200, "headers": _SSE})
         for c in chunks:
-            await send({"type": "http.response.body", "body": c, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
+            await timed_send(send, {"type": "http.response.body", "body": c, "more_body": True})
+        await timed_send(send, {"type": "http.response.body", "body": b""})
 
     def authorized(scope) -> bool:
         if not session.api_key:
@@ -582,7 +743,13 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY):
         if path.startswith("/v1/"):
             path = path[3:]
         method = scope["method"]
+        held = 0
         try:
+            if scope.get("http_version") not in ("1.0", "1.1"):  # h11 parses any HTTP/x.y
+                raise EndpointError(505, f"HTTP/{scope.get('http_version')} is not supported: HTTP/1.1 or 1.0",
+                                    code="http_version_not_supported")
+            if len(scope.get("headers", ())) > b.max_headers:
+                raise EndpointError(431, f"more than {b.max_headers} header fields", code="request_header_fields_too_large")
             if path == "/health":
                 await send_json(send, 200, b"{}")
                 return
@@ -594,27 +761,52 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY):
             if path in ("/chat/completions", "/completions"):
                 if method != "POST":
                     raise EndpointError(405, f"{method} {scope['path']}: use POST")
-                body = _json_body(await _read_body(receive, max_body))
-                stream = bool(body.get("stream"))
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                if path == "/chat/completions":
-                    r = await session.chat(body)
-                    if stream:
-                        await send_sse(send, chat_chunks(r, include_usage))
+                limit = min(max_body, await session.max_body())
+                cl = _content_length(scope)
+                if cl is not None and cl > limit:  # refused before a byte of it is read
+                    raise EndpointError(413, f"request body of {cl} bytes; this job's bound is {limit} bytes, more "
+                                             "than any content that fits its context window", code="request_too_large",
+                                        retry=False)
+                if gate.inflight >= b.max_inflight:
+                    raise EndpointError(429, f"this job already has {gate.inflight} requests in flight",
+                                        type="rate_limit_exceeded", code="too_many_requests")
+                gate.inflight += 1
+                try:
+                    before = gate.bytes
+                    try:
+                        raw = await _read_body(receive, limit, gate, 2 * limit)
+                    finally:
+                        held = gate.bytes - before
+                    if path == "/chat/completions":
+                        r, body = await session._chat(raw)
+                        del raw
+                        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                        if body.get("stream"):
+                            await send_sse(send, chat_chunks(r, include_usage))
+                        else:
+                            await send_json(send, 200, dumps(chat_response(r)))
                     else:
-                        await send_json(send, 200, dumps(chat_response(r)))
-                else:
-                    r, text = await session.complete(body)
-                    if stream:
-                        await send_sse(send, completion_chunks(r, text, include_usage))
-                    else:
-                        await send_json(send, 200, dumps(completion_response(r, text)))
+                        r, text, body = await session._complete(raw)
+                        del raw
+                        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                        if body.get("stream"):
+                            await send_sse(send, completion_chunks(r, text, include_usage))
+                        else:
+                            await send_json(send, 200, dumps(completion_response(r, text)))
+                finally:
+                    gate.inflight -= 1
+                    gate.bytes -= held
+                    held = 0
                 return
             raise EndpointError(404, f"no route {method} {scope['path']}", code="not_found")
         except EndpointError as e:
+            if e.code in _GATE_CODES:
+                session._refuse(e)
             extra = [] if e.retry is None else [(b"x-should-retry", b"true" if e.retry else b"false")]
+            if e.status in (413, 431, 505):  # the rest of the request is not read: the connection cannot be reused
+                extra.append((b"connection", b"close"))
             await send_json(send, e.status, e.body(), extra)
-        except ConnectionResetError:
+        except (ConnectionResetError, asyncio.TimeoutError):
             return
         except Exception as e:  # a bug here must not take the job's server down with it
             log.exception("endpoint_request_crashed", path=scope["path"])
@@ -663,15 +855,83 @@ class EndpointServer:
                 os.unlink(self.uds)
 
 
-async def serve(app, *, uds: str | None = None, host: str | None = None, port: int = 0) -> EndpointServer:
+_protocol_class = None
+
+
+def _bounded_protocol():
+    """uvicorn's h11 protocol with the bounds uvicorn lacks: a per-server connection cap and a
+    deadline for a whole request. h11 (not httptools) because it already refuses what
+    httptools lets through: a request line plus headers over ``h11_max_incomplete_event_size``
+    (httptools took a 2 MiB header line) and HTTP/0.9 or unknown versions (400)."""
+    global _protocol_class
+    if _protocol_class is not None:
+        return _protocol_class
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class BoundedH11Protocol(H11Protocol):
+        _timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            bounds = self.config.rolloutd_bounds
+            if len(self.connections) > bounds.max_connections:
+                body = EndpointError(503, f"more than {bounds.max_connections} open connections to this job's "
+                                          "endpoint", type="service_unavailable", code="too_many_connections").body()
+                transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                                b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                transport.close()
+                return
+            self._arm()
+
+        def _arm(self) -> None:
+            self._timer = self.loop.call_later(self.config.rolloutd_bounds.request_timeout_s, self._too_slow)
+
+        def _too_slow(self) -> None:
+            self._timer = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
+                body = EndpointError(408, "the request did not arrive completely in "
+                                          f"{self.config.rolloutd_bounds.request_timeout_s:g} s",
+                                     code="request_timeout").body()
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                     b"connection: close\r\ncontent-length: " + str(len(body)).encode()
+                                     + b"\r\n\r\n" + body)
+            self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._timer is None and self.conn.their_state is h11.IDLE:
+                self._arm()  # the first byte of the next request on a kept-alive connection
+            super().data_received(data)
+            if self._timer is not None and self.conn.their_state is not h11.IDLE \
+                    and self.conn.their_state is not h11.SEND_BODY:
+                self._timer.cancel()  # the whole request is in
+                self._timer = None
+
+        def connection_lost(self, exc) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            super().connection_lost(exc)
+
+    _protocol_class = BoundedH11Protocol
+    return _protocol_class
+
+
+async def serve(app, *, uds: str | None = None, host: str | None = None, port: int = 0,
+                bounds: EndpointBounds | None = None) -> EndpointServer:
     """Start uvicorn for ``app`` on ``uds`` (a Unix socket path) or ``host:port`` (port 0: any free one)."""
     if (uds is None) == (host is None):
         raise ValueError("serve: give exactly one of uds= or host=")
     import uvicorn
 
+    bounds = bounds or EndpointBounds()
     config = uvicorn.Config(app, uds=uds, host=host or "127.0.0.1", port=port, log_config=None, access_log=False,
                             lifespan="off", ws="none", timeout_graceful_shutdown=2, server_header=False,
-                            date_header=False)
+                            date_header=False, http=_bounded_protocol(),
+                            h11_max_incomplete_event_size=bounds.max_header_bytes)
+    config.rolloutd_bounds = bounds
     config.load()
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)
