@@ -425,7 +425,7 @@ class HarnessHandler(AgentHandler):
         await asyncio.to_thread(importlib.import_module, "uvicorn")
         api_key = "rolloutd-" + secrets.token_hex(16)
         ctx.capture_tokens = False  # the endpoint's trajectory (segments, stop cuts) is copied on every path below
-        session = EndpointSession(ctx.llm, tok, parser=h["parser"] or self.config.get("parser", "hermes"),
+        session = EndpointSession(ctx.llm, tok, parser=h["parser"] or self.config.get("parser"),
                                   model=str(self.config.get("model_name", "rolloutd")),
                                   limits=self.endpoint_limits(ctx, h), api_key=api_key)
         sock = os.path.join(os.path.dirname(sb["tool_socket"]), LLM_SOCKET)
