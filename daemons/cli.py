@@ -89,7 +89,8 @@ def cmd_submit(args) -> int:
                 return 2
             tasks.append(t)
     counts: dict[str, int] = {}
-    with _client(args) as c, open(args.out, "w") as out:
+    # Line-buffered: each result is on disk as it arrives (`rolloutd view --serve` follows the file).
+    with _client(args) as c, open(args.out, "w", buffering=1) as out:
         ids = c.submit(tasks, n=args.n)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       transient=False, disable=args.quiet) as prog:
@@ -99,6 +100,8 @@ def cmd_submit(args) -> int:
                 counts[r["status"]] = counts.get(r["status"], 0) + 1
                 prog.update(bar, advance=1, description=" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
     print(json.dumps({"jobs": len(ids), "by_status": counts, "out": args.out}))
+    if not args.quiet:
+        print(f"see them in a browser: rolloutd view {args.out} --tokenizer <the model's tokenizer dir>", file=sys.stderr)
     return 0
 
 
@@ -137,6 +140,7 @@ TOOLS = {
     "exporter": ("rolloutd.daemons.exporter", "Prometheus exporter fed by the events stream"),
     "keys": ("rolloutd.daemons.keys", "CURVE keys for tcp deployments"),
     "demo": ("rolloutd.daemons.demo", "the whole system on the embedded default, with a mixed batch of tasks"),
+    "view": ("rolloutd.daemons.viewer", "a trajectory viewer: results JSONL -> one self-contained HTML page (or --serve)"),
 }
 
 

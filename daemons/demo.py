@@ -454,6 +454,7 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
     console.print(f"{len(results)} jobs in {t_done - t_ready:.1f}s after the system was up "
                   f"({t_done - t_start:.1f}s in all); {n_ok} ok.")
     console.print(f"trajectories (JSONL, one result per line): [bold]{out_path}[/]")
+    console.print(f"see them in a browser: [bold]rolloutd view {out_path} --tokenizer {model_dir}[/]", soft_wrap=True)
     console.print(f"logs: {up_log}, {demo_log}")
     missing_n = len(ids) - len(results)
     if missing_n:

@@ -53,3 +53,13 @@ def test_demo_runs_the_mixed_batch(tmp_path, domain_entry_points, need_bwrap, sw
     # nothing the demo started survives it (found by the tag in their environment)
     left = tagged_pids(tag)
     assert not left, left
+    # the demo says how to view what it wrote, and that command works on it (tests/viewer: the page)
+    flat = " ".join(p.stdout.split())
+    cmd = flat[flat.index("rolloutd view "):].split()[:5]
+    assert cmd[:3] == ["rolloutd", "view", str(out)] and cmd[3] == "--tokenizer", cmd
+    html = tmp_path / "traj.html"
+    v = subprocess.run([sys.executable, "-m", "rolloutd.daemons.cli", *cmd[1:], "--out", str(html)], cwd=REPO,
+                       capture_output=True, text=True, timeout=240)
+    assert v.returncode == 0, v.stderr
+    assert json.loads(v.stdout) == {"out": str(html), "jobs": 6, "by_status": {"ok": 6}}
+    assert f"tokenizer {cmd[4]}" in v.stderr
