@@ -239,3 +239,35 @@ def test_preset_solves_swe_with_its_own_tools(preset, request, preset_backend, r
     assert right["reward"] == 1.0 and right["eval_details"]["resolved"] is True, right["eval_details"]
     assert wrong["reward"] == 0.0 and wrong["eval_details"]["resolved"] is False, wrong["eval_details"]
     assert right["eval_details"]["patch"] and wrong["eval_details"]["patch"]  # both edited the repository
+
+
+def test_demo_runs_the_claude_code_and_codex_presets(tmp_path, request):
+    """``rolloutd demo --domains harness --harness-presets claude-code,codex`` (issue 25 item 7), in a
+    child process like a user runs it: both presets solve the first swe task (reward 1)."""
+    import subprocess
+    import sys
+    import uuid
+
+    from tests.conftest import require_bwrap, tagged_pids
+
+    need = [m for m in (missing_route("claude-code"), missing_route("codex")) if m]
+    if need:
+        msg = f"the endpoint does not serve {', '.join(need)}, which the demo's claude-code and codex presets need"
+        if os.environ.get("ROLLOUTD_TEST_STRICT") == "1":
+            pytest.fail("ROLLOUTD_TEST_STRICT=1: " + msg)
+        pytest.skip(msg)
+    require_bwrap()
+    agent_venv = request.getfixturevalue("agent_venv")
+    request.getfixturevalue("swe_built")
+    out = tmp_path / "traj.jsonl"
+    tag = f"presets-demo-{uuid.uuid4().hex}"
+    p = subprocess.run([sys.executable, "-m", "rolloutd.daemons.cli", "demo", "--domains", "harness",
+                        "--harness-presets", "claude-code,codex", "--per-domain", "1", "--no-progress",
+                        "--agent-venv", agent_venv, "--out", str(out)],
+                       cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, COLUMNS="160", ROLLOUTD_TEST_DEMO_TAG=tag))
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["instance_id"].split("/")[1] for r in rows) == ["claude-code", "codex"]
+    assert all(r["status"] == "ok" and r["reward"] == 1.0 for r in rows), [r["eval_details"] for r in rows]
+    assert not tagged_pids(tag)
