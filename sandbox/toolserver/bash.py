@@ -50,13 +50,20 @@ from .session import Session, call_result
 # The shell's descriptors: high, so an agent's own `exec 3>log` never collides; below 255,
 # which bash keeps for its terminal.
 FD_CHECK, FD_SOURCE, FD_STATE, FD_ERR, FD_CTL = 250, 251, 252, 253, 254
+# The terminal, for our delimiters: the agent may point the shell's stdout elsewhere
+# (`exec >/dev/null`), and the delimiters must still reach the pty.
+FD_TTY = 249
 _FILES = (FD_CHECK, FD_SOURCE, FD_STATE, FD_ERR)
 _TICK = 0.1
 # After the exit status arrived, how long the end delimiter may lag in the pty (it was written
 # first; only a terminal mangled by the command itself can lose it).
 _END_GRACE = 2.0
-_TAMPERED = ("[the shell's control descriptors (fds 250-254) were closed or replaced; a fresh shell was started: "
+_TAMPERED = ("[the shell's control descriptors (fds 249-254) were closed or replaced; a fresh shell was started: "
              "cwd, variables and jobs were reset]")
+_EXITED = ("[the shell exited after the command (e.g. it read end-of-file from its terminal, or an `exit` in a "
+           "trap); a fresh shell was started: cwd, variables and jobs were reset]")
+_STDOUT = ("[the shell's standard output is not the terminal (e.g. `exec >/dev/null`): commands' output goes "
+           "there; `exec >/dev/tty 2>&1` brings it back]")
 
 # Save $? into fd 253 and the user's DEBUG trap and -x/-v into fd 252, and leave them off
 # ("wrapper mode"). Output goes to /dev/null, so a DEBUG trap firing on these lines shows
@@ -64,7 +71,7 @@ _TAMPERED = ("[the shell's control descriptors (fds 250-254) were closed or repl
 _SAVE = ("{ \\builtin printf %%s \"$?\" >|/dev/fd/%(err)d; \\builtin trap -p DEBUG >|/dev/fd/%(state)d; "
          "\\builtin trap - DEBUG; [[ $- == *x* ]] && \\builtin printf '%%s\\n' '\\builtin set -x' >>/dev/fd/%(state)d; "
          "[[ $- == *v* ]] && \\builtin printf '%%s\\n' '\\builtin set -v' >>/dev/fd/%(state)d; "
-         "\\builtin set +xv; } >/dev/null 2>&1")
+         "\\builtin set +xv; IGNOREEOF=2147483647; } >/dev/null 2>&1")
 # What the sourced command file starts with, on the user's first line (line numbers stay theirs).
 _RESTORE = b"\\builtin source /dev/fd/%d >/dev/null 2>&1; " % FD_STATE
 
@@ -82,20 +89,21 @@ def _call_line(nonce: str) -> bytes:
 
     A failed check leaves bash's message in fd 253; a run leaves its exit status there."""
     start, end = _tags(nonce)
-    return ("\\builtin printf %%s %s; "
+    return ("\\builtin printf %%s %s >&%d; "
             "if { \\builtin source /dev/fd/%d && \\builtin unset -f __rld_chk; } >/dev/null 2>|/dev/fd/%d; "
             # `&& S || S`: the source is not the last of an and-or list, so the user's ERR trap
             # and set -e do not fire a second time for it; $? is its status in either branch.
             "then { \\builtin source /dev/fd/%d </dev/null; } && %s || %s; fi; "
-            "\\builtin printf %%s %s; \\builtin printf '\\n%%s\\n' %s >&%d\n"
-            % (start.decode(), FD_CHECK, FD_ERR, FD_SOURCE, _SAVE, _SAVE, end.decode(), nonce, FD_CTL)).encode()
+            "\\builtin printf %%s %s >&%d; \\builtin printf '\\n%%s\\n' %s >&%d\n"
+            % (start.decode(), FD_TTY, FD_CHECK, FD_ERR, FD_SOURCE, _SAVE, _SAVE, end.decode(), FD_TTY, nonce,
+               FD_CTL)).encode()
 
 
 def _sync_line(nonce: str) -> bytes:
     """Typed after an interrupt (or at start): back to wrapper mode, delimit, report."""
     start, end = _tags(nonce)
-    return ("\\builtin printf %%s %s; %s; \\builtin printf %%s %s; \\builtin printf '\\n%%s\\n' %s >&%d\n"
-            % (start.decode(), _SAVE, end.decode(), nonce, FD_CTL)).encode()
+    return ("\\builtin printf %%s %s >&%d; %s; \\builtin printf %%s %s >&%d; \\builtin printf '\\n%%s\\n' %s >&%d\n"
+            % (start.decode(), FD_TTY, _SAVE, end.decode(), FD_TTY, nonce, FD_CTL)).encode()
 
 
 def _anon_file(name: str) -> int:
@@ -143,6 +151,7 @@ def _child_setup(fds: List[Tuple[int, int]]):
         termios.tcsetattr(0, termios.TCSANOW, attrs)
         for src, dst in fds:
             os.dup2(src, dst)  # inheritable: the shell keeps them across exec
+        os.dup2(0, FD_TTY)  # the pty slave
     return setup
 
 
@@ -194,6 +203,7 @@ class BashSession(Session):
         self._tty = termios.tcgetattr(self.proc.fd)
         self._ids = {n: _identity(fd) for n, fd in self._files.items()}
         self._ids[FD_CTL] = _identity(ctl_r)  # a pipe's two ends share one inode
+        self._ids[FD_TTY] = _identity("/proc/%d/fd/%d" % (self.proc.pid, FD_TTY))
         nonce = self._nonce()
         status = self._exchange(nonce, _sync_line(nonce), time.monotonic() + timeout, CappedBuffer(4096), NEVER,
                                 keep_before_start=False)
@@ -243,8 +253,12 @@ class BashSession(Session):
         notes += self.revive("[the previous shell had exited; a fresh shell was started: cwd, variables and jobs were reset]")
         if not self.intact():
             self.restart_noted(notes, _TAMPERED)
+        elif not self._stdout_is_terminal():  # checked while the shell is idle at its prompt
+            notes.append(_STDOUT)
         text = command.encode("utf-8", errors="surrogateescape")
-        _put(self._files[FD_CHECK], b"__rld_chk() {\n" + text + b"\n}\n")
+        # The empty line: a trailing backslash continues onto it, not onto the closing brace.
+        _put(self._files[FD_CHECK], b"__rld_chk() {\n" + text + b"\n\n}\n")
+        os.ftruncate(self._files[FD_ERR], 0)  # its status appears there once the command is done
         _put(self._files[FD_SOURCE], _RESTORE + text + b"\n")
         # A command may have left the terminal raw, echoing or translating (stty): reset it
         # (only then: setting the modes of a pty costs milliseconds).
@@ -272,9 +286,12 @@ class BashSession(Session):
                                % what)
         elif status == "done" and not timed_out and not cancelled:
             rc, syntax_error = self._outcome(text)
-        if status == "done" and not self.intact():  # e.g. `exec 253>&-`: its status is not to be trusted
+        if status == "done" and not self.alive():  # the command ran; the shell went after it
+            self.restart_noted(notes, _EXITED)
+        elif status == "done" and not self.intact():  # e.g. `exec 253>&-`: its status is not to be trusted
             rc = None
             self.restart_noted(notes, _TAMPERED)
+
         data, truncated = buf.getvalue()
         if timed_out or cancelled:  # the interrupted line's own delimiters, if it got that far
             data = re.sub(rb"RLD([SE])[0-9A-F]{16}RLD\1", b"", data)
@@ -335,7 +352,7 @@ class BashSession(Session):
         if "here-document" in msg:  # the EOF error that follows points into our wrapper
             msg = "\n".join(l for l in msg.splitlines() if "unexpected end of file" not in l)
             msg = msg.replace("warning: here-document", "unterminated here-document")
-        return None, msg
+        return msg
 
     def _exchange(self, nonce: str, line: bytes, deadline: float, buf: CappedBuffer, canceller: Canceller,
                   keep_before_start: bool) -> str:
@@ -355,6 +372,7 @@ class BashSession(Session):
         pending = bytearray()
         started = ended = reported = False
         end_deadline = None
+        span = deadline - time.monotonic()  # the command's time counts from its start delimiter
 
         def flush(upto: int) -> None:
             if upto > 0:
@@ -365,6 +383,10 @@ class BashSession(Session):
             now = time.monotonic()
             limit = deadline if end_deadline is None else min(deadline, end_deadline)
             if now >= limit:
+                if end_deadline is None and self._finished():
+                    # It completed in time; only the report is in flight.
+                    end_deadline = deadline = now + _END_GRACE
+                    continue
                 flush(len(pending))
                 if reported:
                     return "done"  # the terminal lost our delimiter; completion is certain
@@ -420,6 +442,7 @@ class BashSession(Session):
                         flush(i)
                     del pending[: i + len(start) - (i if keep_before_start else 0)]
                     started = True
+                    deadline = max(deadline, time.monotonic() + span)
                 i = pending.find(end)
                 if i >= 0:
                     flush(i)
@@ -438,6 +461,8 @@ class BashSession(Session):
 
         The interrupted line never reports, so a second line (typed once, read by bash when it
         is back at its prompt) re-enters wrapper mode and reports; the output up to it is kept.
+        That line is typed only once the shell owns the terminal again: a program still in the
+        foreground (less, vi) would read it as keystrokes.
         """
         shell_pid = self.proc.pid
         try:
@@ -445,7 +470,8 @@ class BashSession(Session):
         except OSError:
             pgrp = shell_pid
         nonce = self._nonce()
-        for i, sig in enumerate((signal.SIGINT, signal.SIGKILL)):
+        typed = False
+        for sig in (signal.SIGINT, signal.SIGKILL):
             if sig == signal.SIGKILL and pgrp == shell_pid:
                 break  # never SIGKILL the shell's own group here: that is a restart
             try:
@@ -453,7 +479,10 @@ class BashSession(Session):
             except (ProcessLookupError, PermissionError):
                 pass
             deadline = time.monotonic() + self.interrupt_grace
-            if i == 0:
+            if not typed:
+                if not self._shell_in_foreground(shell_pid, deadline, buf):
+                    continue
+                typed = True
                 status = self._exchange(nonce, _sync_line(nonce), deadline, buf, NEVER, keep_before_start=True)
             else:
                 status = self._collect(nonce, deadline, buf, NEVER, keep_before_start=True)
@@ -467,6 +496,47 @@ class BashSession(Session):
         self.start()
         return "restarted", None, "[the command ignored interrupts; the shell was killed and a fresh one started: " \
                                   "cwd, variables and jobs were reset]"
+
+    def _shell_in_foreground(self, shell_pid: int, deadline: float, buf: CappedBuffer) -> bool:
+        """Wait (keeping the output) until the shell's own group holds the terminal again."""
+        fd = self.proc.fd
+        while True:
+            try:
+                if os.tcgetpgrp(fd) == shell_pid:
+                    return True
+            except OSError:
+                return True  # no terminal left: the exchange will see EOF
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            try:
+                r, _, _ = select.select([fd], [], [], min(deadline - now, 0.01))
+            except InterruptedError:
+                continue
+            if r:
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:
+                    return True
+                if not data:
+                    return True
+                buf.write(data)
+
+    def _stdout_is_terminal(self) -> bool:
+        try:
+            fd = "/proc/%d/fd/%%d" % self.proc.pid
+            out = os.readlink(fd % 1)
+            # fd 254: the shell may still be in the report's `>&254` when the next call comes
+            return out in ("/dev/tty", os.readlink(fd % FD_TTY), os.readlink(fd % FD_CTL))
+        except OSError:
+            return True  # gone: other checks report that
+
+    def _finished(self) -> bool:
+        """Has the call line saved the command's status (fd 253)? Then the command is done."""
+        try:
+            return os.pread(self._files[FD_ERR], 16, 0).strip().isdigit()
+        except (OSError, KeyError):
+            return False
 
     def _exit_status(self) -> Optional[int]:
         proc = self.proc

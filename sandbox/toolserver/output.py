@@ -7,12 +7,12 @@ from typing import Tuple
 DEFAULT_MAX_OUTPUT = 64 * 1024
 
 # CSI sequences (colours, cursor moves), OSC sequences (titles, hyperlinks), charset
-# selection and the remaining two-byte escapes. Agents read text, not a terminal.
+# selection and every other two-byte escape. Agents read text, not a terminal.
 _ANSI = re.compile(
     rb"\x1b\[[0-?]*[ -/]*[@-~]"
     rb"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)"
     rb"|\x1b[()*+][A-Za-z0-9]"
-    rb"|\x1b[@-Z\\-_=>]"
+    rb"|\x1b[@-Z\\-_0-?`-~]"  # Fe, Fp (ESC 7/8, = >) and Fs (ESC c: full reset) escapes
 )
 
 

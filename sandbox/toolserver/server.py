@@ -1,7 +1,7 @@
 """The tool server: a Unix socket, one thread per connection, tools behind per-tool locks.
 
 Config is a JSON file written by the runtime before start (see sandbox/runtime.py):
-  socket, ctl_dir (ignored: the bash tool keeps no scratch files), workdir, home, shell, python, env, limits, apply_nproc, max_output,
+  socket, workdir, home, shell, python, env, limits, apply_nproc, max_output,
   default_timeout, max_timeout, interrupt_grace, deadline (epoch s or null), ready_fd,
   sandbox_id, job_id
 """
@@ -73,6 +73,7 @@ class ToolServer:
         self._tools_ready = threading.Event()
         self._tools_error: Optional[str] = None
         self._grading = threading.Lock()  # one grade/purge at a time
+        self._tl = threading.local()  # per connection thread: the restart notes of its last reply
         self.hardened = False
 
     def _load_tools(self) -> None:
@@ -247,6 +248,7 @@ class ToolServer:
 
     # -- connections -----------------------------------------------------------------
     def _serve_conn(self, conn: socket.socket) -> None:
+        sent = None  # restart notes in the last reply sent on this connection: (session, notes)
         try:
             while True:
                 try:
@@ -254,17 +256,34 @@ class ToolServer:
                 except FrameError as e:
                     send_frame(conn, result(error="bad frame: %s" % e, exit_code=None))
                     return
+                except ConnectionResetError:
+                    # A Unix socket closed with unread data resets its peer: our last reply was
+                    # never read, so its restart notes go to the next one (Session.defer).
+                    self._unread(sent)
+                    return
                 if req is None:
                     return
                 canceller = Canceller(conn)
+                self._tl.reported = None
                 resp = self.dispatch(req, canceller)
                 if canceller.cancelled:
                     return
-                send_frame(conn, resp)
+                sent = self._tl.reported
+                try:
+                    send_frame(conn, resp)
+                except OSError:
+                    self._unread(sent)
+                    raise
         except OSError:
             pass
         finally:
             conn.close()
+
+    @staticmethod
+    def _unread(sent) -> None:
+        if sent and sent[1]:
+            session, notes = sent
+            session.unreported[:0] = [n for n in notes if n not in session.unreported]
 
     def dispatch(self, req: Dict[str, Any], canceller: Canceller) -> Dict[str, Any]:
         t0 = time.monotonic()
@@ -341,12 +360,13 @@ class ToolServer:
             raise Abandoned()
         return lock
 
-    @staticmethod
-    def _finish(session, canceller: Canceller) -> None:
+    def _finish(self, session, canceller: Canceller) -> None:
         """Under the tool's lock, after a call: if its reply will not reach anyone, the restarts it
         caused are reported to the next call instead."""
         if canceller.cancelled or canceller.gone():
             session.defer()
+        else:
+            self._tl.reported = (session, list(session.restart_notes))
 
     # -- tools -----------------------------------------------------------------------
     def t_ping(self, args: Dict[str, Any], canceller: Canceller) -> Dict[str, Any]:
