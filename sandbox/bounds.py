@@ -71,9 +71,23 @@ def mount_tmpfs(target: os.PathLike, size_bytes: int, uid: int, gid: int, nr_ino
     _mount("tmpfs", str(target), "tmpfs", MS_NOSUID | MS_NODEV, data)
 
 
-def make_ext4_image(image: os.PathLike, size_bytes: int, uid: int, gid: int) -> None:
+def make_ext4_image(image: os.PathLike, size_bytes: int, uid: int, gid: int,
+                    templates: Optional[os.PathLike] = None) -> None:
     """A sparse file of exactly size_bytes holding an empty ext4 (4 KiB blocks, one inode per
-    16 KiB, no journal: the data is as ephemeral as the sandbox; no reserved blocks)."""
+    16 KiB, no journal: the data is as ephemeral as the sandbox; no reserved blocks).
+
+    With a templates dir, mkfs runs once per (size, owner) and each image is a sparse copy of
+    that template (~0.2 MB of metadata for 4 GB: well under a millisecond, where mkfs.ext4 is
+    a fork/exec of 4-20 ms). ext4 does not mind two mounted filesystems sharing a UUID."""
+    if templates is not None:
+        t = Path(templates) / ("ext4-%d-%d-%d.img" % (size_bytes, uid, gid))
+        if not t.exists():
+            Path(templates).mkdir(mode=0o700, exist_ok=True)
+            tmp = t.with_name(".%s.%s" % (t.name, os.urandom(6).hex()))  # unique per thread too
+            make_ext4_image(tmp, size_bytes, uid, gid)
+            os.replace(tmp, t)  # concurrent makers: identical content, last rename wins
+        _sparse_copy(t, image, size_bytes)
+        return
     with open(image, "wb") as f:
         f.truncate(size_bytes)
     r = subprocess.run([mkfs_ext4() or "mkfs.ext4", "-q", "-F", "-t", "ext4", "-b", "4096", "-i", "16384",
@@ -82,6 +96,36 @@ def make_ext4_image(image: os.PathLike, size_bytes: int, uid: int, gid: int) -> 
                        capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
         raise BoundsError(errno.EIO, "mkfs.ext4 %s failed: %s" % (image, (r.stderr or r.stdout).strip()[-300:]))
+
+
+def _sparse_copy(src: os.PathLike, dst: os.PathLike, size: int) -> None:
+    """Copy only src's data extents (SEEK_DATA/SEEK_HOLE): dst stays as sparse as src."""
+    fi = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fo = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fo, size)
+            pos = 0
+            while pos < size:
+                try:
+                    start = os.lseek(fi, pos, os.SEEK_DATA)
+                except OSError as e:
+                    if e.errno == errno.ENXIO:  # no data past pos
+                        break
+                    raise
+                end = os.lseek(fi, start, os.SEEK_HOLE)
+                off_in, off_out = start, start
+                while off_in < end:
+                    n = os.copy_file_range(fi, fo, end - off_in, off_in, off_out)
+                    if n <= 0:
+                        raise BoundsError(errno.EIO, "short copy of %s" % src)
+                    off_in += n
+                    off_out += n
+                pos = end
+        finally:
+            os.close(fo)
+    finally:
+        os.close(fi)
 
 
 def _loop_config(fd: int) -> bytes:

@@ -2,6 +2,8 @@
 
 check() runs real probes (a `bwrap --unshare-all true`, and by default a full bwrap
 sandbox start + ping + destroy); nothing is inferred from the presence of a binary alone.
+It creates nothing that outlives it: the full start runs in a temporary root, removed after
+(in the deployment's sandbox root only with in_root=True / --in-root).
 """
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ import pwd
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .runtime import MAX_SOCKET_PATH, default_root, free_space
+from .runtime import MAX_SOCKET_PATH, _remove_sandbox_dir, default_root, free_space, resolve_disk_quota
 
 MIN_FREE_GB = 10.0
 
@@ -66,7 +69,8 @@ def _python() -> Check:
     return Check("host_python3", ok, "%s %s (tool server needs >= 3.8; used by image=None sandboxes)" % (py, v))
 
 
-def _bwrap(root_dir: Path, deep: bool) -> List[Check]:
+def _bwrap(root_dir: Path, deep: bool, disk_quota: str = "auto", shm_size_mb: int = 64,
+           in_root: bool = False, seen: Optional[Dict[str, object]] = None) -> List[Check]:
     from . import bwrap as bw
 
     out = []
@@ -81,22 +85,108 @@ def _bwrap(root_dir: Path, deep: bool) -> List[Check]:
     if ok and deep:
         from .bwrap import BwrapRuntime
         from .client import ToolClient
-        from .spec import SandboxSpec
+        from .spec import Limits, SandboxSpec
 
+        where = root_dir if in_root else Path(tempfile.mkdtemp(prefix="rolloutd-doctor-"))
+        if not in_root:
+            os.chmod(where, 0o711)  # the sandbox uid (nobody, as root) must get through
         try:
-            rt = BwrapRuntime(root_dir, ready_timeout=30)
-            h = rt.create("doctor", SandboxSpec(loopback=False))
+            rt = BwrapRuntime(where, ready_timeout=30, disk_quota=disk_quota, shm_size_mb=shm_size_mb)
+            h = rt.create("doctor", SandboxSpec(loopback=False, limits=Limits(disk_mb=16)))
             try:
                 with ToolClient(h.tool_socket) as c:
-                    r = c.call("bash", {"command": "echo ok", "timeout": 10})
-                good = r.output.strip() == "ok"
-                out.append(Check("bwrap_sandbox", good, "created, ran `echo ok` through the tool server, destroyed"
+                    r = c.call("bash", {"command": "echo ok; df -kP /dev/shm /workspace | tail -n +2", "timeout": 10})
+                    ping = c.ping(timeout=10)
+                lines = r.output.splitlines()
+                good = bool(lines) and lines[0] == "ok"
+                if seen is not None:
+                    seen["hardened"] = ping.info.get("hardened")
+                    rows = [ln.split() for ln in lines[1:]]
+                    seen["df"] = {f[-1]: int(f[1]) for f in rows if len(f) == 6 and f[1].isdigit()}
+                    seen["bounds"] = dict(rt._read_state(Path(h.sandbox_dir)) or {}).get("bounds")
+                out.append(Check("bwrap_sandbox", good, "created in %s, ran `echo ok` through the tool server, destroyed"
+                                 % ("the sandbox root" if in_root else "a temporary root (removed)")
                                  if good else "tool server answered %r" % r))
             finally:
                 rt.destroy(h)
         except Exception as e:
             out.append(Check("bwrap_sandbox", False, "full sandbox start failed: %s" % str(e)[-400:]))
+        finally:
+            if not in_root:
+                _remove_sandbox_dir(where)
     return out
+
+
+def _ptrace(seen: Dict[str, object], deep: bool) -> Check:
+    """What keeps the agent's processes out of the tool server's memory and descriptors."""
+    scope = _read("/proc/sys/kernel/yama/ptrace_scope")
+    yama = ("Yama ptrace_scope=%s" % scope) if scope is not None else "no Yama LSM"
+    hardened = seen.get("hardened")
+    if hardened is True:
+        how, ok = "the tool server is non-dumpable (PR_SET_DUMPABLE 0: /proc/<pid>/mem, ptrace, " \
+                  "process_vm_*, pidfd_getfd refused; verified in the test sandbox)", True
+    elif hardened is False:
+        how, ok = "the tool server could NOT make itself non-dumpable: the agent can read its memory", False
+    else:
+        how, ok = "the tool server makes itself non-dumpable at start (PR_SET_DUMPABLE 0; not verified: %s)" % (
+            "--quick" if not deep else "no sandbox started"), True
+    extra = [yama]
+    status = _read_status("Seccomp")
+    extra.append("seccomp %s" % ("available" if status is not None else "unknown"))
+    abi = _landlock_abi()
+    extra.append("Landlock ABI %d" % abi if abi > 0 else "no Landlock")
+    return Check("ptrace_protection", ok, "%s; %s (docs/SANDBOX.md threat model)" % (how, ", ".join(extra)))
+
+
+def _read_status(field: str) -> Optional[str]:
+    for line in (_read("/proc/self/status") or "").splitlines():
+        if line.startswith(field + ":"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def _landlock_abi() -> int:
+    """landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION): the ABI, or <= 0."""
+    import ctypes
+    import platform
+
+    nr = {"x86_64": 444, "aarch64": 444}.get(platform.machine())
+    if nr is None:
+        return 0
+    try:
+        return int(ctypes.CDLL(None, use_errno=True).syscall(nr, None, 0, 1))
+    except Exception:
+        return 0
+
+
+def _shm(shm_size_mb: int, seen: Dict[str, object]) -> Check:
+    df = seen.get("df") or {}
+    got = df.get("/dev/shm")
+    if got is not None:
+        ok = got <= shm_size_mb * 1024
+        return Check("shm_bound", ok, "/dev/shm is a tmpfs of %d KiB in the test sandbox (sandbox.shm_size_mb=%d)%s"
+                     % (got, shm_size_mb, "" if ok else ": NOT bounded"))
+    return Check("shm_bound", True, "/dev/shm: a tmpfs of %d MB per bwrap sandbox (sandbox.shm_size_mb; "
+                 "not verified without a sandbox start)" % shm_size_mb)
+
+
+def _disk_quota(disk_quota: str, seen: Dict[str, object]) -> Check:
+    try:
+        mode, why = resolve_disk_quota(disk_quota)
+    except Exception as e:
+        return Check("disk_quota", False, str(e))
+    if mode == "loop":
+        what = "hard: a loop-mounted ext4 image of Limits.disk_mb per workspace (ENOSPC inside, 0 bytes past)"
+    elif mode == "tmpfs":
+        what = "hard: a tmpfs of Limits.disk_mb per workspace (in RAM)"
+    else:
+        what = ("measured: the init daemon walks each workspace every sandbox.quota_interval_s and stops a "
+                "sandbox over its quota; it can overshoot between two walks (%s)" % why)
+    b = seen.get("bounds")
+    if isinstance(b, dict):
+        what += "; test sandbox: workspace %s, /run/rolloutd %s, /workspace %s KiB" % (
+            b.get("workspace"), b.get("run"), (seen.get("df") or {}).get("/workspace", "?"))
+    return Check("disk_quota", True, "%s=%s: %s" % (disk_quota, mode, what))
 
 
 def _apptainer() -> List[Check]:
@@ -198,7 +288,9 @@ def _traversable(root_dir: Path) -> Check:
     return Check("sandbox_root_traversable", True, "uid %d can reach %s" % (uid, root_dir))
 
 
-def check(root_dir: Optional[os.PathLike] = None, deep: bool = True, runtime_dir: Optional[os.PathLike] = None) -> List[Check]:
+def check(root_dir: Optional[os.PathLike] = None, deep: bool = True, runtime_dir: Optional[os.PathLike] = None,
+          *, disk_quota: str = "auto", shm_size_mb: int = 64, in_root: bool = False) -> List[Check]:
+    """Creates nothing that outlives it unless in_root (then the full start runs in root_dir)."""
     root = Path(root_dir or default_root())
     checks = [_python(), _userns(), _traversable(root)]
     if runtime_dir is not None:
@@ -207,7 +299,9 @@ def check(root_dir: Optional[os.PathLike] = None, deep: bool = True, runtime_dir
         checks.append(Check("layout", not nested, "runtime dir %s and sandbox root %s %s" % (
             rt, sb, "nest: set [sandbox] root_dir or --runtime-dir so neither contains the other" if nested
             else "are apart")))
-    checks += _bwrap(root, deep)
+    seen: Dict[str, object] = {}
+    checks += _bwrap(root, deep, disk_quota, shm_size_mb, in_root, seen)
+    checks += [_ptrace(seen, deep), _shm(shm_size_mb, seen), _disk_quota(disk_quota, seen)]
     checks += _apptainer()
     checks += [_fakeroot(), _cgroup(), _disk(root), _socket_path(root)]
     bw_ok = all(c.ok for c in checks if c.name in ("bwrap", "bwrap_unshare_all", "bwrap_sandbox", "host_python3"))
@@ -225,6 +319,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--config", default=None, help="the deployment's TOML config (default: $ROLLOUTD_CONFIG)")
     p.add_argument("--runtime-dir", default=None, help="the deployment's runtime directory")
     p.add_argument("--quick", action="store_true", help="skip the full sandbox start test")
+    p.add_argument("--in-root", action="store_true",
+                   help="run the full sandbox start in the sandbox root itself, creating it if missing "
+                        "(default: a temporary root, removed after; the doctor creates nothing)")
     p.add_argument("--images-dir", default=os.environ.get("ROLLOUTD_IMAGE_CACHE"),
                    help="where .sif images are built and cached (default: $ROLLOUTD_IMAGE_CACHE)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -243,7 +340,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if ns.runtime_dir:
         cfg = Config(dict(cfg.data, endpoints=dict(cfg.data["endpoints"], runtime_dir=ns.runtime_dir)), cfg.path)
     root = ns.root_dir or cfg.sandbox_root()
-    checks = check(root, deep=not ns.quick, runtime_dir=cfg.runtime_dir)
+    sb = cfg.section("sandbox")
+    checks = check(root, deep=not ns.quick, runtime_dir=cfg.runtime_dir, disk_quota=sb["disk_quota"],
+                   shm_size_mb=int(sb["shm_size_mb"]), in_root=ns.in_root)
     checks += disk_checks({"sandboxes": root, "images": ns.images_dir, "journal": cfg.section("gateway")["journal"]},
                           float(cfg.section("sandbox")["disk_low_mb"]))
     if ns.json:

@@ -143,7 +143,7 @@ class Runtime(abc.ABC):
         if disk_mb:
             size = int(float(disk_mb) * 2**20) // 4096 * 4096
             if self.disk_quota == "loop":
-                bounds.make_ext4_image(d / "disk.img", size, uid, gid)
+                bounds.make_ext4_image(d / "disk.img", size, uid, gid, templates=self.root_dir / "disk-templates")
                 bounds.mount_ext4_image(d / "disk.img", d / "workspace")
             else:
                 bounds.mount_tmpfs(d / "workspace", size, uid, gid)
