@@ -18,7 +18,8 @@ calls, reward) and turns the trajectory into veRL's output fields:
 ``prompt_ids``              ``prompt_ids``
 ``response_ids``            ``response_ids`` (sampled + observation tokens), cut to
                             ``rollout.response_length``
-``response_mask``           ``loss_mask`` (all 0 when ``status != "ok"``)
+``response_mask``           ``loss_mask`` (all 0 when ``status != "ok"``, and for a cut
+                            response under ``truncated_rows: mask``)
 ``response_logprobs``       ``logprobs`` (0 on observation tokens)
 ``reward_score``            ``reward`` (0.0 when ``status != "ok"``; veRL then puts it on
                             the last response token as ``rm_scores`` and skips its own
@@ -57,6 +58,7 @@ Configuration: the extra keys of the agent-loop YAML entry (``examples/verl/agen
       tokenizer_path: null            # what the handler renders chat rows with; default model.path
       segments: null                  # all | last; default: all on V1, last on legacy
       failed_rows: mask               # mask | raise (V1: the group is marked failure and evicted)
+      truncated_rows: mask            # mask | keep: a response cut to response_length (see below)
 
 What each dataset row becomes (:meth:`RolloutdAgentLoop.build_task`): ``extra_info["rolloutd"]``
 (or a top-level ``rolloutd`` field) may give ``{"handler", "instance", "instance_id",
@@ -75,6 +77,14 @@ Prompt length: a prompt longer than ``rollout.prompt_length`` is left-truncated 
 ``AgentLoopBase._cap_text_prompt_length`` (what its single-turn and tool agent loops do to text
 prompts; veRL rejects only multimodal prompts, which rolloutd does not produce), and the row is
 flagged ``extra_fields["rolloutd_prompt_truncated"]``.
+
+Response length: a response longer than ``rollout.response_length`` (a multi-turn episode's
+sampled and observation tokens together) is cut on the right and flagged
+``extra_fields["rolloutd_response_truncated"]``. Its ``reward_score`` is the episode's reward,
+earned by turns the trainer no longer sees; veRL puts it on the last kept token. With
+``truncated_rows: mask`` (the default) the row's ``response_mask`` is all 0, so its tokens give no
+gradient while its reward still counts in its GRPO group's mean (DAPO's overlong filtering);
+``keep`` trains on the kept tokens with that reward.
 
 ``min_global_steps`` / ``max_global_steps`` are always ints (veRL V1 casts them with
 ``np.array(..., dtype=int)``): the turns' policy versions, else the trajectory's, else the row's
@@ -223,7 +233,7 @@ class RolloutdAgentLoop(AgentLoopBase):
                  data_config=None, *, gateway: str | None = None, handler: str | None = None,
                  deadline_s: float | None = None, task_timeout_s: float | None = None, resubmit_failed: int = 0,
                  instance_key: str = "rolloutd", tokenizer_path: str | None = None, segments: str | None = None,
-                 failed_rows: str = "mask", client=None, **kwargs):
+                 failed_rows: str = "mask", truncated_rows: str = "mask", client=None, **kwargs):
         super().__init__(trainer_config, server_manager, tokenizer, processor, dataset_cls, data_config, **kwargs)
         self.gateway = gateway
         self.handler = handler
@@ -247,6 +257,9 @@ class RolloutdAgentLoop(AgentLoopBase):
         if failed_rows not in ("mask", "raise"):
             raise ValueError(f"RolloutdAgentLoop: failed_rows must be 'mask' or 'raise', not {failed_rows!r}")
         self.failed_rows = failed_rows
+        if truncated_rows not in ("mask", "keep"):
+            raise ValueError(f"RolloutdAgentLoop: truncated_rows must be 'mask' or 'keep', not {truncated_rows!r}")
+        self.truncated_rows = truncated_rows
         self.tokenizer_path = tokenizer_path or _get(_get(_get(self.config, "actor_rollout_ref"), "model"), "path")
         self.pad_token_id = getattr(tokenizer, "pad_token_id", None)
         if self.pad_token_id is None:
@@ -346,9 +359,13 @@ class RolloutdAgentLoop(AgentLoopBase):
         if self.prompt_length and len(prompt) > int(self.prompt_length):
             prompt = np.asarray(self._cap_text_prompt_length(prompt.tolist()), np.int64)  # veRL's own rule
             truncated = True
-        if self.response_length:
-            resp, mask, lps = resp[: self.response_length], mask[: self.response_length], lps[: self.response_length]
-        if not ok:
+        cut = bool(self.response_length) and len(resp) > int(self.response_length)
+        if cut:
+            n = int(self.response_length)
+            resp, mask, lps = resp[:n], mask[:n], lps[:n]
+        if not ok or (cut and self.truncated_rows == "mask"):
+            # A cut response's reward was earned (or not) by turns the trainer never sees: no gradient
+            # from its tokens (DAPO's overlong filtering); its reward still counts in the group's mean.
             mask = np.zeros_like(mask)
         if len(prompt) == 0:  # failed before the prompt was rendered: veRL's tensors need a token
             prompt = np.asarray([self.pad_token_id], np.int64)
@@ -374,6 +391,7 @@ class RolloutdAgentLoop(AgentLoopBase):
             "rolloutd_policy_version": traj.get("policy_version"),
             "rolloutd_eval_details": traj.get("eval_details") or {},
             "rolloutd_prompt_truncated": truncated,
+            "rolloutd_response_truncated": cut,
             "rolloutd_segment": int(seg.get("index", 0)),
             "turn_scores": [],
             "tool_rewards": [],

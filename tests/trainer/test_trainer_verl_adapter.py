@@ -135,6 +135,35 @@ def test_to_output_cuts_to_response_length(tiny_tokenizer):
     assert len(out.response_ids) == len(out.response_mask) == len(out.response_logprobs) == R_LEN
 
 
+def long_episode_traj():
+    """The issue's case: 57 response tokens over 6 turns (24 sampled), the answer in the last turn."""
+    t = multi_turn_traj()
+    mask = np.zeros(57, np.int8)
+    spans = [[i * 9, i * 9 + 4] for i in range(6)]
+    for s, e in spans:
+        mask[s:e] = 1
+    t.update(response_ids=np.arange(100, 157, dtype=np.int32), loss_mask=mask,
+             logprobs=np.where(mask > 0, -0.5, 0.0).astype(np.float32), reward=1.0,
+             turns=[{"span": sp, "policy_version": 4} for sp in spans])
+    return t
+
+
+def test_a_response_cut_to_response_length_is_flagged_and_masked(tiny_tokenizer):
+    """Issue 28 item 4: it was cut with no flag and trained with reward 1.0 on its last kept token."""
+    out = make_loop(tiny_tokenizer, handler="h").to_output(long_episode_traj())
+    assert out.response_ids == list(range(100, 100 + R_LEN))
+    assert out.extra_fields["rolloutd_response_truncated"] is True
+    assert out.response_mask == [0] * R_LEN and out.response_logprobs == [0.0] * R_LEN  # no gradient...
+    assert out.reward_score == 1.0  # ...but the episode's reward stays in its group's statistics
+    kept = make_loop(tiny_tokenizer, handler="h", truncated_rows="keep").to_output(long_episode_traj())
+    assert kept.extra_fields["rolloutd_response_truncated"] is True and kept.reward_score == 1.0
+    assert kept.response_mask == long_episode_traj()["loss_mask"][:R_LEN].tolist() and sum(kept.response_mask) == 8
+    short = make_loop(tiny_tokenizer, handler="h").to_output(multi_turn_traj())
+    assert short.extra_fields["rolloutd_response_truncated"] is False and sum(short.response_mask) == 5
+    with pytest.raises(ValueError, match="truncated_rows"):
+        make_loop(tiny_tokenizer, handler="h", truncated_rows="drop")
+
+
 def test_prompt_longer_than_prompt_length_is_left_truncated_as_verl_does(tiny_tokenizer):
     t = multi_turn_traj()
     t["prompt_ids"] = np.arange(1, P_LEN + 31, dtype=np.int32)
@@ -370,6 +399,34 @@ def v1_batch(rows, global_steps):
     batch = tu.get_tensordict(batch_dict)
     tu.assign_non_tensor_data(batch, "global_steps", global_steps)
     return batch
+
+
+def test_legacy_worker_flags_and_masks_a_response_cut_to_response_length(up, backends, tiny_model_dir, monkeypatch):
+    """Issue 28 item 4 through veRL's own worker and a real rolloutd up: an 8-call episode (24
+    sampled tokens) is cut to R_LEN, flagged, masked; its reward sits on the last kept token."""
+    monkeypatch.setenv("ROLLOUTD_GATEWAY", up.gateway)
+    b = backends()
+    with up.client() as c:
+        c.add_backend(b.url, policy_version=2)
+    worker = AgentLoopWorker(verl_config(tiny_model_dir, YAML), llm_client=None)
+    rows = [synthetic_row(0, calls=1), synthetic_row(1, calls=8)]
+
+    async def main():
+        seen = recording_client(up)
+        return await worker.generate_sequences(dataproto(rows)), seen
+
+    try:
+        out, seen = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        va.close_shared_clients()
+    td = out.batch
+    by_job = {int(r["job_id"]): r for r in seen}
+    trajs = [by_job[int(j)] for j in out.non_tensor_batch["rolloutd_job_id"]]
+    assert len(trajs[0]["response_ids"]) <= R_LEN < len(trajs[1]["response_ids"])
+    assert out.non_tensor_batch["rolloutd_response_truncated"].tolist() == [False, True]
+    assert td["response_mask"][0].sum() > 0 and td["response_mask"][1].sum() == 0
+    assert td["responses"][1].tolist() == np.asarray(trajs[1]["response_ids"][:R_LEN]).tolist()
+    assert td["rm_scores"][1].tolist() == [0.0] * (R_LEN - 1) + [1.0]  # veRL: the reward on the last kept token
 
 
 def test_v1_agent_loop_worker_tq_drives_the_adapter(up, backends, tiny_model_dir, monkeypatch):
