@@ -10,7 +10,7 @@ Bodies are harness-sized and each shape carries the same conversation: a system 
 characters, as Claude Code's), ``--tools`` tools, a history of ``--turns`` assistant turns with one
 tool call and one tool result each. Chat Completions is measured with ``parse_messages``' cache
 off (a new agent history every call) and on (the same history sent again, as the endpoint sees
-it). ``time.process_time`` per call, medians over ``--repeats`` rounds of ``--calls`` calls::
+it); each other shape likewise without and with its ``cache``. ``time.process_time`` per call, medians over ``--repeats`` rounds of ``--calls`` calls::
 
     python bench/bench_wire.py
     python bench/bench_wire.py --quick
@@ -101,9 +101,15 @@ def make_calls(b: dict[str, bytes]):
         "chat (no cache)": lambda: chat_call(b["chat"], [None, False]),
         "chat (history cached)": (lambda st: lambda: chat_call(b["chat"], st))([None, True]),
         "anthropic": lambda: anthropic_wire.stream_events(Reply(**REPLY), anthropic_wire.parse(json.loads(b["anthropic"]))),
+        "anthropic (cached)": (lambda c: lambda: anthropic_wire.stream_events(
+            Reply(**REPLY), anthropic_wire.parse(json.loads(b["anthropic"]), cache=c)))({}),
         "responses": lambda: responses_wire.stream_events(Reply(**REPLY),
                                                           responses_wire.parse(json.loads(b["responses"]))),
+        "responses (cached)": (lambda c: lambda: responses_wire.stream_events(
+            Reply(**REPLY), responses_wire.parse(json.loads(b["responses"]), cache=c)))({}),
         "gemini": lambda: gemini_wire.stream_chunks(Reply(**REPLY), gemini_wire.parse(json.loads(b["gemini"]), "m", True)),
+        "gemini (cached)": (lambda c: lambda: gemini_wire.stream_chunks(
+            Reply(**REPLY), gemini_wire.parse(json.loads(b["gemini"]), "m", True, cache=c)))({}),
     }
 
 

@@ -40,6 +40,8 @@ from .openai_wire import (
     bad,
     canon_args,
     dumps,
+    memo_items,
+    memo_value,
 )
 
 __all__ = ["count_tokens_response", "error_body", "new_tool_use_id", "parse", "parse_count_tokens",
@@ -95,13 +97,14 @@ def _text_blocks(content: Any, where: str) -> str:
     raise bad(f"{where}: must be a string or a list of text blocks", where)
 
 
-def _user(m: dict, where: str, out: list[Msg], names: dict[str, str]) -> None:
+def _user(m: dict, where: str) -> tuple:
+    """A user message as pieces: ("user", text) for each run of text blocks, ("tool", id, text)."""
     content = m.get("content")
     if isinstance(content, str):
-        out.append(Msg(role="user", content=content))
-        return
+        return (("user", content),)
     if not isinstance(content, list):
         raise bad(f"{where}.content: Input should be a valid string or list of content blocks", where)
+    pieces: list[tuple] = []
     texts: list[str] | None = None
     for j, b in enumerate(content):
         bw = f"{where}.content.{j}"
@@ -113,26 +116,27 @@ def _user(m: dict, where: str, out: list[Msg], names: dict[str, str]) -> None:
                 raise bad(f"{bw}.text: Field required (a string)", bw)
             if texts is None:
                 texts = []
-                out.append(Msg(role="user", content=""))
+                pieces.append(("user", ""))
             texts.append(b["text"])
-            out[-1].content = "".join(texts)
+            pieces[-1] = ("user", "".join(texts))
         elif t == "tool_result":
             tid = b.get("tool_use_id")
             if not isinstance(tid, str) or not tid:
                 raise bad(f"{bw}.tool_use_id: Field required", bw)
-            out.append(Msg(role="tool", content=_text_blocks(b.get("content"), f"{bw}.content"),
-                           name=names.get(tid), tool_call_id=tid))
+            pieces.append(("tool", tid, _text_blocks(b.get("content"), f"{bw}.content")))
             texts = None
         elif t in ("thinking", "redacted_thinking", "tool_use"):
             raise bad(f"{bw}: a {t!r} block belongs in an assistant message", bw)
         else:
             raise bad(f"{bw}: content block of type {t!r} is not supported (text and tool_result only)", bw)
+    return tuple(pieces)
 
 
-def _assistant(m: dict, where: str, names: dict[str, str]) -> Msg:
+def _assistant(m: dict, where: str) -> tuple:
+    """An assistant message as one piece: ("assistant", text, calls, ids, reasoning)."""
     content = m.get("content")
     if isinstance(content, str):
-        return Msg(role="assistant", content=content)
+        return (("assistant", content, (), (), None),)
     if not isinstance(content, list):
         raise bad(f"{where}.content: Input should be a valid string or list of content blocks", where)
     texts: list[str] = []
@@ -158,7 +162,6 @@ def _assistant(m: dict, where: str, names: dict[str, str]) -> Msg:
                 raise bad(f"{bw}.input: Input should be a valid dictionary", bw)
             calls.append((name, canon_args(inp)))
             ids.append(tid)
-            names[tid] = name
         elif t == "thinking":
             if not isinstance(b.get("thinking"), str):
                 raise bad(f"{bw}.thinking: Field required (a string)", bw)
@@ -167,11 +170,27 @@ def _assistant(m: dict, where: str, names: dict[str, str]) -> Msg:
             continue  # opaque, no text to render
         else:
             raise bad(f"{bw}: content block of type {t!r} is not supported in an assistant message", bw)
-    return Msg(role="assistant", content="".join(texts), calls=tuple(calls), call_ids=tuple(ids),
-               reasoning="".join(thinking) if thinking else None)
+    return (("assistant", "".join(texts), tuple(calls), tuple(ids), "".join(thinking) if thinking else None),)
 
 
-def _messages(body: dict) -> list[Msg]:
+def _message(m: Any, i: int) -> tuple:
+    """One message of ``messages`` translated to pieces (pure: reused for a message sent again)."""
+    where = f"messages.{i}"
+    if not isinstance(m, dict):
+        raise bad(f"{where}: Input should be a valid dictionary", where)
+    role = m.get("role")
+    if "content" not in m:
+        raise bad(f"{where}.content: Field required", where)
+    if role == "user":
+        return _user(m, where)
+    if role == "assistant":
+        return _assistant(m, where)
+    if role == "system":
+        return (("system", _text_blocks(m.get("content"), f"{where}.content")),)
+    raise bad(f"{where}.role: Input should be 'user' or 'assistant'", where)
+
+
+def _messages(body: dict, cache: dict | None) -> list[Msg]:
     out: list[Msg] = []
     system = body.get("system")
     if system is not None:
@@ -187,21 +206,16 @@ def _messages(body: dict) -> list[Msg]:
     if not raw:
         raise bad("messages: at least one message is required", "messages")
     names: dict[str, str] = {}  # tool_use id -> tool name, for the tool messages
-    for i, m in enumerate(raw):
-        where = f"messages.{i}"
-        if not isinstance(m, dict):
-            raise bad(f"{where}: Input should be a valid dictionary", where)
-        role = m.get("role")
-        if "content" not in m:
-            raise bad(f"{where}.content: Field required", where)
-        if role == "user":
-            _user(m, where, out, names)
-        elif role == "assistant":
-            out.append(_assistant(m, where, names))
-        elif role == "system":
-            out.append(Msg(role="system", content=_text_blocks(m.get("content"), f"{where}.content")))
-        else:
-            raise bad(f"{where}.role: Input should be 'user' or 'assistant'", where)
+    for pieces in memo_items(raw, _message, cache):
+        for p in pieces:
+            if p[0] == "assistant":
+                _, text, calls, ids, reasoning = p
+                names.update(zip(ids, (n for n, _ in calls)))
+                out.append(Msg(role="assistant", content=text, calls=calls, call_ids=ids, reasoning=reasoning))
+            elif p[0] == "tool":
+                out.append(Msg(role="tool", content=p[2], name=names.get(p[1]), tool_call_id=p[1]))
+            else:
+                out.append(Msg(role=p[0], content=p[1]))
     return out
 
 
@@ -285,14 +299,14 @@ def _sampling(body: dict, need_max: bool) -> Sampling:
                     top_k=-1 if not k else k, seed=None, stop=[s for s in stops if s])
 
 
-def _parse(body: Any, need_max: bool) -> WireRequest:
+def _parse(body: Any, need_max: bool, cache: dict | None) -> WireRequest:
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model: Input should be a valid string", "model")
-    msgs = _messages(body)
-    tools = _tools(body.get("tools"))
+    msgs = _messages(body, cache)
+    tools = memo_value(body.get("tools"), _tools, cache, "tools")
     parse_calls, choice = _tool_choice(body.get("tool_choice"), tools)
     samp = _sampling(body, need_max)
     if msgs and msgs[-1].role == "assistant":
@@ -315,14 +329,15 @@ def _parse(body: Any, need_max: bool) -> WireRequest:
                        model=model, tool_choice=choice, extras=extras)
 
 
-def parse(body: Any) -> WireRequest:
-    """A ``POST /v1/messages`` body as a :class:`WireRequest`. Raises :class:`EndpointError` (400)."""
-    return _parse(body, True)
+def parse(body: Any, cache: dict | None = None) -> WireRequest:
+    """A ``POST /v1/messages`` body as a :class:`WireRequest`. ``cache``: a dict the caller keeps
+    per session (messages sent again are not translated again). Raises :class:`EndpointError` (400)."""
+    return _parse(body, True, cache)
 
 
-def parse_count_tokens(body: Any) -> WireRequest:
+def parse_count_tokens(body: Any, cache: dict | None = None) -> WireRequest:
     """A ``POST /v1/messages/count_tokens`` body (no ``max_tokens``). Raises :class:`EndpointError` (400)."""
-    return _parse(body, False)
+    return _parse(body, False, cache)
 
 
 def count_tokens_response(n: int) -> dict:

@@ -38,6 +38,8 @@ from .openai_wire import (
     bad,
     canon_args,
     dumps,
+    memo_items,
+    memo_value,
 )
 
 __all__ = ["count_tokens_response", "error_body", "parse", "parse_count_tokens", "response", "stream_chunks"]
@@ -169,70 +171,78 @@ def _tool_text(resp: Any) -> str:
     return json.dumps(resp, ensure_ascii=False)
 
 
-def _contents(raw: Any, out: list[Msg]) -> None:
+def _content(c: Any, i: int) -> tuple:
+    """One Content translated (pure: reused for a content sent again): ("model", text, thoughts,
+    calls, ids) or ("user", ((name, id, text) per functionResponse), text or None)."""
+    where = f"contents[{i}]"
+    if not isinstance(c, dict):
+        raise bad(f"Invalid value at '{where}': must be a Content object", "contents")
+    role = c.get("role") or "user"
+    if role not in ("user", "model", "function", "tool"):
+        raise bad(f"Please use a valid role: user, model. (got {role!r} at {where})", "contents")
+    parts = c.get("parts")
+    if not isinstance(parts, list) or not parts:
+        raise bad(f"* GenerateContentRequest.{where}.parts: contents.parts must not be empty", "contents")
+    texts: list[str] = []
+    thoughts: list[str] = []
+    calls: list[tuple[str, str]] = []
+    ids: list[str] = []
+    tools_out: list[tuple] = []
+    for j, p in enumerate(parts):
+        pw = f"{where}.parts[{j}]"
+        if not isinstance(p, dict):
+            raise bad(f"Invalid value at '{pw}': must be a Part object", "contents")
+        fc = _g(p, "functionCall", "function_call")
+        fr = _g(p, "functionResponse", "function_response")
+        if isinstance(p.get("text"), str):
+            (thoughts if p.get("thought") else texts).append(p["text"])
+        elif fc is not None:
+            if role != "model" or not isinstance(fc, dict) or not isinstance(fc.get("name"), str):
+                raise bad(f"{pw}: a functionCall (with a name) belongs in a model turn", "contents")
+            args = fc.get("args") if fc.get("args") is not None else {}
+            cid = fc.get("id") if isinstance(fc.get("id"), str) and fc.get("id") else f"call_{i}_{j}"
+            calls.append((fc["name"], canon_args(args)))
+            ids.append(cid)
+        elif fr is not None:
+            if not isinstance(fr, dict) or not isinstance(fr.get("name"), str):
+                raise bad(f"{pw}.function_response: a name is required", "contents")
+            tid = fr.get("id") if isinstance(fr.get("id"), str) and fr.get("id") else None
+            tools_out.append((fr["name"], tid, _tool_text(fr.get("response"))))
+        elif p.get("thought") or _g(p, "thoughtSignature", "thought_signature") is not None:
+            continue  # a signature-only part: opaque, nothing to render
+        else:
+            kind = next((k for k in p if k not in ("thought", "thoughtSignature", "thought_signature")), None)
+            raise bad(f"{pw}: part {kind!r} is not supported (text, functionCall and functionResponse only)",
+                      "contents")
+    if role == "model":
+        if tools_out:
+            raise bad(f"{where}: a functionResponse belongs in a user turn", "contents")
+        return ("model", "".join(texts), "".join(thoughts) if thoughts else None, tuple(calls), tuple(ids))
+    # a user turn's text parts are separate pieces (a prompt, context): joined by newlines
+    return ("user", tuple(tools_out), "\n".join(texts) if texts or not tools_out else None)
+
+
+def _contents(raw: Any, out: list[Msg], cache: dict | None = None) -> None:
     if not isinstance(raw, list) or not raw:
         raise bad("* GenerateContentRequest.contents: contents is not specified", "contents")
     prev_model = False
-    for i, c in enumerate(raw):
-        where = f"contents[{i}]"
-        if not isinstance(c, dict):
-            raise bad(f"Invalid value at '{where}': must be a Content object", "contents")
-        role = c.get("role") or "user"
-        if role not in ("user", "model", "function", "tool"):
-            raise bad(f"Please use a valid role: user, model. (got {role!r} at {where})", "contents")
-        parts = c.get("parts")
-        if not isinstance(parts, list) or not parts:
-            raise bad(f"* GenerateContentRequest.{where}.parts: contents.parts must not be empty", "contents")
-        texts: list[str] = []
-        thoughts: list[str] = []
-        calls: list[tuple[str, str]] = []
-        ids: list[str] = []
-        tools_out: list[Msg] = []
-        for j, p in enumerate(parts):
-            pw = f"{where}.parts[{j}]"
-            if not isinstance(p, dict):
-                raise bad(f"Invalid value at '{pw}': must be a Part object", "contents")
-            fc = _g(p, "functionCall", "function_call")
-            fr = _g(p, "functionResponse", "function_response")
-            if isinstance(p.get("text"), str):
-                (thoughts if p.get("thought") else texts).append(p["text"])
-            elif fc is not None:
-                if role != "model" or not isinstance(fc, dict) or not isinstance(fc.get("name"), str):
-                    raise bad(f"{pw}: a functionCall (with a name) belongs in a model turn", "contents")
-                args = fc.get("args") if fc.get("args") is not None else {}
-                cid = fc.get("id") if isinstance(fc.get("id"), str) and fc.get("id") else f"call_{i}_{j}"
-                calls.append((fc["name"], canon_args(args)))
-                ids.append(cid)
-            elif fr is not None:
-                if not isinstance(fr, dict) or not isinstance(fr.get("name"), str):
-                    raise bad(f"{pw}.function_response: a name is required", "contents")
-                tid = fr.get("id") if isinstance(fr.get("id"), str) and fr.get("id") else None
-                tools_out.append(Msg(role="tool", content=_tool_text(fr.get("response")), name=fr["name"],
-                                     tool_call_id=tid))
-            elif p.get("thought") or _g(p, "thoughtSignature", "thought_signature") is not None:
-                continue  # a signature-only part: opaque, nothing to render
-            else:
-                kind = next((k for k in p if k not in ("thought", "thoughtSignature", "thought_signature")), None)
-                raise bad(f"{pw}: part {kind!r} is not supported (text, functionCall and functionResponse only)",
-                          "contents")
-        if role == "model":
-            if tools_out:
-                raise bad(f"{where}: a functionResponse belongs in a user turn", "contents")
+    for p in memo_items(raw, _content, cache):
+        if p[0] == "model":
+            _, text, thoughts, calls, ids = p
             if prev_model:  # consecutive model contents are one turn (a chat records one per streamed chunk)
                 m = out[-1]
-                m.content += "".join(texts)
-                m.calls, m.call_ids = m.calls + tuple(calls), m.call_ids + tuple(ids)
+                m.content += text
+                m.calls, m.call_ids = m.calls + calls, m.call_ids + ids
                 if thoughts:
-                    m.reasoning = (m.reasoning or "") + "".join(thoughts)
+                    m.reasoning = (m.reasoning or "") + thoughts
             else:
-                out.append(Msg(role="assistant", content="".join(texts), calls=tuple(calls), call_ids=tuple(ids),
-                               reasoning="".join(thoughts) if thoughts else None))
+                out.append(Msg(role="assistant", content=text, calls=calls, call_ids=ids, reasoning=thoughts))
             prev_model = True
         else:
             prev_model = False
-            out.extend(tools_out)
-            if texts or not tools_out:  # a user turn's text parts are separate pieces (a prompt, context)
-                out.append(Msg(role="user", content="\n".join(texts)))
+            out.extend(Msg(role="tool", content=t, name=n, tool_call_id=tid) for n, tid, t in p[1])
+            if p[2] is not None:
+                out.append(Msg(role="user", content=p[2]))
 
 
 def _number(cfg: dict, camel: str, snake: str, lo: float | None, hi: float | None, cast=float) -> Any:
@@ -274,9 +284,10 @@ def _generation(body: dict, extras: dict) -> Sampling:
                     seed=_number(cfg, "seed", "seed", None, None, int), stop=[s for s in stops if s])
 
 
-def parse(body: Any, model: str | None = None, stream: bool = False) -> WireRequest:
+def parse(body: Any, model: str | None = None, stream: bool = False, cache: dict | None = None) -> WireRequest:
     """A ``generateContent`` body (``stream``: it came as ``streamGenerateContent``; ``model``:
-    from the URL) as a :class:`WireRequest`. Raises :class:`EndpointError` (400)."""
+    from the URL) as a :class:`WireRequest`. ``cache``: a dict the caller keeps per session
+    (contents sent again are not translated again). Raises :class:`EndpointError` (400)."""
     if not isinstance(body, dict):
         raise bad("Invalid JSON payload received: the body must be an object")
     if _g(body, "cachedContent", "cached_content"):
@@ -287,8 +298,8 @@ def parse(body: Any, model: str | None = None, stream: bool = False) -> WireRequ
         s = _part_text_only(si, "system_instruction")
         if s:
             msgs.append(Msg(role="system", content=s))
-    _contents(body.get("contents"), msgs)
-    tools = _tools(body.get("tools"))
+    _contents(body.get("contents"), msgs, cache)
+    tools = memo_value(body.get("tools"), _tools, cache, "tools")
     parse_calls, choice = _tool_choice(body, tools)
     extras: dict[str, Any] = {}
     samp = _generation(body, extras)

@@ -260,6 +260,33 @@ def parse_tool_choice(raw: Any, tools: list[dict] | None) -> bool:
               "tool_choice")
 
 
+def memo_items(items: list, fn: Any, cache: dict | None) -> list:
+    """``[fn(item, i) for i, item in enumerate(items)]``, where an item equal to the one at the same
+    position of the previous call with this ``cache`` reuses that call's result: agents resend their
+    whole history every call, and dict equality is C speed. ``fn`` must be a pure function of the
+    item and its position, with a result nobody mutates. ``cache`` is any dict the caller keeps per
+    conversation source (None: no reuse); it is updated only when every item translated."""
+    prev, prev_out = (cache.get("items"), cache.get("out")) if cache is not None else (None, None)
+    n_prev = len(prev) if prev is not None else 0
+    out = [prev_out[i] if i < n_prev and (it is prev[i] or it == prev[i]) else fn(it, i) for i, it in enumerate(items)]
+    if cache is not None:
+        cache["items"], cache["out"] = items, out
+    return out
+
+
+def memo_value(raw: Any, fn: Any, cache: dict | None, key: str) -> Any:
+    """``fn(raw)``, reused when ``raw`` equals the previous call's under ``key`` in ``cache`` (an
+    agent sends the same ``tools`` every call); ``fn`` must be pure, its result never mutated."""
+    if cache is None:
+        return fn(raw)
+    hit = cache.get(key)
+    if hit is not None and (hit[0] is raw or hit[0] == raw):
+        return hit[1]
+    out = fn(raw)
+    cache[key] = (raw, out)
+    return out
+
+
 @dataclass(slots=True)
 class WireRequest:
     """A request of any API shape (Anthropic Messages, OpenAI Responses, Gemini), translated:

@@ -50,6 +50,8 @@ from .openai_wire import (
     bad,
     canon_args,
     dumps,
+    memo_items,
+    memo_value,
 )
 
 __all__ = ["conversation_items", "error_body", "output_items", "parse", "response", "response_id",
@@ -94,10 +96,11 @@ def _parts_text(content: Any, where: str) -> str:
     return "".join(out)
 
 
-def _tools(raw: Any) -> tuple[list[dict] | None, dict[str, dict], list[str]]:
-    """(chat-template tools, name -> {"kind", "namespace"?}, ignored hosted tool types)."""
+def _tools(raw: Any) -> tuple[list[dict] | None, dict[str, dict], list[str], bytes]:
+    """(chat-template tools, name -> {"kind", "namespace"?}, ignored hosted tool types, the tools
+    as JSON for the response object, which repeats them: a lone surrogate is refused here)."""
     if raw is None or raw == []:
-        return None, {}, []
+        return None, {}, [], b"[]"
     if not isinstance(raw, list):
         raise bad("'tools' must be a list", "tools")
     out: list[dict] = []
@@ -149,7 +152,11 @@ def _tools(raw: Any) -> tuple[list[dict] | None, dict[str, dict], list[str]]:
         else:
             raise bad(f"{where}: tool type {typ!r} is not supported (function, custom, local_shell and namespace "
                       "tools are; web_search, image_generation and tool_search are ignored)", "tools")
-    return (out or None), kinds, ignored
+    try:
+        tools_json = dumps(raw)
+    except UnicodeEncodeError as e:
+        raise bad(f"'tools' contains text that is not valid Unicode: {e.reason}", "tools") from None
+    return (out or None), kinds, ignored, tools_json
 
 
 def _tool_choice(raw: Any, kinds: dict[str, dict]) -> tuple[bool, Any]:
@@ -212,7 +219,63 @@ def _output_text(out: Any, where: str) -> str:
     raise bad(f"{where}: 'output' must be a string or a list of input_text parts", "input")
 
 
-def _items(items: list, out: list[Msg], where0: str) -> None:
+def _call(name: Any, args: Any, call_id: Any, where: str) -> tuple:
+    if not isinstance(name, str) or not name:
+        raise bad(f"{where}: missing required parameter 'name'", "input")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad(f"{where}: missing required parameter 'call_id'", "input")
+    return ("call", name, canon_args(args), call_id)
+
+
+def _item(it: Any, where: str) -> tuple:
+    """One input item translated (pure: reused for an item sent again): ("message", role, text),
+    ("reasoning", text), ("call", name, canonical arguments, call_id), ("output", call_id, text), ("skip",)."""
+    if not isinstance(it, dict):
+        raise bad(f"{where} must be an object", "input")
+    t = it.get("type", "message" if "role" in it else None)
+    if t == "message":
+        role = it.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise bad(f"{where}.role must be 'user', 'assistant', 'system' or 'developer'", "input")
+        return ("message", "system" if role == "developer" else role, _parts_text(it.get("content"), f"{where}.content"))
+    if t == "reasoning":
+        return ("reasoning", _reasoning_text(it))
+    if t == "function_call":
+        args = it.get("arguments")
+        if not isinstance(args, str):
+            raise bad(f"{where}: 'arguments' must be a JSON string", "input")
+        try:
+            val = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            val = args
+        return _call(it.get("name"), val, it.get("call_id"), where)
+    if t == "custom_tool_call":
+        if not isinstance(it.get("input"), str):
+            raise bad(f"{where}: 'input' must be a string", "input")
+        return _call(it.get("name"), {"input": it["input"]}, it.get("call_id"), where)
+    if t == "local_shell_call":
+        act = it.get("action")
+        if not isinstance(act, dict) or not isinstance(act.get("command"), list):
+            raise bad(f"{where}: 'action' must be an exec action with a command list", "input")
+        args = {"command": act["command"]}
+        if act.get("working_directory") is not None:
+            args["workdir"] = act["working_directory"]
+        if act.get("timeout_ms") is not None:
+            args["timeout_ms"] = act["timeout_ms"]
+        return _call("local_shell", args, it.get("call_id") or it.get("id"), where)
+    if t in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
+        cid = it.get("call_id") or (it.get("id") if t == "local_shell_call_output" else None)
+        if not isinstance(cid, str) or not cid:
+            raise bad(f"{where}: missing required parameter 'call_id'", "input")
+        return ("output", cid, _output_text(it.get("output"), f"{where}.output"))
+    if t == "web_search_call":
+        return ("skip",)  # a hosted call we never produce; nothing to render
+    raise bad(f"{where}: input item of type {t!r} is not supported", "input")
+
+
+def _items(items: list, out: list[Msg], where0: str, cache: dict | None = None) -> None:
+    """Translated items assembled into messages: a run of assistant-side items (reasoning, an
+    assistant message, calls) is one assistant message, as one reply renders it."""
     names: dict[str, str] = {}
     cur: Msg | None = None  # the assistant message a run of assistant-side items is building
     reasoning: str | None = None  # a reasoning item waiting for its message
@@ -225,84 +288,38 @@ def _items(items: list, out: list[Msg], where0: str) -> None:
             out.append(cur)
         return cur
 
-    def call(name: Any, args: Any, call_id: Any, where: str) -> None:
-        nonlocal cur
-        if not isinstance(name, str) or not name:
-            raise bad(f"{where}: missing required parameter 'name'", "input")
-        if not isinstance(call_id, str) or not call_id:
-            raise bad(f"{where}: missing required parameter 'call_id'", "input")
-        m = assistant()
-        m.calls = m.calls + ((name, canon_args(args)),)
-        m.call_ids = m.call_ids + (call_id,)
-        names[call_id] = name
-
-    for i, it in enumerate(items):
-        where = f"{where0}[{i}]"
-        if not isinstance(it, dict):
-            raise bad(f"{where} must be an object", "input")
-        t = it.get("type", "message" if "role" in it else None)
-        if t == "message":
-            role = it.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise bad(f"{where}.role must be 'user', 'assistant', 'system' or 'developer'", "input")
-            text = _parts_text(it.get("content"), f"{where}.content")
-            if role == "assistant":
+    for p in memo_items(items, lambda it, i: _item(it, f"{where0}[{i}]"), cache):
+        k = p[0]
+        if k == "message":
+            if p[1] == "assistant":
                 if cur is not None and (cur.calls or cur.content):  # text after calls: a new turn
                     cur = None
                 m = assistant()
-                m.content += text
+                m.content += p[2]
                 continue
+            cur, reasoning = None, None  # reasoning not followed by an assistant turn: nothing to attach it to
+            out.append(Msg(role=p[1], content=p[2]))
+        elif k == "reasoning":
             cur = None
-            if reasoning is not None:
-                reasoning = None  # reasoning not followed by an assistant turn: nothing to attach it to
-            out.append(Msg(role="system" if role == "developer" else role, content=text))
-        elif t == "reasoning":
-            if cur is not None:
-                cur = None
-            reasoning = _reasoning_text(it)
-        elif t == "function_call":
-            args = it.get("arguments")
-            if not isinstance(args, str):
-                raise bad(f"{where}: 'arguments' must be a JSON string", "input")
-            try:
-                val = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                val = args
-            call(it.get("name"), val, it.get("call_id"), where)
-        elif t == "custom_tool_call":
-            if not isinstance(it.get("input"), str):
-                raise bad(f"{where}: 'input' must be a string", "input")
-            call(it.get("name"), {"input": it["input"]}, it.get("call_id"), where)
-        elif t == "local_shell_call":
-            act = it.get("action")
-            if not isinstance(act, dict) or not isinstance(act.get("command"), list):
-                raise bad(f"{where}: 'action' must be an exec action with a command list", "input")
-            args = {"command": act["command"]}
-            if act.get("working_directory") is not None:
-                args["workdir"] = act["working_directory"]
-            if act.get("timeout_ms") is not None:
-                args["timeout_ms"] = act["timeout_ms"]
-            call("local_shell", args, it.get("call_id") or it.get("id"), where)
-        elif t in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
-            cid = it.get("call_id") or (it.get("id") if t == "local_shell_call_output" else None)
-            if not isinstance(cid, str) or not cid:
-                raise bad(f"{where}: missing required parameter 'call_id'", "input")
+            reasoning = p[1]
+        elif k == "call":
+            m = assistant()
+            m.calls = m.calls + ((p[1], p[2]),)
+            m.call_ids = m.call_ids + (p[3],)
+            names[p[3]] = p[1]
+        elif k == "output":
             cur, reasoning = None, None
-            out.append(Msg(role="tool", content=_output_text(it.get("output"), f"{where}.output"),
-                           name=names.get(cid), tool_call_id=cid))
-        elif t == "web_search_call":
-            continue  # a hosted call we never produce; nothing to render
-        else:
-            raise bad(f"{where}: input item of type {t!r} is not supported", "input")
+            out.append(Msg(role="tool", content=p[2], name=names.get(p[1]), tool_call_id=p[1]))
 
 
-def parse(body: Any, history: list | None = None) -> WireRequest:
+def parse(body: Any, history: list | None = None, cache: dict | None = None) -> WireRequest:
     """A ``POST /v1/responses`` body as a :class:`WireRequest`. ``history``: the stored items of
     ``previous_response_id`` (:func:`conversation_items` of that response), required when the
     body names one (the endpoint looks it up; unknown: pass None and get the 400 OpenAI gives).
     ``extras``: ``input_items`` (history + this input, for the store), ``tool_kinds``,
     ``ignored_tools``, ``include``, ``store``, ``previous_response_id``, ``parallel_tool_calls``,
-    ``reasoning``, ``text``, ``echo`` (request fields the response object repeats).
+    ``reasoning``, ``text``, ``echo`` (request fields the response object repeats). ``cache``: a
+    dict the caller keeps per session (items sent again are not translated again).
     Raises :class:`EndpointError` (400)."""
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
@@ -332,10 +349,10 @@ def parse(body: Any, history: list | None = None) -> WireRequest:
         _items(instructions, msgs, "instructions")
     elif instructions is not None:
         raise bad("'instructions' must be a string", "instructions")
-    _items(all_items, msgs, "input")
+    _items(all_items, msgs, "input", cache)
     if not msgs:
         raise bad("'input' must not be empty", "input")
-    tools, kinds, ignored = _tools(body.get("tools"))
+    tools, kinds, ignored, tools_json = memo_value(body.get("tools"), _tools, cache, "tools")
     parse_calls, choice = _tool_choice(body.get("tool_choice"), kinds)
     mt = _num(body, "max_output_tokens", None, int, 16)
     temp = _num(body, "temperature", None, float, 0.0, 2.0)
@@ -358,7 +375,6 @@ def parse(body: Any, history: list | None = None) -> WireRequest:
             "reasoning": body.get("reasoning") if isinstance(body.get("reasoning"), dict) else None,
             "text": body.get("text") if isinstance(body.get("text"), dict) else {"format": {"type": "text"}}}
     try:  # the response object repeats these fields: a lone surrogate (valid JSON, not UTF-8) is refused now
-        tools_json = dumps(echo["tools"])  # kept: the stream repeats them three times
         dumps({k: v for k, v in echo.items() if k != "tools"})
     except UnicodeEncodeError as e:
         raise bad(f"the body contains text that is not valid Unicode: {e.reason}") from None

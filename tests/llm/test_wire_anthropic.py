@@ -289,7 +289,7 @@ def test_error_body_maps_endpoint_refusals():
     assert b["error"]["message"].startswith("prompt is too long")
 
 
-def test_fuzzed_bodies_give_400_never_a_crash():
+def test_fuzzed_bodies_give_400_never_a_crash_and_the_cache_changes_nothing():
     body = {"model": "m", "max_tokens": 100, "stream": True, "temperature": 0.5, "top_k": 5, "stop_sequences": ["x"],
             "system": [{"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}],
             "thinking": {"type": "enabled", "budget_tokens": 10}, "metadata": {"user_id": "u"},
@@ -303,5 +303,6 @@ def test_fuzzed_bodies_give_400_never_a_crash():
                                                        "content": [{"type": "text", "text": "a"}]},
                                                       {"type": "text", "text": "go"}]}]}
     r = reply("x", CALLS, reasoning="y")
-    refused = fuzz(W.parse, lambda req: (W.response(r, req), W.stream_events(r, req)), body)
+    refused = fuzz(W.parse, lambda req: (W.response(r, req), W.stream_events(r, req)), body,
+                   cached=lambda b, c: W.parse(b, cache=c))
     assert 0 < refused < 400

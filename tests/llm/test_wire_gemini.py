@@ -272,7 +272,7 @@ def test_error_body_maps_endpoint_refusals():
         assert b == {"error": {"code": status, "message": "x", "status": name}}
 
 
-def test_fuzzed_bodies_give_400_never_a_crash():
+def test_fuzzed_bodies_give_400_never_a_crash_and_the_cache_changes_nothing():
     body = {"systemInstruction": {"role": "user", "parts": [{"text": "sys"}]},
             "contents": [{"role": "user", "parts": [{"text": "hi"}]},
                          {"role": "model", "parts": [{"text": "t", "thought": True}, {"text": "ok"},
@@ -291,5 +291,6 @@ def test_fuzzed_bodies_give_400_never_a_crash():
                                  "thinkingConfig": {"includeThoughts": True, "thinkingBudget": 10},
                                  "responseMimeType": "application/json", "responseJsonSchema": {"type": "object"}}}
     r = reply("x", CALLS, reasoning="y")
-    refused = fuzz(lambda b: W.parse(b, "m", True), lambda req: (W.response(r, req), W.stream_chunks(r, req)), body)
+    refused = fuzz(lambda b: W.parse(b, "m", True), lambda req: (W.response(r, req), W.stream_chunks(r, req)), body,
+                   cached=lambda b, c: W.parse(b, "m", True, cache=c))
     assert 0 < refused < 400

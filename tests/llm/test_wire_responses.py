@@ -285,7 +285,7 @@ def test_bad_input_gets_openai_error_shape(arun):
         assert needle in body["error"]["message"], (name, body)
 
 
-def test_fuzzed_bodies_give_400_never_a_crash():
+def test_fuzzed_bodies_give_400_never_a_crash_and_the_cache_changes_nothing():
     body = {"model": "m", "instructions": "sys", "stream": True, "store": False, "max_output_tokens": 100,
             "temperature": 0.5, "top_p": 0.9, "include": ["reasoning.encrypted_content"], "parallel_tool_calls": True,
             "reasoning": {"effort": "low"}, "tools": TOOLS, "tool_choice": {"type": "function", "name": "exec_command"},
@@ -305,5 +305,6 @@ def test_fuzzed_bodies_give_400_never_a_crash():
                       {"type": "local_shell_call_output", "call_id": "c3", "output": "c"}]}
     r = reply("x", CALLS, reasoning="y")
     refused = fuzz(W.parse, lambda req: (W.response(r, req), W.stream_events(r, req),
-                                         W.conversation_items(req, r)), body)
+                                         W.conversation_items(req, r)), body,
+                   cached=lambda b, c: W.parse(b, cache=c))
     assert 0 < refused < 400

@@ -138,19 +138,32 @@ def mutations(body: dict, n: int, seed: int = 0):
         yield p, b
 
 
-def fuzz(parse, render, body: dict, n: int = 400) -> int:
+def fuzz(parse, render, body: dict, n: int = 400, cached=None) -> int:
     """Every mutation of ``body`` is either parsed (and its reply rendered) or refused with a 400
-    EndpointError: never another exception. Returns how many were refused."""
+    EndpointError: never another exception. ``cached(body, cache)``: the same parse with a
+    history cache, which, primed with ``body``, must give exactly what ``parse`` gives (or the same
+    refusal). Returns how many were refused."""
     refused = 0
     for p, b in mutations(body, n):
+        if cached is not None:
+            cache: dict = {}
+            cached(body, cache)
+            try:
+                via_cache = cached(b, cache)
+            except EndpointError as e:
+                via_cache = ("refused", e.status, e.message)
+            except Exception:  # noqa: BLE001 - reported below, from the uncached parse
+                via_cache = None
         try:
             req = parse(b)
         except EndpointError as e:
             assert e.status == 400 and e.message, p
+            assert cached is None or via_cache == ("refused", e.status, e.message), p
             refused += 1
             continue
         except Exception as e:  # noqa: BLE001 - the point: a crash here would be a 500
             raise AssertionError(f"mutation at {p} raised {type(e).__name__}: {e}") from e
+        assert cached is None or via_cache == req, (p, via_cache, req)
         try:
             render(req)
         except Exception as e:  # noqa: BLE001
