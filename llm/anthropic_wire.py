@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import secrets
 from typing import Any
 
@@ -61,7 +62,10 @@ def error_body(e: EndpointError) -> bytes:
     kind = _ERROR_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
     msg = e.message
     if e.code == "context_length_exceeded" and not msg.startswith("prompt is too long"):
-        msg = f"prompt is too long: {msg}"
+        # Anthropic's own wording, "prompt is too long: N tokens > M maximum", when the numbers are known
+        n, m = re.search(r"(\d+) tokens", msg), re.search(r"context window (?:is|of) (\d+)", msg)
+        msg = f"prompt is too long: {n[1]} tokens > {m[1]} maximum ({msg})" if n and m else \
+            f"prompt is too long: {msg}"
     return dumps({"type": "error", "error": {"type": kind, "message": msg}, "request_id": None})
 
 

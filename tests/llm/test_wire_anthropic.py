@@ -285,8 +285,11 @@ def test_error_body_maps_endpoint_refusals():
     for e, kind in cases:
         b = json.loads(W.error_body(e))
         assert b["type"] == "error" and b["error"]["type"] == kind
-    b = json.loads(W.error_body(W.bad("the messages take 900 tokens", "messages", "context_length_exceeded")))
-    assert b["error"]["message"].startswith("prompt is too long")
+    b = json.loads(W.error_body(W.bad("the messages take 900 tokens; this job's context window is 512", "messages",
+                                      "context_length_exceeded")))
+    assert b["error"]["message"].startswith("prompt is too long: 900 tokens > 512 maximum")
+    b = json.loads(W.error_body(W.bad("backend: too long", "messages", "context_length_exceeded")))
+    assert b["error"]["message"] == "prompt is too long: backend: too long"
 
 
 def test_fuzzed_bodies_give_400_never_a_crash_and_the_cache_changes_nothing():
