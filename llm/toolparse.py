@@ -502,3 +502,91 @@ def parse_ids(parser: ToolParser, ids: Any, tokenizer: Any, tools: list[dict] | 
         if res.reasoning is not None:
             res.reasoning = res.reasoning.translate(table)
     return res
+
+
+# -- the OpenAI-compatible endpoint's side ----------------------------------------------------
+class CallIds:
+    """Tool-call ids between the model and an OpenAI-style agent, for one session.
+
+    The agent gets the id the model sampled where the family samples ids (Mistral's 9
+    characters; a call without a valid one gets the parser's deterministic id, which is what
+    the family's template then renders), else ``call_<n>_<k>``; an id the session already
+    handed out is replaced by ``call_<n>_<k>`` too (agents need unique ids). When the agent
+    sends the history back, :meth:`prepare` maps its ids back to the model's and gives a
+    tool message without a ``name`` the name of the call it answers (gpt-oss renders
+    ``functions.<name>``).
+    """
+
+    __slots__ = ("samples", "to_model", "names", "_n")
+
+    def __init__(self, tokenizer: Any = None, *, samples: bool | None = None) -> None:
+        if samples is None:
+            from .families import family_of
+
+            fam = family_of(tokenizer) if tokenizer is not None else None
+            samples = bool(fam is not None and fam.samples_call_ids)
+        self.samples = samples
+        self.to_model: dict[str, str] = {}  # id the agent got -> id the model wrote
+        self.names: dict[str, str] = {}  # id the agent got -> function name
+        self._n = 0
+
+    def assign(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """OpenAI ``tool_calls`` entries for these calls (ids recorded)."""
+        n, self._n = self._n, self._n + 1
+        out = []
+        for k, c in enumerate(calls):
+            oid = c.id if self.samples and c.id and c.id not in self.to_model else f"call_{n}_{k}"
+            self.to_model[oid] = c.id if self.samples and c.id else oid
+            self.names[oid] = c.name
+            d = c.to_openai()
+            d["id"] = oid
+            out.append(d)
+        return out
+
+    def prepare(self, msgs: list[dict]) -> list[dict]:
+        """Template messages of a request with the model's call ids and resolved tool names."""
+        names = self.names
+        local: dict[str, str] | None = None
+        out = []
+        for m in msgs:
+            role = m.get("role")
+            if role == "assistant" and m.get("tool_calls"):
+                tcs = []
+                for tc in m["tool_calls"]:
+                    tid = tc.get("id")
+                    fn = tc.get("function") or {}
+                    if isinstance(tid, str) and isinstance(fn.get("name"), str):
+                        local = local if local is not None else {}
+                        local[tid] = fn["name"]
+                    tcs.append({**tc, "id": self.to_model[tid]} if tid in self.to_model else tc)
+                m = {**m, "tool_calls": tcs}
+            elif role == "tool":
+                tid = m.get("tool_call_id")
+                upd: dict[str, Any] = {}
+                if not m.get("name") and isinstance(tid, str):
+                    name = (local or {}).get(tid) or names.get(tid)
+                    if name:
+                        upd["name"] = name
+                if tid in self.to_model:
+                    upd["tool_call_id"] = self.to_model[tid]
+                if upd:
+                    m = {**m, **upd}
+            out.append(m)
+        return out
+
+
+def parse_reply(ids: Any, tokenizer: Any, parser: ToolParser, tools: list[dict] | None = None, *,
+                call_ids: CallIds | None = None, parse_calls: bool = True) -> tuple[ParseResult, list[dict]]:
+    """An assistant reply as an OpenAI-compatible endpoint returns it: ``(result, tool_calls)``.
+
+    ``result.content`` is the text without markup (None when there is none), ``result.reasoning``
+    the reasoning, ``tool_calls`` the OpenAI entries (ids from ``call_ids``); all from the ids.
+    With ``parse_calls`` False (``tool_choice: none``) calls are not returned: a message that
+    holds one comes back as its text."""
+    res = parse_ids(parser, ids, tokenizer, tools)
+    if not parse_calls:
+        if res.calls or res.errors:
+            res.content = (res.text or "").strip() or None
+        return res, []
+    calls = res.calls
+    return res, (call_ids.assign(calls) if call_ids is not None else [c.to_openai() for c in calls])

@@ -118,3 +118,75 @@ def test_family_through_openai_endpoint(family, scripted, arun):
     check_exact(tok, t, ep.seen)
     assert t["metrics"]["segments"] == 1  # the sampled turn was reused, not re-rendered
     assert [ids for _, ids, _ in ep.seen] == turns
+
+
+# -- reference equality through the endpoint (issue 26.4-5, issue 28.1) ---------------------------
+FINAL = {"qwen3": "Done.<|im_end|>", "qwen3_coder": "Done.<|im_end|>", "llama3": "Done.<|eot_id|>",
+         "mistral": "Done.</s>", "gpt_oss": "<|channel|>final<|message|>Done.<|return|>",
+         "deepseek_v31": "Done.<｜end▁of▁sentence｜>"}
+
+
+@pytest.mark.parametrize("mode", ["skip", "keep"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_endpoint_equals_reference(family, mode, scripted, arun):
+    """An OpenAI-SDK agent through the endpoint, no parser configured (the tokenizer's family
+    picks it), the backend's text detokenized with special tokens skipped or kept (never used):
+    the replies carry no markup, the reasoning, the calls with their control-token text and
+    typed parameters, Mistral's sampled call ids; the agent's tool messages have no ``name``;
+    what the backend is finally sent equals the family's reference id for id."""
+    import numpy as np
+    import openai
+    from rolloutd.llm.client import LLMClient, simple_generate
+    from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
+
+    from .test_families_ids import HEAD, TOOLS, assert_same_ids, reference_case
+
+    case = reference_case(family)
+    tok = case.tok
+    final = tok.encode(FINAL[family], add_special_tokens=False)
+    be = scripted(str(family_dir_or_skip(family)), Ids(case.turns + [final]))
+    seen: list[list[int]] = []
+
+    async def main():
+        llm = LLMClient(be.url, timeout=60)
+        inner = simple_generate(llm, "b0", 7)
+
+        async def generate(ids, params):
+            g, b, v = await inner(ids, params)
+            g.text = tok.decode(g.token_ids.tolist(), skip_special_tokens=mode == "skip")
+            seen.append(np.asarray(ids).tolist())
+            return g, b, v
+
+        session = EndpointSession(generate, tok, limits=EndpointLimits(max_context=8192))
+        server = await serve(make_app(session), host="127.0.0.1", port=0)
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0)
+        try:
+            msgs, replies = list(HEAD), []
+            for results in case.results:
+                r = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+                replies.append(r)
+                m = r.choices[0].message
+                msgs.append(m.model_dump(exclude_none=True))
+                for tc, out in zip(m.tool_calls or [], results):  # OpenAI style: no name
+                    msgs.append({"role": "tool", "tool_call_id": tc.id, "content": out})
+            replies.append(await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS))
+            return session, replies
+        finally:
+            await client.close()
+            await server.stop()
+            await llm.aclose()
+
+    session, replies = arun(main())
+    for i, r in enumerate(replies[:-1]):
+        m = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == case.calls[i]
+        if case.call_ids:  # the ids the model sampled, not the endpoint's
+            assert [c.id for c in m.tool_calls] == case.call_ids[i]
+        assert m.content == case.content  # no markup; null when there is none
+        assert (m.model_extra or {}).get("reasoning_content") == case.reasoning
+    last = replies[-1].choices[0]
+    assert last.finish_reason == "stop" and last.message.content == "Done." and not last.message.tool_calls
+    assert_same_ids(seen[-1], case.want, tok)
+    t = session.trajectory()
+    assert t["metrics"]["segments"] == 1 and t["metrics"]["malformed_tool_calls"] == 0

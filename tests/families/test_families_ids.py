@@ -177,8 +177,28 @@ def assistant_message(family: str, calls) -> dict:
     return m
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_coder", "llama3", "deepseek_v31"])
-def test_template_family_hard_cases_equal_reference(family):
+@dataclass
+class Case:
+    """One family's reference conversation: the sampled turns (ids taken from the reference),
+    the calls each holds, the tool results after each, and the reference ids of the whole
+    conversation up to the next generation prompt."""
+
+    tok: object
+    head: list[dict]
+    turns: list[list[int]]
+    calls: list[list[tuple[str, dict]]]
+    results: list[list[str]]
+    want: list[int]
+    want_prompt: list[int]
+    call_ids: list[list[str]] | None = None  # ids the model wrote (Mistral)
+    reasoning: str | None = None
+    content: str | None = None
+
+
+HEAD = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
+
+
+def template_case(family: str) -> Case:
     tok = family_or_skip(family)
     if family in ("qwen3", "qwen3_coder"):
         specials, enc = _qwen_encoder()
@@ -188,8 +208,7 @@ def test_template_family_hard_cases_equal_reference(family):
         specials, enc = _deepseek_encoder(tok)
     strings = sorted(specials, key=len, reverse=True)
     calls = calls_of(family)
-    head = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
-    full = head + [assistant_message(family, calls)] + [
+    full = HEAD + [assistant_message(family, calls)] + [
         {"role": "tool", "name": n, "tool_call_id": f"call_{i}", "content": r}
         for i, ((n, _), r) in enumerate(zip(calls, results_of(family)))]
 
@@ -197,21 +216,16 @@ def test_template_family_hard_cases_equal_reference(family):
         text = tok.apply_chat_template(hide(msgs, strings), tools=TOOLS, tokenize=False, add_generation_prompt=gp)
         return reference_encode(text, specials, enc, strings)
 
-    want_prompt, want = ref(head), ref(full)
+    want_prompt, want = ref(HEAD), ref(full)
     assert want[:len(want_prompt)] == want_prompt
     ends = {tok.convert_tokens_to_ids(t) for t in get_family(family).end_tokens}
     k = next(i for i in range(len(want_prompt), len(want)) if want[i] in ends)
-    sampled = want[len(want_prompt):k + 1]
-    conv = Conversation(tok, head, tools=TOOLS)
-    assert_same_ids(conv.context_ids, want_prompt, tok)
-    res = loop_turn(conv, tok, family, sampled)
-    assert [(c.name, c.arguments) for c in res.calls] == calls  # typed (qwen3_coder), control text intact
-    conv.add_messages([{"role": "tool", "name": c.name, "tool_call_id": c.id, "content": r}
-                       for c, r in zip(res.calls, results_of(family))])
-    assert_same_ids(conv.context_ids, want, tok)
+    return Case(tok, HEAD, [want[len(want_prompt):k + 1]], [calls], [results_of(family)], want, want_prompt,
+                reasoning=REASONING if family == "qwen3" else None,
+                content=None if family == "llama3" else "I will check.")
 
 
-def test_mistral_hard_cases_equal_mistral_common():
+def mistral_case() -> Case:
     tok = family_or_skip("mistral")
     mc = need("mistral_common", "mistral-common")
     from pathlib import Path
@@ -234,18 +248,11 @@ def test_mistral_hard_cases_equal_mistral_common():
         ToolMessage(content=r, tool_call_id=i) for r, i in zip(results_of("mistral"), ids)]
     want = ref.encode_chat_completion(ChatCompletionRequest(messages=full, tools=tools)).tokens
     k = want.index(2, len(want_prompt))  # </s> closes the sampled turn
-    sampled = want[len(want_prompt):k + 1]
-    conv = Conversation(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}], tools=TOOLS)
-    assert_same_ids(conv.context_ids, want_prompt, tok)
-    res = loop_turn(conv, tok, "mistral", sampled)
-    assert [(c.name, c.arguments, c.id) for c in res.calls] == [(n, a, i) for (n, a), i in zip(calls, ids)]
-    assert res.content is None
-    conv.add_messages([{"role": "tool", "name": c.name, "tool_call_id": c.id, "content": r}
-                       for c, r in zip(res.calls, results_of("mistral"))])
-    assert_same_ids(conv.context_ids, want, tok)
+    return Case(tok, HEAD, [want[len(want_prompt):k + 1]], [calls], [results_of("mistral")], want, want_prompt,
+                call_ids=[ids])
 
 
-def test_gpt_oss_hard_cases_equal_openai_harmony():
+def gpt_oss_case() -> Case:
     tok = family_or_skip("gpt_oss")
     oh = need("openai_harmony", "openai-harmony")
     enc = harmony_encoding()
@@ -257,27 +264,52 @@ def test_gpt_oss_hard_cases_equal_openai_harmony():
                                                t["function"]["name"], t["function"]["description"],
                                                parameters=t["function"]["parameters"]) for t in TOOLS]))
     msgs = [system, dev, oh.Message.from_role_and_content(oh.Role.USER, USER)]
-    conv = Conversation(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}], tools=TOOLS)
-    want_prompt = enc.render_conversation_for_completion(oh.Conversation.from_messages(msgs), oh.Role.ASSISTANT)
-    assert_same_ids(conv.context_ids, want_prompt, tok)
+    render = lambda: enc.render_conversation_for_completion(oh.Conversation.from_messages(msgs), oh.Role.ASSISTANT)  # noqa: E731
+    want_prompt = render()
+    turns = []
     for (name, args), result in zip(calls, results):
-        before = enc.render_conversation_for_completion(oh.Conversation.from_messages(msgs), oh.Role.ASSISTANT)
+        before = render()
         msgs += [oh.Message.from_role_and_content(oh.Role.ASSISTANT, REASONING).with_channel("analysis"),
                  oh.Message.from_role_and_content(oh.Role.ASSISTANT, json.dumps(args, ensure_ascii=False))
                  .with_channel("commentary").with_recipient(f"functions.{name}").with_content_type("<|constrain|>json")]
-        after = enc.render_conversation_for_completion(oh.Conversation.from_messages(msgs), oh.Role.ASSISTANT)
-        sampled = after[len(before):]
+        sampled = render()[len(before):]
         sampled = sampled[:sampled.index(200012) + 1]  # through <|call|>
         # harmony's own parser reads the sampled ids as ours does
         parsed = enc.parse_messages_from_completion_tokens(sampled, oh.Role.ASSISTANT)
-        res = loop_turn(conv, tok, "gpt_oss", sampled)
-        assert [(c.name, c.arguments) for c in res.calls] == [(name, args)]
         assert parsed[-1].recipient == f"functions.{name}" and json.loads(parsed[-1].content[0].text) == args
-        assert res.reasoning == parsed[0].content[0].text == REASONING and res.content is None
+        assert parsed[0].content[0].text == REASONING
+        turns.append(sampled)
         msgs.append(oh.Message.from_author_and_content(oh.Author.new(oh.Role.TOOL, f"functions.{name}"), result)
                     .with_channel("commentary").with_recipient("assistant"))
-        # OpenAI-style tool message: no name (the loop passes it; the endpoint resolves it from the id)
-        conv.add_messages([{"role": "tool", "name": res.calls[0].name, "tool_call_id": res.calls[0].id,
-                            "content": result}])
-        want = enc.render_conversation_for_completion(oh.Conversation.from_messages(msgs), oh.Role.ASSISTANT)
-        assert_same_ids(conv.context_ids, want, tok)
+    return Case(tok, HEAD, turns, [[c] for c in calls], [[r] for r in results], render(), want_prompt,
+                reasoning=REASONING)
+
+
+def reference_case(family: str) -> Case:
+    if family == "mistral":
+        return mistral_case()
+    if family == "gpt_oss":
+        return gpt_oss_case()
+    return template_case(family)
+
+
+FAMILIES = ["deepseek_v31", "gpt_oss", "llama3", "mistral", "qwen3", "qwen3_coder"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_built_in_loop_equals_reference(family):
+    """The agent loop's path: parse_ids on the sampled ids, tool messages from the parsed calls."""
+    case = reference_case(family)
+    tok = case.tok
+    conv = Conversation(tok, case.head, tools=TOOLS)
+    assert_same_ids(conv.context_ids, case.want_prompt, tok)
+    for i, (sampled, calls, results) in enumerate(zip(case.turns, case.calls, case.results)):
+        res = loop_turn(conv, tok, family, sampled)
+        # control-token text in arguments intact, parameters typed from the tools (qwen3_coder)
+        assert [(c.name, c.arguments) for c in res.calls] == calls
+        if case.call_ids:
+            assert [c.id for c in res.calls] == case.call_ids[i]
+        assert res.reasoning == case.reasoning and res.content == case.content, (res.reasoning, res.content)
+        conv.add_messages([{"role": "tool", "name": c.name, "tool_call_id": c.id, "content": r}
+                           for c, r in zip(res.calls, results)])
+    assert_same_ids(conv.context_ids, case.want, tok)
