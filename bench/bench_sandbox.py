@@ -14,6 +14,11 @@
 2. bwrap sandbox start (create() until the tool server answers a ping), sequential.
 3. 128 sandboxes at once: start all, one action in each (AsyncToolClient, concurrently),
    destroy all; then verify nothing leaked (processes, dirs, loopback addresses).
+4. Issue 24 (--hardening-only runs just this), before/after in one run, interleaved:
+   `true` round trip and sandbox ready with the tool server non-dumpable vs left dumpable
+   (SandboxSpec.env ROLLOUTD_UNSAFE_DUMPABLE=1: the baseline knob), and the eval start-up of
+   grading: the old path (bash `restart: true` + the command in the fresh shell) vs the grade
+   tool (purge + fresh process), each after the agent left N background processes.
 Medians are the headline (the machine is shared and noisy); p99 is reported too.
 """
 from __future__ import annotations
@@ -260,6 +265,79 @@ def bench_fleet(root: Path, count: int, workers: int) -> Dict[str, object]:
     }
 
 
+def bench_hardening(root: Path, n: int, n_start: int, leftovers: int = 5) -> Dict[str, object]:
+    rt = get_runtime("bwrap", root_dir=root / "hardening")
+    unsafe = SandboxSpec(env={"ROLLOUTD_UNSAFE_DUMPABLE": "1"})
+    res: Dict[str, object] = {}
+    # sandbox ready, alternating the two variants
+    ready: Dict[str, List[float]] = {"hardened": [], "dumpable": []}
+    for i in range(2 * (n_start + 1)):
+        kind = "hardened" if i % 2 == 0 else "dumpable"
+        t0 = time.perf_counter()
+        h = rt.create("ready-%d" % i, SandboxSpec() if kind == "hardened" else unsafe)
+        if i >= 2:
+            ready[kind].append(time.perf_counter() - t0)
+        rt.destroy(h)
+    res["ready"] = {k: summarize(v) for k, v in ready.items()}
+    hs = {"hardened": rt.create("lat-h", SandboxSpec()), "dumpable": rt.create("lat-d", unsafe)}
+    cs = {k: ToolClient(h.tool_socket) for k, h in hs.items()}
+    try:
+        info = {k: c.ping().info.get("hardened") for k, c in cs.items()}
+        assert info == {"hardened": True, "dumpable": False}, info
+        lat: Dict[str, List[float]] = {k: [] for k in cs}
+        for _ in range(5):
+            for c in cs.values():
+                c.call("bash", {"command": "true", "timeout": 30})
+        for _ in range(n):
+            for k, c in cs.items():
+                t0 = time.perf_counter()
+                r = c.call("bash", {"command": "true", "timeout": 30})
+                lat[k].append(time.perf_counter() - t0)
+                assert r.exit_code == 0, r
+        res["true"] = {k: summarize(v) for k, v in lat.items()}
+        # eval start-up: old path vs grade, in the hardened sandbox, after `leftovers` processes
+        c = cs["hardened"]
+        plant = " ".join("sleep 1000 &" for _ in range(leftovers)) + " true"
+        ev: Dict[str, List[float]] = {"old_restart_bash": [], "grade": []}
+        purge_ms: List[float] = []
+        for i in range(max(6, n // 5)):
+            for k in ("old_restart_bash", "grade"):
+                c.call("bash", {"command": plant, "timeout": 30})
+                t0 = time.perf_counter()
+                if k == "grade":
+                    r = c.call("grade", {"argv": ["true"], "timeout": 30})
+                    purge_ms.append(r.info["purged"]["purge_ms"])
+                else:
+                    r = c.call("bash", {"command": "true", "restart": True, "timeout": 30})
+                dt = time.perf_counter() - t0
+                assert r.exit_code == 0 and r.error is None, r
+                if i >= 1:
+                    ev[k].append(dt)
+        res["eval_startup"] = {k: summarize(v) for k, v in ev.items()}
+        res["eval_startup"]["grade_purge_ms_median"] = statistics.median(purge_ms)
+        res["eval_startup"]["leftovers"] = leftovers
+    finally:
+        for c in cs.values():
+            c.close()
+        for h in hs.values():
+            rt.destroy(h)
+    return res
+
+
+def report_hardening(h: Dict[str, object]) -> None:
+    print("issue 24, same run, interleaved (hardened = non-dumpable tool server; dumpable = baseline):")
+    for what in ("true", "ready"):
+        r = h[what]
+        print("  %-6s median ms: hardened %.2f (p99 %.2f, n=%d) / dumpable %.2f (p99 %.2f): %.2fx" % (
+            what, r["hardened"]["median_ms"], r["hardened"]["p99_ms"], r["hardened"]["n"],
+            r["dumpable"]["median_ms"], r["dumpable"]["p99_ms"], r["hardened"]["median_ms"] / r["dumpable"]["median_ms"]))
+    e = h["eval_startup"]
+    print("  eval start-up after %d leftover processes, median ms: old path (bash restart + true) %.2f (p99 %.2f) / "
+          "grade true %.2f (p99 %.2f, purge %.2f ms of it), n=%d" % (
+              e["leftovers"], e["old_restart_bash"]["median_ms"], e["old_restart_bash"]["p99_ms"],
+              e["grade"]["median_ms"], e["grade"]["p99_ms"], e["grade_purge_ms_median"], e["grade"]["n"]))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
@@ -269,6 +347,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--ref-toolserver", type=Path, metavar="DIR",
                     help="also time this tool server source dir (before/after), e.g. from "
                          "`git archive OLD sandbox/toolserver | tar -x -C /tmp/old`: DIR=/tmp/old/sandbox/toolserver")
+    ap.add_argument("--hardening-only", action="store_true", help="only section 4 (issue 24 before/after)")
     ns = ap.parse_args(argv)
     n_lat, n_start = (20, 5) if ns.quick else (150, 40)
     fleet = ns.fleet if ns.fleet is not None else (8 if ns.quick else 128)
@@ -278,13 +357,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     out: Dict[str, object] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
                                           "loadavg_at_start": os.getloadavg()}}
     try:
-        out.update(bench_latency(root, n_lat, out, ns.ref_toolserver))
-        out["startup_bwrap"] = bench_startup(root, n_start)
-        out["fleet"] = bench_fleet(root, fleet, ns.workers)
+        if not ns.hardening_only:
+            out.update(bench_latency(root, n_lat, out, ns.ref_toolserver))
+            out["startup_bwrap"] = bench_startup(root, n_start)
+            out["fleet"] = bench_fleet(root, fleet, ns.workers)
+        out["hardening"] = bench_hardening(root, n_lat * 2, n_start)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     out["wall_s"] = time.perf_counter() - t_all
-    report(out)
+    if not ns.hardening_only:
+        report(out)
+    report_hardening(out["hardening"])
     if ns.json:
         ns.json.write_text(json.dumps(out, indent=1))
     return 0

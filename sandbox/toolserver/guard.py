@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 import time
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from .errors import ToolError
 from .procs import MANAGED, SPAWN_LOCK, _children_map, _stat_rows, descendants
@@ -35,9 +35,12 @@ class Sealed(ToolError):
     """A process was to start while a grade call owns the sandbox."""
 
 
-def harden() -> bool:
-    """Make this process non-dumpable (see the module docstring). False if the kernel refused."""
-    if os.environ.get("ROLLOUTD_UNSAFE_DUMPABLE") == "1":  # bench/bench_sandbox.py's baseline only
+def harden(session_env: Optional[dict] = None) -> bool:
+    """Make this process non-dumpable (see the module docstring). False if the kernel refused.
+
+    ROLLOUTD_UNSAFE_DUMPABLE=1 in the sandbox's env (SandboxSpec.env, written by the host before
+    start) leaves it dumpable: bench/bench_sandbox.py's same-run baseline, nothing else."""
+    if (session_env or {}).get("ROLLOUTD_UNSAFE_DUMPABLE") == "1":
         return False
     try:
         return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0

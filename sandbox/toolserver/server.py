@@ -106,7 +106,7 @@ class ToolServer:
     def serve_forever(self) -> None:
         from .guard import harden
 
-        self.hardened = harden()  # before any agent process exists (see guard.py)
+        self.hardened = harden(self.cfg.get("env"))  # before any agent process exists (see guard.py)
         home = self.cfg.get("home")
         if home:
             os.makedirs(home, exist_ok=True)
