@@ -20,6 +20,7 @@ import re
 from ..toolparse import ParseResult, ToolCall, ToolParser, _snippet, strip_suffixes
 
 FORMAT_HINT = 'Expected format: [TOOL_CALLS][{"name": <function-name>, "arguments": <args-json-object>}]'
+FORMAT_HINT_V11 = "Expected format: [TOOL_CALLS]<function-name>[ARGS]<args-json-object>"
 _ID = re.compile(r"^[A-Za-z0-9]{9}$")
 _ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
@@ -37,8 +38,8 @@ class MistralParser(ToolParser):
     def __init__(self, max_calls: int = 32) -> None:
         self.max_calls = max_calls
 
-    def _error(self, res: ParseResult, idx: int, msg: str) -> None:
-        res.error(f"Error: tool call #{idx + 1} is malformed: {msg}. {FORMAT_HINT}")
+    def _error(self, res: ParseResult, idx: int, msg: str, hint: str = FORMAT_HINT) -> None:
+        res.error(f"Error: tool call #{idx + 1} is malformed: {msg}. {hint}")
 
     def parse(self, text: str) -> ParseResult:
         text = strip_suffixes(text, ("</s>",))
@@ -77,36 +78,36 @@ class MistralParser(ToolParser):
         try:
             obj = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError as e:
-            self._error(res, n, f"invalid JSON arguments of {name.strip()!r} ({e.msg})")
+            self._error(res, n, f"invalid JSON arguments of {name.strip()!r} ({e.msg})", FORMAT_HINT_V11)
             return n + 1
         item = {"name": name.strip(), "arguments": obj}
         if cid.strip():
             item["id"] = cid.strip()
-        return self._one(res, n, item, "[TOOL_CALLS]" + block)
+        return self._one(res, n, item, "[TOOL_CALLS]" + block, FORMAT_HINT_V11)
 
-    def _one(self, res: ParseResult, n: int, item: object, raw: str) -> int:
+    def _one(self, res: ParseResult, n: int, item: object, raw: str, hint: str = FORMAT_HINT) -> int:
         if n >= self.max_calls:
             if n == self.max_calls:
-                self._error(res, n, f"too many tool calls in one message (max {self.max_calls}); the rest were ignored")
+                self._error(res, n, f"too many tool calls in one message (max {self.max_calls}); the rest were ignored", hint)
             return n + 1
         if not isinstance(item, dict):
-            self._error(res, n, f"each call must be a JSON object, got {type(item).__name__}")
+            self._error(res, n, f"each call must be a JSON object, got {type(item).__name__}", hint)
             return n + 1
         name = item.get("name")
         if not isinstance(name, str) or not name.strip():
-            self._error(res, n, 'missing or empty "name"')
+            self._error(res, n, 'missing or empty "name"', hint)
             return n + 1
         args = item.get("arguments", {})
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError as e:
-                self._error(res, n, f'"arguments" is a string that is not valid JSON ({e.msg})')
+                self._error(res, n, f'"arguments" is a string that is not valid JSON ({e.msg})', hint)
                 return n + 1
         if args is None:
             args = {}
         if not isinstance(args, dict):
-            self._error(res, n, f'"arguments" must be a JSON object, got {type(args).__name__}')
+            self._error(res, n, f'"arguments" must be a JSON object, got {type(args).__name__}', hint)
             return n + 1
         cid = item.get("id")
         if not (isinstance(cid, str) and _ID.match(cid)):

@@ -356,3 +356,22 @@ def test_family_parsers_never_raise(pieces):
         res = get_parser(name).parse(text)
         assert len(res.items) == len(res.calls) + len(res.errors)
         res.to_openai_message()
+
+
+def test_mistral_v11_errors_name_the_v11_format():
+    p = get_parser("mistral")
+    (err,) = p.parse("[TOOL_CALLS]bash[ARGS]{bad").errors
+    assert "[TOOL_CALLS]<function-name>[ARGS]" in err and '[{"name"' not in err
+    (err,) = p.parse('[TOOL_CALLS][{"name": "bash", "arguments": 3}]').errors
+    assert '[TOOL_CALLS][{"name"' in err
+
+
+def test_trie_pattern_matches_like_the_flat_alternation():
+    import re
+
+    from rolloutd.llm.tokenizer_utils import trie_pattern
+
+    words = ["<|a|>", "<|ab|>", "<|a", "[X]", "[X][Y]", "x"]
+    flat = re.compile("|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)))
+    text = "<|ab|> <|a|> <|a [X][Y] [X] x <| [Y"
+    assert [m.group(0) for m in trie_pattern(words).finditer(text)] == [m.group(0) for m in flat.finditer(text)]
