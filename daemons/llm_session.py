@@ -10,12 +10,23 @@ Getting a lease has one budget (``lease_wait_s``): the router holds a request wh
 backend is busy, unhealthy or not yet registered, and an ``unavailable`` answer (the router
 stopping, or silent because it died) is retried within that budget rather than failing the
 job. Requests a dead router took with it are re-sent when its successor is seen.
+
+``stale_policy = "continue"`` (``continue_stale``): when the run daemon learns that the version of
+this job's lease is past ``max_policy_lag`` it calls :meth:`LLMSession.interrupt`. A call in flight
+is aborted (SGLang: ``/abort_request`` by rid, which returns the tokens sampled so far; vLLM: the
+connection is closed, which aborts it and returns nothing) and comes back as a generation with
+``finish_reason == "abort"``, recorded at the old version; the caller continues the same
+assistant message (the agent loop and the OpenAI endpoint already do after a server abort), and
+that next call goes to a new lease on a current server.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import time
+import uuid
+
+import numpy as np
 
 from rolloutd.bus import codec
 from rolloutd.bus.messages import BackendFailed, Lease, Release
@@ -147,7 +158,7 @@ class ClientCache:
 
 class LLMSession:
     def __init__(self, router: RouterClient, clients: ClientCache, job_id: int, lease_wait_s: float = 60.0,
-                 call_timeout_s: float | None = None, is_stale=None):
+                 call_timeout_s: float | None = None, is_stale=None, continue_stale: bool = False):
         self.router = router
         self.clients = clients
         self.job_id = job_id
@@ -157,6 +168,9 @@ class LLMSession:
         self.failed: list[str] = []
         self.calls = 0
         self.is_stale = is_stale or (lambda version: False)
+        self.continue_stale = continue_stale
+        self._call: tuple | None = None  # (task, rid, client) of the generation in flight
+        self.interrupted = 0  # calls aborted by interrupt()
 
     @property
     def policy_version(self) -> int | None:
@@ -180,13 +194,15 @@ class LLMSession:
                 await asyncio.sleep(0.2)
 
     async def acquire(self) -> dict:
+        if self.lease is not None and self.continue_stale and self.is_stale(self.lease["policy_version"]):
+            await self.close()  # continue: what is left of this job runs on a current server
         for _ in range(3):
             if self.lease is not None:
                 return self.lease
             self.lease = await self._request_lease()
             if not self.is_stale(self.lease["policy_version"]):
                 return self.lease
-            if self.calls:
+            if self.calls and not self.continue_stale:
                 # Part of this job already ran on the old version: the daemon's staleness policy decides.
                 raise StaleLease(self.lease["policy_version"])
             await self.close()  # granted just before a swap and not yet used: lease again
@@ -198,10 +214,27 @@ class LLMSession:
         for _ in range(MAX_FAILOVERS + 1):
             lease = await self.acquire()
             client = self.clients.get(lease["address"], lease["api"])
+            version = lease["policy_version"]  # the version that samples this call's tokens
+            rid = f"rolloutd-{self.job_id}-{uuid.uuid4().hex[:12]}" if lease["api"] == "sglang" else None
+            task = asyncio.ensure_future(client.generate(prompt_ids, params, timeout=self.call_timeout_s, rid=rid))
+            self._call = (task, rid, client)
             try:
-                g = await client.generate(prompt_ids, params, timeout=self.call_timeout_s)
+                await asyncio.wait({task})
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            finally:
+                self._call = None
+            try:
+                if task.cancelled():  # interrupt() closed the connection (vLLM's abort): no tokens come back
+                    from rolloutd.llm.client import Generation
+
+                    g = Generation(token_ids=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
+                                   finish_reason="abort")
+                else:
+                    g = task.result()
                 self.calls += 1
-                return g, lease["backend_id"], lease["policy_version"]
+                return g, lease["backend_id"], version
             except BackendError as e:
                 self.failed.append(lease["backend_id"])
                 self.lease = None
@@ -212,6 +245,30 @@ class LLMSession:
                     pass
                 last = e
         raise last
+
+    def interrupt(self) -> bool:
+        """The lease's version is past the lag bound (``continue``): abort the call in flight, if
+        any; it returns as an ``abort`` generation and the next call leases a current server.
+        Between calls there is nothing to abort: the next ``acquire`` re-leases."""
+        call = self._call
+        if call is None:
+            return False
+        task, rid, client = call
+        self.interrupted += 1
+        if rid is None:
+            task.cancel()
+        else:
+            async def abort():
+                if not await client.abort(rid):
+                    task.cancel()  # the server would not abort it: closing the connection does
+            self._aborting = asyncio.get_running_loop().create_task(abort())  # referenced until done
+        return True
+
+    def backend_versioned(self, backend_id: str, version: int):
+        """The lease's server was registered again at ``version`` (weights reloaded in place):
+        later calls on it are recorded at that version."""
+        if self.lease is not None and self.lease["backend_id"] == backend_id:
+            self.lease["policy_version"] = version
 
     async def close(self):
         lease, self.lease = self.lease, None

@@ -189,7 +189,7 @@ class PhaseDaemon(Daemon):
         except (asyncio.CancelledError, StaleLease) as e:
             outcome = self.why_cancelled.pop(job.job_id, "cancelled")
             if isinstance(e, StaleLease):
-                outcome = "requeue" if self.cfg.section("router")["stale_policy"] == "abort_requeue" else "stale"
+                outcome = "requeue" if self.cfg.section("router")["stale_policy"] in ("abort_requeue", "continue") else "stale"
             if outcome == "stale":
                 ctx.fail(self.phase, StalePolicy("the policy version moved on past max_policy_lag"), status="failed")
                 ctx.trajectory["stale"] = True
@@ -281,6 +281,7 @@ class PhaseDaemon(Daemon):
         if outcome == "requeue":
             # Run again from scratch on the new policy: the gateway re-dispatches it (attempt + 1).
             ctx.trajectory["requeue_cause"] = "stale policy version (abort_requeue)"
+            ctx.trajectory["stale"] = True  # counts against max_attempts (a handed-back job does not)
             msg = Result(job_id=job.job_id, attempt=job.attempt, trajectory=ctx.trajectory, node=self.node, requeue=True)
             await self.push_results.send_multipart(codec.encode(msg.to_wire()), copy=False)
             return
@@ -534,8 +535,9 @@ class RunDaemon(PhaseDaemon):
         self.sessions: dict[int, object] = {}
         self.max_lag = int(rcfg["max_policy_lag"])
         self.stale_policy = rcfg["stale_policy"]
-        if self.stale_policy not in ("finish", "abort_requeue", "drop"):
-            raise ValueError(f"router.stale_policy must be finish, abort_requeue or drop, not {self.stale_policy!r}")
+        if self.stale_policy not in ("finish", "abort_requeue", "drop", "continue"):
+            raise ValueError(f"router.stale_policy must be finish, abort_requeue, drop or continue, "
+                             f"not {self.stale_policy!r}")
         self.current_version = 0
         self.control.setsockopt(_SUBSCRIBE, b"backend.added")
         self.control.setsockopt(_SUBSCRIBE, b"backend.cleared")
@@ -564,7 +566,8 @@ class RunDaemon(PhaseDaemon):
             from rolloutd.daemons.llm_session import LLMSession
 
             ctx.llm = self.sessions[ctx.job_id] = LLMSession(self.router, self.llm_clients, ctx.job_id,
-                                                             is_stale=self._is_stale)
+                                                             is_stale=self._is_stale,
+                                                             continue_stale=self.stale_policy == "continue")
 
     async def after_phase(self, ctx):
         session = self.sessions.pop(ctx.job_id, None)
@@ -586,6 +589,8 @@ class RunDaemon(PhaseDaemon):
                 asyncio.get_running_loop().create_task(self._router_seen(body.get("incarnation")))
         elif topic == "backend.added":
             v = int(body.get("policy_version", 0))
+            for session in self.sessions.values():  # a server reloaded in place: its leases are at v now
+                session.backend_versioned(body.get("id"), v)
             if v > self.current_version:
                 self.current_version = v
                 self._enforce_staleness()
@@ -609,6 +614,12 @@ class RunDaemon(PhaseDaemon):
         for jid, session in list(self.sessions.items()):
             pv = session.policy_version
             if pv is not None and self._is_stale(pv):
+                if self.stale_policy == "continue":
+                    # Abort the generation in flight; the job continues it on a current server.
+                    if session.interrupt():
+                        self.log.info("stale_generation_interrupted", job_id=jid, policy_version=pv,
+                                      current=self.current_version)
+                    continue
                 held = self.inflight.get(jid)
                 if held is not None:
                     self.why_cancelled[jid] = "requeue" if self.stale_policy == "abort_requeue" else "stale"

@@ -115,12 +115,21 @@ class SyntheticLLMHandler(SyntheticHandler):
         response, logprobs, turns = [], [], []
         for i in range(calls):
             context = np.concatenate([prompt, *response]) if response else prompt
-            g, backend, version = await ctx.llm(context, params)
-            start = sum(len(r) for r in response)
-            response.append(np.asarray(g.token_ids, dtype=np.int32))
-            logprobs.append(np.asarray(g.logprobs, dtype=np.float32))
-            turns.append({"span": [start, start + len(g.token_ids)], "finish_reason": g.finish_reason,
-                          "backend": backend, "policy_version": version})
+            continuation = False
+            while True:  # an aborted generation (a swap under stale_policy=continue) is continued, same call
+                g, backend, version = await ctx.llm(context, params)
+                start = sum(len(r) for r in response)
+                response.append(np.asarray(g.token_ids, dtype=np.int32))
+                logprobs.append(np.asarray(g.logprobs, dtype=np.float32))
+                turns.append({"span": [start, start + len(g.token_ids)], "start": start, "end": start + len(g.token_ids),
+                              "finish_reason": g.finish_reason, "backend": backend, "policy_version": version,
+                              "continuation": continuation})
+                if g.finish_reason != "abort" or len(turns) > 4 * calls:
+                    break
+                continuation = True
+                context = np.concatenate([prompt, *response])
+                params = params.replace(max_tokens=max(1, params.max_tokens - len(g.token_ids)))
+            params = params.replace(max_tokens=int(ctx.instance.get("max_tokens", 4)))
             think = draw(ctx.instance.get("think"), rng)
             if think > 0 and i < calls - 1:
                 await asyncio.sleep(think)

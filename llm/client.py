@@ -258,7 +258,7 @@ class LLMClient:
             self.model = models[0]
         return self.model
 
-    def _body(self, ids_json: str, p: SamplingParams, model: str | None) -> bytes:
+    def _body(self, ids_json: str, p: SamplingParams, model: str | None, rid: str | None = None) -> bytes:
         if self.api == "vllm":
             d: dict[str, Any] = {
                 "max_tokens": int(p.max_tokens),
@@ -291,6 +291,8 @@ class LLMClient:
             if p.stop_token_ids:
                 sp["stop_token_ids"] = [int(x) for x in p.stop_token_ids]
             d = {"sampling_params": sp, "return_logprob": True, "logprob_start_len": -1, "stream": False}
+            if rid is not None:  # lets abort(rid) end it early with the tokens sampled so far
+                d["rid"] = rid
             key = '"input_ids":'
         head = json.dumps(d, separators=(",", ":"))
         return (head[:-1] + "," + key + ids_json + "}").encode()
@@ -301,13 +303,15 @@ class LLMClient:
         params: SamplingParams,
         *,
         timeout: float | None = None,
+        rid: str | None = None,
     ) -> Generation:
-        """Sample a continuation of ``prompt_ids``. See the module doc for errors."""
+        """Sample a continuation of ``prompt_ids``. See the module doc for errors. ``rid`` (SGLang
+        only) names the request for :meth:`abort`."""
         t0 = time.perf_counter()
         if params.max_tokens <= 0:
             raise ContextOverflow("max_tokens <= 0: no room left in the context window")
         model = await self._resolve_model() if self.api == "vllm" else self.model
-        body = self._body(_ids_to_json(prompt_ids), params, model)
+        body = self._body(_ids_to_json(prompt_ids), params, model, rid if self.api == "sglang" else None)
         budget = self.timeout if timeout is None else timeout
         try:
             resp = await _with_timeout(
@@ -422,6 +426,19 @@ class LLMClient:
             prompt_tokens=meta.get("prompt_tokens"),
             cached_tokens=meta.get("cached_tokens"),
         )
+
+    async def abort(self, rid: str, timeout: float = 5.0) -> bool:
+        """SGLang ``POST /abort_request {"rid"}``: the request named ``rid`` returns now with
+        ``finish_reason`` ``abort`` and the tokens sampled so far. vLLM's HTTP API has no abort by id
+        (closing the connection aborts, and returns nothing): False, cancel the call instead."""
+        if self.api != "sglang":
+            return False
+        try:
+            r = await _with_timeout(self._http.post("/abort_request", json={"rid": rid}), min(timeout, self.timeout))
+        except (asyncio.TimeoutError, httpx.HTTPError) as e:
+            log.warning("llm_abort_failed", backend=self.base_url, error=f"{type(e).__name__}: {e}")
+            return False
+        return r.status_code == 200
 
     # -- control plane ---------------------------------------------------------------
     async def health(self, timeout: float = 5.0) -> bool:

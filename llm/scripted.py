@@ -16,7 +16,10 @@ ids with fake logprobs. Latency can be constant, uniform or lognormal (plus a
 per-token term); failures can be injected (HTTP 500, dropped connection, hang), at
 random or deterministically (:meth:`ScriptedBackend.inject`). A client that closes
 its connection while its request is in flight is counted in ``stats["disconnects"]``
-(that is how vLLM/SGLang see an abort).
+(that is how vLLM/SGLang see an abort). SGLang's ``POST /abort_request`` (``{"rid"}`` or
+``{"abort_all": true}``) ends in-flight ``/generate`` requests at once with
+``finish_reason: {"type": "abort"}`` and the tokens sampled so far (those whose per-token time
+has passed), as SGLang returns a partial output; ``stats["aborted"]`` counts them.
 
 It is a raw asyncio-protocol HTTP/1.1 server with keep-alive; with zero latency a
 request is answered synchronously from ``data_received`` (no task, no timer), which
@@ -277,6 +280,7 @@ class ScriptedBackend:
         self.stats: collections.Counter[str] = collections.Counter()
         self._forced: collections.deque[str] = collections.deque()
         self._conns: set[_Conn] = set()
+        self._aborts: dict[str, asyncio.Event] = {}  # SGLang rid -> set by /abort_request
         self._running = 0
         self._waiting = 0
         self._sem: asyncio.Semaphore | None = None
@@ -436,6 +440,8 @@ class ScriptedBackend:
                 return self._generate(conn, "vllm", body)
             if path == "/generate":
                 return self._generate(conn, "sglang", body)
+            if path == "/abort_request":
+                return self._abort_request(body)
             return _vllm_error(404, f"no route {path}", "NotFoundError")
         if method == "GET":
             if path in ("/health", "/health_generate"):  # SGLang serves both; the router probes the second
@@ -611,6 +617,18 @@ class ScriptedBackend:
             return self._render(api, req, prompt, ids, lps, finish, stop_reason, time.perf_counter() - t0)
         return self._delayed(api, req, prompt, ids, lps, finish, stop_reason, delay, t0)
 
+    def _abort_request(self, body: bytes) -> bytes:
+        """SGLang's AbortReqInput: ``rid`` (one request) or ``abort_all``; 200 with an empty body."""
+        try:
+            req = json.loads(body or b"{}")
+            rid, every = str(req.get("rid") or ""), bool(req.get("abort_all"))
+        except (ValueError, AttributeError) as e:
+            return _vllm_error(400, f"malformed request: {type(e).__name__}: {e}")
+        for key, ev in list(self._aborts.items()):
+            if every or key == rid:
+                ev.set()
+        return _response(200, b"", "application/json")
+
     async def _hang(self) -> None:
         self._running += 1
         try:
@@ -619,6 +637,15 @@ class ScriptedBackend:
             self._running -= 1
 
     async def _delayed(self, api, req, prompt, ids, lps, finish, stop_reason, delay, t0) -> bytes:
+        rid = req.get("rid") if api == "sglang" and isinstance(req.get("rid"), str) else None
+        abort = self._aborts[rid] = asyncio.Event() if rid else None
+        try:
+            return await self._delayed_abortable(api, req, prompt, ids, lps, finish, stop_reason, delay, t0, abort)
+        finally:
+            if rid:
+                self._aborts.pop(rid, None)
+
+    async def _delayed_abortable(self, api, req, prompt, ids, lps, finish, stop_reason, delay, t0, abort) -> bytes:
         sem = self._sem
         if sem is not None:
             self._waiting += 1
@@ -627,8 +654,23 @@ class ScriptedBackend:
             finally:
                 self._waiting -= 1
         self._running += 1
+        started = time.perf_counter()
         try:
-            if delay > 0:
+            if delay > 0 and abort is not None:
+                try:
+                    await asyncio.wait_for(abort.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+                else:  # aborted: the tokens whose time has passed were sampled, the rest never will be
+                    n = len(ids)
+                    per = self.latency.per_token
+                    spent = time.perf_counter() - started
+                    k = int((spent - (delay - per * n)) / per) if per > 0 else int(n * spent / delay)
+                    k = max(0, min(k, n - 1))
+                    ids, lps, finish, stop_reason = ids[:k], lps[:k], "abort", None
+                    self.stats["aborted"] += 1
+                    self.stats["aborted_tokens"] += k
+            elif delay > 0:
                 await asyncio.sleep(delay)
         finally:
             self._running -= 1
