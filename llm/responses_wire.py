@@ -441,7 +441,7 @@ def output_items(r: Reply, req: WireRequest | None = None) -> list[dict]:
 
 
 def _usage(r: Reply) -> dict:
-    return {"input_tokens": r.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": r.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": r.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": r.prompt_tokens + r.completion_tokens}
 

@@ -309,3 +309,23 @@ def test_fuzzed_bodies_give_400_never_a_crash_and_the_cache_changes_nothing():
     refused = fuzz(W.parse, lambda req: (W.response(r, req), W.stream_events(r, req)), body,
                    cached=lambda b, c: W.parse(b, cache=c))
     assert 0 < refused < 400
+
+
+@pytest.mark.parametrize("finish,seq", [("stop", None), ("length", None), ("stop", "###")])
+def test_every_event_validates_strictly_against_the_sdk_models(finish, seq):
+    """The SDK's accumulator builds objects without validation; its pydantic models, strictly
+    validated, also accept the message and every event (required fields present, types right)."""
+    pydantic = pytest.importorskip("pydantic")
+    r = reply("text", CALLS if finish == "stop" and not seq else [], reasoning="why", finish=finish, stop_sequence=seq)
+    req = W.parse({"model": "m", "max_tokens": 5, "tools": TOOLS, "messages": [{"role": "user", "content": "x"}]})
+    anthropic.types.Message.model_validate(W.response(r, req))
+    ta = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
+    names = []
+    for ev in W.stream_events(r, req):
+        head, data = ev.split(b"\ndata: ", 1)
+        d = json.loads(data)
+        assert head == b"event: " + d["type"].encode() and ev.endswith(b"\n\n")
+        names.append(d["type"])
+        if d["type"] != "ping":
+            ta.validate_python(d)
+    assert names.count("ping") == 1 and names[-2:] == ["message_delta", "message_stop"]

@@ -294,3 +294,14 @@ def test_fuzzed_bodies_give_400_never_a_crash_and_the_cache_changes_nothing():
     refused = fuzz(lambda b: W.parse(b, "m", True), lambda req: (W.response(r, req), W.stream_chunks(r, req)), body,
                    cached=lambda b, c: W.parse(b, "m", True, cache=c))
     assert 0 < refused < 400
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_every_chunk_validates_strictly_against_the_sdk_models(finish):
+    r = reply("text", CALLS if finish == "stop" else [], reasoning="why", finish=finish)
+    req = W.parse({"contents": [{"parts": [{"text": "x"}]}],
+                   "generationConfig": {"thinkingConfig": {"includeThoughts": True}}})
+    types.GenerateContentResponse.model_validate(W.response(r, req))
+    for ch in W.stream_chunks(r, req):
+        assert ch.startswith(b"data: ") and ch.endswith(b"\r\n\r\n")
+        types.GenerateContentResponse.model_validate(json.loads(ch[6:]))

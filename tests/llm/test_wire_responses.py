@@ -308,3 +308,19 @@ def test_fuzzed_bodies_give_400_never_a_crash_and_the_cache_changes_nothing():
                                          W.conversation_items(req, r)), body,
                    cached=lambda b, c: W.parse(b, cache=c))
     assert 0 < refused < 400
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_every_event_validates_strictly_against_the_sdk_models(finish):
+    """The stream accumulator builds objects without validation; the SDK's pydantic models,
+    strictly validated, also accept the response object and every event (required fields present)."""
+    pydantic = pytest.importorskip("pydantic")
+    r = reply("text", CALLS if finish == "stop" else [], reasoning="why", finish=finish)
+    req = W.parse({"model": "m", "input": "x", "tools": TOOLS, "include": ["reasoning.encrypted_content"]})
+    openai.types.responses.Response.model_validate(W.response(r, req))
+    ta = pydantic.TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    for ev in W.stream_events(r, req):
+        head, data = ev.split(b"\ndata: ", 1)
+        d = json.loads(data)
+        assert head == b"event: " + d["type"].encode() and ev.endswith(b"\n\n")
+        ta.validate_python(d)
