@@ -103,6 +103,7 @@ def build_argv(
     env: Optional[Dict[str, str]] = None,
     python: str = "python3",
     info_fd: Optional[int] = None,
+    seccomp_fd: Optional[int] = None,
     tmp_size_mb: Optional[int] = 512,
     shm_size_mb: Optional[int] = 64,
     hostname: str = "sandbox",
@@ -136,6 +137,8 @@ def build_argv(
     argv += ["--remount-ro", "/", "--remount-ro", "/dev", "--chdir", workdir]
     if info_fd is not None:
         argv += ["--info-fd", str(info_fd)]
+    if seccomp_fd is not None:
+        argv += ["--add-seccomp-fd", str(seccomp_fd)]  # repeatable, unlike --seccomp
     argv += ["--", python, "-S", "-m", "rolloutd_toolserver", "--config", CONFIG]
     return argv
 
@@ -252,6 +255,13 @@ class BwrapRuntime(Runtime):
         else:
             fs_ops = rootfs_ops(spec.image)
         info_r, info_w = os.pipe()
+        seccomp_r = None
+        if ctx.extra.get("bounds", {}).get("workspace") == "measured":
+            prog = no_fallocate_filter()
+            seccomp_r, w = os.pipe()
+            os.write(w, prog)  # ~200 bytes: fits the pipe, bwrap reads it to EOF
+            os.close(w)
+            ctx.extra.setdefault("fds", []).append(seccomp_r)
         server_env = {
             "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "LANG": "C.UTF-8", "PYTHONPATH": LIB_DIR, "PYTHONNOUSERSITE": "1",
@@ -260,10 +270,10 @@ class BwrapRuntime(Runtime):
         argv = build_argv(
             bwrap=self.bwrap, fs_ops=fs_ops, workspace=str(ctx.workspace), run_dir=str(ctx.run_dir),
             lib_dir=str(ctx.lib_dir), binds=spec.binds, network=spec.network, workdir=spec.workdir,
-            env=server_env, python=self.python, info_fd=info_w, tmp_size_mb=self.tmp_size_mb,
+            env=server_env, python=self.python, info_fd=info_w, seccomp_fd=seccomp_r, tmp_size_mb=self.tmp_size_mb,
             shm_size_mb=self.shm_size_mb,
         )
-        pass_fds = [info_w, ctx.extra["socket_fd"]] + ([ctx.ready_fd] if ctx.ready_fd is not None else [])
+        pass_fds = [info_w, ctx.extra["socket_fd"]] + [fd for fd in (ctx.ready_fd, seccomp_r) if fd is not None]
         kw: Dict[str, Any] = {}
         cg_path = cg_fd = None
         drop = self.run_as if (self.run_as is not None and os.geteuid() == 0) else None
@@ -297,6 +307,46 @@ class BwrapRuntime(Runtime):
         extra["pidns"] = info.get("pid-namespace")
         return {"pids": pids, "extra": extra}
 
+    def _held_unlinked(self, state: Dict[str, Any]) -> int:
+        """Deleted files still open in a sandbox process, opened through its /workspace mount
+        (fdinfo's mnt_id: a deleted library under a read-only bind is not the agent's; a reopen
+        through /proc/self/fd keeps the original mount). Counted once per inode."""
+        pids = [int(p) for p in state.get("pids") or []]
+        starts = list((state.get("extra") or {}).get("pid_starts") or []) + [None] * 2
+        if len(pids) < 2:
+            return 0
+        ws_mnt = None
+        try:
+            with open("/proc/%d/mountinfo" % pids[1], "r", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) > 4 and parts[4] == WORKSPACE:
+                        ws_mnt = parts[0]
+        except OSError:
+            return 0
+        total, seen = 0, set()
+        for pid in procs.namespace_pids(pids[1], starts[1]):
+            try:
+                fds = os.listdir("/proc/%d/fd" % pid)
+            except OSError:
+                continue
+            for fd in fds:
+                link = "/proc/%d/fd/%s" % (pid, fd)
+                try:
+                    if not os.readlink(link).endswith(" (deleted)"):
+                        continue
+                    with open("/proc/%d/fdinfo/%s" % (pid, fd), "r") as f:
+                        info = dict(ln.split(":", 1) for ln in f.read().splitlines() if ":" in ln)
+                    if info.get("mnt_id", "").strip() != ws_mnt:
+                        continue
+                    st = os.stat(link)
+                except (OSError, ValueError):
+                    continue
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+        return total
+
     def _kill(self, state: Dict[str, Any]) -> None:
         pids = [int(p) for p in state.get("pids") or []]
         extra = state.get("extra") or {}
@@ -310,6 +360,44 @@ class BwrapRuntime(Runtime):
             log.warning("sandbox_processes_survived_kill", sandbox_id=state.get("sandbox_id"), pids=pids)
         if extra.get("cgroup"):
             CgroupV2.kill_and_remove(Path(extra["cgroup"]))
+
+
+# AUDIT_ARCH_* and __NR_fallocate per ABI a sandbox may run code of.
+_FALLOCATE_NR = {0xC000003E: (285, 0x40000000 | 285), 0x40000003: (324,), 0xC00000B7: (47,), 0x40000028: (352,)}
+EOPNOTSUPP = 95
+
+
+def no_fallocate_filter() -> bytes:
+    """A classic-BPF seccomp program: fallocate(2) fails with EOPNOTSUPP, everything else runs.
+    For measured workspaces: fallocate allocates any number of blocks at once (with
+    FALLOC_FL_KEEP_SIZE past EOF, where RLIMIT_FSIZE never looks), so between two walks it could
+    take the host's whole disk; without it blocks come only from writes (glibc's
+    posix_fallocate falls back to writing). struct sock_filter: u16 code, u8 jt, u8 jf, u32 k."""
+    import struct
+
+    ld_abs, jeq, ret = 0x20, 0x15, 0x06
+    allow, deny = 0x7FFF0000, 0x00050000 | EOPNOTSUPP
+    prog: List[Tuple[int, int, int, int]] = [(ld_abs, 0, 0, 4)]  # A = arch
+    arches = list(_FALLOCATE_NR.items())
+    # per arch: if arch matches, load nr and compare; tail of each block returns allow
+    blocks: List[List[Tuple[int, int, int, int]]] = []
+    for _arch, nrs in arches:
+        b = [(ld_abs, 0, 0, 0)]  # A = nr
+        for i, nr in enumerate(nrs):
+            left = len(nrs) - 1 - i  # compares after this one, then the allow
+            b.append((jeq, left + 1, 0, nr))  # jump over the rest and the allow, onto the deny
+        b += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+        blocks.append(b)
+    # dispatch: one jeq per arch to its block; no match: allow
+    n = len(arches)
+    offset = 0
+    for i, (arch, _nrs) in enumerate(arches):
+        prog.append((jeq, (n - 1 - i) + 1 + offset, 0, arch))
+        offset += len(blocks[i])
+    prog.append((ret, 0, 0, allow))
+    for b in blocks:
+        prog += b
+    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
 
 
 def _bind_listen(fd: int, path: str) -> None:

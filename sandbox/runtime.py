@@ -128,6 +128,11 @@ class Runtime(abc.ABC):
         """Hook before the config is written (e.g. bind the tool socket); fds put in
         ctx.extra["fds"] are closed once _launch returns or fails."""
 
+    def _held_unlinked(self, state: Dict[str, Any]) -> int:
+        """Bytes of workspace files the sandbox deleted but keeps open (the walk cannot see
+        them). 0 where the runtime cannot tell (bwrap overrides)."""
+        return 0
+
     def _owner(self) -> Tuple[int, int]:
         """uid/gid the sandbox's processes run as (owner of the mounted workspace)."""
         return os.geteuid(), os.getegid()
@@ -199,6 +204,7 @@ class Runtime(abc.ABC):
                 sandbox_id=sid, job_id=job_id, spec=spec, dir=d, workspace=d / "workspace", run_dir=d / "run",
                 log_path=d / "log", config_path=d / "run" / "config.json", loopback=state["loopback"],
                 deadline=state["deadline"], lib_dir=toollib.prepare(self.root_dir), ready_fd=ready_w,
+                extra={"bounds": state["bounds"]},
             )
             self._pre_launch(ctx)
             self._write_config(ctx)
@@ -322,20 +328,21 @@ class Runtime(abc.ABC):
                 continue  # hard bounds: the kernel says ENOSPC, there is nothing to measure
             measured = [d / "workspace"] + ([d / "run"] if b.get("run", "measured") == "measured" else [])
             limit = int(float(state["disk_mb"]) * 1024 * 1024)
-            used = 0
+            used = self._held_unlinked(state)
             for p in measured:
-                used += disk_usage(p, stop_above=limit - used)
                 if used > limit:
                     break
+                used += disk_usage(p, stop_above=limit - used)
             if used <= limit:
                 continue
             state.update(status=DISK_QUOTA_STATUS, disk_used_bytes=used, stopped_at=time.time())
             self._write_state(d, state)
+            held = self._held_unlinked(state)  # gone with the processes: counted before the kill
             try:
                 self._kill(state)
             finally:
                 # Exact, not where the walk stopped: the processes are gone, nothing grows now.
-                used = sum(disk_usage(p) for p in measured)
+                used = held + sum(disk_usage(p) for p in measured)
                 state.update(disk_used_bytes=used)
                 self._write_state(d, state)
                 _empty_dir(d / "workspace")
@@ -426,11 +433,16 @@ class Runtime(abc.ABC):
 
     def _write_config(self, ctx: LaunchContext) -> None:
         inside = self._inside(ctx)
+        limits = {k: v for k, v in ctx.spec.limits.to_dict().items() if k != "wall_seconds" and v is not None}
+        if ctx.extra.get("bounds", {}).get("workspace") == "measured":
+            # The walk cannot see a file grow between two passes: no single file may outgrow the
+            # quota (RLIMIT_FSIZE); with fallocate denied (bwrap) blocks come only from writes.
+            cap = int(-(-float(ctx.spec.limits.disk_mb) // 1))
+            limits["file_size_mb"] = min(int(limits.get("file_size_mb") or cap), cap)
         cfg = {
             "socket": inside["socket"], "workdir": inside["workdir"],
             "home": inside["home"], "python": inside.get("python"), "shell": self.shell,
-            "env": self._session_env(ctx), "limits": {k: v for k, v in ctx.spec.limits.to_dict().items()
-                                                      if k != "wall_seconds" and v is not None},
+            "env": self._session_env(ctx), "limits": limits,
             "apply_nproc": self.nproc_scoped, "max_output": self.max_output,
             "default_timeout": self.default_timeout, "interrupt_grace": self.interrupt_grace,
             "deadline": ctx.deadline, "ready_fd": ctx.ready_fd, "sandbox_id": ctx.sandbox_id, "job_id": ctx.job_id,

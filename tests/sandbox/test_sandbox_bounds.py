@@ -133,8 +133,9 @@ def _hog_files(c: ToolClient, n: int, mb: int, how: str) -> None:
                                  "head -c {mb}M /dev/zero > {f}"])
 def test_past_the_workspace_limit(bounded_rt, how):
     """fallocate (also --keep-size: blocks past EOF that RLIMIT_FSIZE never sees) and plain
-    writes. Hard: ENOSPC and the host holds at most disk_mb. Measured: the node stops the
-    sandbox and reports exactly what the files hold (the walk used to stop at the quota)."""
+    writes. Hard: ENOSPC and the host holds at most disk_mb. Measured: fallocate is denied, each
+    written file stops at the quota (RLIMIT_FSIZE), the node stops the sandbox and reports
+    exactly what the files hold (the walk used to stop at the quota)."""
     t = bounded_rt
     h = t.create("fa", SandboxSpec(limits=Limits(disk_mb=DISK_MB)))
     with t.client(h, timeout=90) as c:
@@ -149,7 +150,10 @@ def test_past_the_workspace_limit(bounded_rt, how):
             assert r.output == "ok\n"  # deleting gives the space back; the job goes on
             return
     expected = disk_usage(h.workspace)
-    assert expected > 3 * DISK_MB * MB  # three files, each past the quota alone
+    if "fallocate" in how:
+        assert expected < MB and not t.rt.enforce_disk_quotas()  # denied: nothing allocated
+        return
+    assert expected >= 3 * DISK_MB * MB  # three files, each at the quota alone
     stopped = t.rt.enforce_disk_quotas()
     assert stopped and stopped[0]["used_bytes"] == expected, (stopped, expected)
     with pytest.raises(DiskQuotaExceeded, match="held %d bytes" % expected):
@@ -164,9 +168,35 @@ def test_measured_fallback_reports_exact_usage(short_root):
         h = t.create("m", SandboxSpec(limits=Limits(disk_mb=DISK_MB)))
         assert not bounds.mounts_under(h.sandbox_dir)
         with t.client(h, timeout=90) as c:
-            _hog_files(c, 3, 3 * DISK_MB, ": > {f}; fallocate -n -l {mb}M {f}")
+            _hog_files(c, 3, DISK_MB, "head -c {mb}M /dev/zero > {f}")
         expected = disk_usage(h.workspace)
         stopped = t.rt.enforce_disk_quotas()
-        assert stopped and stopped[0]["used_bytes"] == expected > 3 * DISK_MB * MB, (stopped, expected)
+        assert stopped and stopped[0]["used_bytes"] == expected >= 3 * DISK_MB * MB, (stopped, expected)
+    finally:
+        t.cleanup()
+
+
+def test_measured_fallback_counts_deleted_files_held_open_and_denies_fallocate(short_root):
+    """What the walk cannot see: files deleted while open (also reopened read-only through
+    /proc/self/fd, and held by a detached process). And fallocate, which allocates any amount
+    at once (--keep-size past RLIMIT_FSIZE), is denied by a seccomp filter in measured mode;
+    RLIMIT_FSIZE defaults to the quota so no single file outgrows it between two walks."""
+    require_bwrap()
+    t = Tracker(_make("bwrap", short_root, tmp_size_mb=TMP_MB, shm_size_mb=SHM_MB, disk_quota="measured"))
+    try:
+        h = t.create("held", SandboxSpec(limits=Limits(disk_mb=DISK_MB)))
+        with t.client(h, timeout=60) as c:
+            r = c.call("bash", {"command": ": > a; fallocate -n -l 100M a; fallocate -l 100M b; ulimit -f; "
+                                           "head -c 20M /dev/zero > big; echo rc=$?; rm -f a b big",
+                                "timeout": 30})
+            assert "fallocate failed" in r.output and "%d\n" % (DISK_MB * 1024) in r.output, r.output
+            assert "rc=153" in r.output, r.output  # SIGXFSZ at the quota (128 + 25)
+            c.call("bash", {"command": "(exec 3>/workspace/d; rm /workspace/d; head -c 6M /dev/zero >&3; "
+                                       "exec 4</proc/self/fd/3; exec 3>&-; setsid sleep 1000 <&4 &); "
+                                       "(exec 3>/workspace/e; rm /workspace/e; head -c 5M /dev/zero >&3; "
+                                       "setsid sleep 1000 &)", "timeout": 30})
+        assert disk_usage(h.workspace) < MB  # the walk sees nothing
+        stopped = t.rt.enforce_disk_quotas()
+        assert stopped and stopped[0]["used_bytes"] >= 11 * MB, stopped
     finally:
         t.cleanup()
