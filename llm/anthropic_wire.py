@@ -313,7 +313,7 @@ def _parse(body: Any, need_max: bool, cache: dict | None) -> WireRequest:
     tools = memo_value(body.get("tools"), _tools, cache, "tools")
     parse_calls, choice = _tool_choice(body.get("tool_choice"), tools)
     samp = _sampling(body, need_max)
-    if msgs and msgs[-1].role == "assistant":
+    if need_max and msgs and msgs[-1].role == "assistant":  # counting tokens of such a list is fine
         # a prefill: the chat template would close the assistant turn; newer Claude models refuse it too
         raise bad("a final assistant message (prefill) is not supported: the conversation must end with a user turn",
                   "messages")

@@ -201,6 +201,12 @@ def test_count_tokens(arun):
     assert n.input_tokens == 17 + 2 and srv_h.reqs[0].sampling.max_tokens is None
 
 
+def test_count_tokens_takes_a_list_ending_with_an_assistant_turn():
+    req = W.parse_count_tokens({"model": "m", "messages": [{"role": "user", "content": "x"},
+                                                           {"role": "assistant", "content": "partial"}]})
+    assert [m.role for m in req.messages] == ["user", "assistant"]
+
+
 def test_unknown_fields_and_cache_control_are_tolerated():
     req = W.parse({"model": "m", "max_tokens": 5, "context_management": {"edits": []}, "service_tier": "auto",
                    "output_config": {"effort": "high"}, "brand_new_field": [1],
