@@ -12,7 +12,8 @@ Shapes follow the ``anthropic`` SDK's types (``MessageCreateParams``, ``Message`
   between them one user message each run); ``tool_result.content`` is a string or text blocks,
   ``is_error`` is not rendered (the result text is kept verbatim).
 * An assistant message's ``text`` blocks are its content, ``tool_use`` blocks its calls (the
-  ``input`` object as the arguments), ``thinking`` its reasoning (the template decides whether to
+  ``input`` object as the arguments; ids lose the ``toolu_`` prefix :func:`tool_use_id` gave the
+  endpoint's call ids), ``thinking`` its reasoning (the template decides whether to
   show it); ``redacted_thinking`` carries no text and is dropped.
 * ``tools`` (``input_schema`` as the function's ``parameters``); server tools (a ``type`` other
   than ``custom``) are refused. ``tool_choice`` ``none`` returns the reply unparsed; ``any`` and
@@ -29,7 +30,6 @@ import hashlib
 import json
 import math
 import re
-import secrets
 from typing import Any
 
 from .openai_wire import (
@@ -45,10 +45,8 @@ from .openai_wire import (
     memo_value,
 )
 
-__all__ = ["count_tokens_response", "error_body", "new_tool_use_id", "parse", "parse_count_tokens",
-           "response", "stream_events", "tool_use_id"]
-
-_B62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+__all__ = ["call_id_of", "count_tokens_response", "error_body", "parse", "parse_count_tokens", "response",
+           "stream_events", "tool_use_id"]
 
 # status -> Anthropic error type (https://docs.anthropic.com/en/api/errors)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
@@ -69,14 +67,16 @@ def error_body(e: EndpointError) -> bytes:
     return dumps({"type": "error", "error": {"type": kind, "message": msg}, "request_id": None})
 
 
-def new_tool_use_id() -> str:
-    """A fresh id in Anthropic's ``toolu_`` shape (``toolu_01`` + 22 base62 characters)."""
-    return "toolu_01" + "".join(secrets.choice(_B62) for _ in range(22))
-
-
 def tool_use_id(call_id: str) -> str:
-    """The ``tool_use`` id for a reply's tool-call id: kept when already ``toolu_...``, else prefixed."""
-    return call_id if call_id.startswith("toolu_") else "toolu_" + call_id
+    """The ``tool_use`` id (Anthropic's ``toolu_`` shape) for a reply's tool-call id."""
+    return "toolu_" + call_id
+
+
+def call_id_of(tool_use_id: str) -> str:
+    """The inverse of :func:`tool_use_id`, applied by :func:`parse` to every ``tool_use`` id and
+    ``tool_use_id``: the messages carry the endpoint's own call ids again (a foreign ``toolu_...``
+    id loses the prefix on both sides alike, so calls and results still pair)."""
+    return tool_use_id[6:] if tool_use_id.startswith("toolu_") and len(tool_use_id) > 6 else tool_use_id
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ def _user(m: dict, where: str) -> tuple:
             tid = b.get("tool_use_id")
             if not isinstance(tid, str) or not tid:
                 raise bad(f"{bw}.tool_use_id: Field required", bw)
-            pieces.append(("tool", tid, _text_blocks(b.get("content"), f"{bw}.content")))
+            pieces.append(("tool", call_id_of(tid), _text_blocks(b.get("content"), f"{bw}.content")))
             texts = None
         elif t in ("thinking", "redacted_thinking", "tool_use"):
             raise bad(f"{bw}: a {t!r} block belongs in an assistant message", bw)
@@ -165,7 +165,7 @@ def _assistant(m: dict, where: str) -> tuple:
             if not isinstance(inp, dict):
                 raise bad(f"{bw}.input: Input should be a valid dictionary", bw)
             calls.append((name, canon_args(inp)))
-            ids.append(tid)
+            ids.append(call_id_of(tid))
         elif t == "thinking":
             if not isinstance(b.get("thinking"), str):
                 raise bad(f"{bw}.thinking: Field required (a string)", bw)

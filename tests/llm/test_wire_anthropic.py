@@ -179,7 +179,8 @@ def test_round_trip_assistant_turn_and_tool_results(arun):
     a = msgs[1]
     assert same_turn(a, chat_msg(r1)) and a.reasoning == "think first"
     assert a.calls == tuple((n, canon_args(x)) for n, x in CALLS)
-    assert list(a.call_ids) == [b.id for b in first.content if b.type == "tool_use"]
+    assert [W.tool_use_id(i) for i in a.call_ids] == [b.id for b in first.content if b.type == "tool_use"]
+    assert list(a.call_ids) == [tc["id"] for tc in r1.tool_calls]  # the endpoint's ids again
     assert (msgs[2].tool_call_id, msgs[2].name, msgs[2].content) == (a.call_ids[0], "Bash", "a.py\nb.py")
     assert (msgs[3].tool_call_id, msgs[3].name, msgs[3].content) == (a.call_ids[1], "Edit", "no such file")
     assert msgs[4].content == "<system-reminder>go on</system-reminder>"
