@@ -10,7 +10,8 @@ send and parse); snake_case names are accepted too, as Google's JSON parser does
 * ``contents``: role ``user`` (or none) and ``model`` (consecutive model contents are one turn, their
   text parts joined as they came; a user turn's text parts joined by newlines); parts ``text``, ``text`` with
   ``thought: true`` (the model turn's reasoning), ``functionCall`` (``name``, ``args``, ``id``) and
-  ``functionResponse`` (``name``, ``response``, ``id``: a tool message; a response that is only
+  ``functionResponse`` (``name``, ``response``, ``id``: a tool message, answering the first open call
+  of its name when it has no id; a response that is only
   ``{"output": "<text>"}``, Gemini CLI's shape, renders as that text, any other as its JSON).
   ``thoughtSignature`` is ignored; ``inlineData``, ``fileData``, code execution parts are refused.
 * ``tools[].functionDeclarations`` (``parametersJsonSchema``, or ``parameters`` in Google's
@@ -226,9 +227,11 @@ def _contents(raw: Any, out: list[Msg], cache: dict | None = None) -> None:
     if not isinstance(raw, list) or not raw:
         raise bad("* GenerateContentRequest.contents: contents is not specified", "contents")
     prev_model = False
+    pending: list[tuple[str, str]] = []  # (id, name) of the last model turn's calls not answered yet
     for p in memo_items(raw, _content, cache):
         if p[0] == "model":
             _, text, thoughts, calls, ids = p
+            pending = ([] if not prev_model else pending) + [(i, n) for i, (n, _) in zip(ids, calls)]
             if prev_model:  # consecutive model contents are one turn (a chat records one per streamed chunk)
                 m = out[-1]
                 m.content += text
@@ -240,7 +243,11 @@ def _contents(raw: Any, out: list[Msg], cache: dict | None = None) -> None:
             prev_model = True
         else:
             prev_model = False
-            out.extend(Msg(role="tool", content=t, name=n, tool_call_id=tid) for n, tid, t in p[1])
+            for n, tid, t in p[1]:
+                hit = next((k for k, pc in enumerate(pending) if (pc[0] == tid if tid else pc[1] == n)), None)
+                if hit is not None:  # a response without an id answers the first open call of its name
+                    tid = pending.pop(hit)[0]
+                out.append(Msg(role="tool", content=t, name=n, tool_call_id=tid))
             if p[2] is not None:
                 out.append(Msg(role="user", content=p[2]))
 

@@ -195,6 +195,20 @@ def test_count_tokens(arun):
     assert n.total_tokens == 40 + 1 and srv_h.reqs[0].messages[0].content == "one\ntwo"
 
 
+def test_responses_without_ids_answer_the_open_calls_of_their_name():
+    req = W.parse({"contents": [
+        {"role": "user", "parts": [{"text": "go"}]},
+        {"role": "model", "parts": [{"functionCall": {"name": "a", "args": {}}}, {"functionCall": {"name": "b"}},
+                                    {"functionCall": {"name": "a", "args": {"x": 1}}}]},
+        {"role": "user", "parts": [{"functionResponse": {"name": "a", "response": {"output": "1"}}},
+                                   {"functionResponse": {"name": "a", "response": {"output": "2"}}},
+                                   {"functionResponse": {"name": "b", "response": {"output": "3"}}}]}]})
+    calls = req.messages[1]
+    assert calls.call_ids == ("call_1_0", "call_1_1", "call_1_2")
+    assert [(m.tool_call_id, m.name, m.content) for m in req.messages[2:]] == [
+        ("call_1_0", "a", "1"), ("call_1_2", "a", "2"), ("call_1_1", "b", "3")]
+
+
 def test_snake_case_camel_case_and_unknown_fields():
     a = W.parse({"contents": [{"role": "user", "parts": [{"text": "q"}]}], "system_instruction": {"parts": [
         {"text": "S"}]}, "generation_config": {"max_output_tokens": 9, "thinking_config": {"include_thoughts": True}},
