@@ -313,3 +313,51 @@ def test_built_in_loop_equals_reference(family):
         conv.add_messages([{"role": "tool", "name": c.name, "tool_call_id": c.id, "content": r}
                            for c, r in zip(res.calls, results)])
     assert_same_ids(conv.context_ids, case.want, tok)
+
+
+CUT = "The weather in Zürich is clear — 18 degrees ✓ and the markers were"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cut_generation_then_a_user_turn_equals_reference(family):
+    """A turn cut by max_tokens (no end-of-turn token sampled): parsing it never raises and its
+    content has no markup; a user turn after it gets the template's whole closer, equal to the
+    reference rendering of the cut text as the assistant's message (Mistral refuses a new user
+    turn: its format re-renders history, docs/LLM.md)."""
+    from rolloutd.llm.errors import TemplateError
+
+    tok = family_or_skip(family)
+    cut = tok.encode(("<|channel|>final<|message|>" if family == "gpt_oss" else "") + CUT, add_special_tokens=False)
+    conv = Conversation(tok, HEAD, tools=TOOLS)
+    conv.add_generation(Gen(cut, [-0.1] * len(cut), "length"), "b0", 1)
+    res = parse_ids(get_parser(get_family(family).parser), cut, tok, tools=TOOLS)
+    assert res.calls == [] and res.errors == [] and res.content == CUT
+    follow = {"role": "user", "content": "Go on."}
+    if family == "mistral":
+        with pytest.raises(TemplateError):
+            conv.add_messages([follow])
+        return
+    conv.add_messages([follow])
+    full = HEAD + [{"role": "assistant", "content": CUT}, follow]
+    if family == "gpt_oss":
+        oh = need("openai_harmony", "openai-harmony")
+        enc = harmony_encoding()
+        system = oh.Message.from_role_and_content(oh.Role.SYSTEM, oh.SystemContent.new())
+        dev = oh.Message.from_role_and_content(oh.Role.DEVELOPER, oh.DeveloperContent.new().with_instructions(SYSTEM)
+                                               .with_function_tools([oh.ToolDescription.new(
+                                                   t["function"]["name"], t["function"]["description"],
+                                                   parameters=t["function"]["parameters"]) for t in TOOLS]))
+        msgs = [system, dev, oh.Message.from_role_and_content(oh.Role.USER, USER),
+                oh.Message.from_role_and_content(oh.Role.ASSISTANT, CUT).with_channel("final"),
+                oh.Message.from_role_and_content(oh.Role.USER, "Go on.")]
+        want = enc.render_conversation_for_completion(oh.Conversation.from_messages(msgs), oh.Role.ASSISTANT)
+    else:
+        if family in ("qwen3", "qwen3_coder"):
+            specials, encode = _qwen_encoder()
+        elif family == "llama3":
+            specials, encode = _llama_encoder(tok)
+        else:
+            specials, encode = _deepseek_encoder(tok)
+        text = tok.apply_chat_template(full, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+        want = reference_encode(text, specials, encode, [])
+    assert_same_ids(conv.context_ids, want, tok)
