@@ -219,6 +219,12 @@ def validate(instance: Any, config: dict) -> dict:
         if k in instance and not isinstance(instance[k], str):
             _fail(f"'{k}' must be a string")
         out[k] = instance.get(k)
+    if out["tokenizer"] is not None:  # a name the config maps to a directory: host paths never come from a request
+        allowed = config.get("tokenizers") or {}
+        if out["tokenizer"] not in allowed:
+            _fail(f"'tokenizer' must name one of [handlers.harness] tokenizers ({sorted(allowed) or 'none configured'}), "
+                  f"not {out['tokenizer']!r}: a request never gives a host path")
+        out["tokenizer"] = str(allowed[out["tokenizer"]])
     out["task_tag"] = instance.get("task_tag", True)
     return out
 

@@ -233,7 +233,10 @@ class EndpointSession:
         self.created = int(time.time())
         self.segments: list[_Segment] = []
         self.fatal: BaseException | None = None
-        self.metrics: dict[str, float] = {"llm_calls": 0, "refused_calls": 0, "assistant_tokens_reused": 0,
+        # requests: every request but /health; refused_calls: every error answer (refused_by_status:
+        # "<status> <code>" -> n); llm_calls: requests that reached the backend (limits.max_llm_calls).
+        self.metrics: dict[str, Any] = {"requests": 0, "llm_calls": 0, "refused_calls": 0, "refused_by_status": {},
+                                        "assistant_tokens_reused": 0,
                                           "assistant_tokens_reencoded": 0, "llm_s": 0.0, "aborts": 0,
                                           "malformed_tool_calls": 0}
         self._gens: list[_Gen] = []
@@ -320,7 +323,12 @@ class EndpointSession:
         return self._cancelled
 
     def _refuse(self, err: EndpointError) -> EndpointError:
+        if getattr(err, "counted", False):
+            return err
+        err.counted = True  # once per answer, wherever it was raised
         self.metrics["refused_calls"] += 1
+        key = f"{err.status} {err.code}" if err.code else str(err.status)
+        self.metrics["refused_by_status"][key] = self.metrics["refused_by_status"].get(key, 0) + 1
         log.info("endpoint_call_refused", status=err.status, code=err.code, reason=err.message)
         return err
 
@@ -357,7 +365,6 @@ class EndpointSession:
         body, msgs, tools, parse_calls, samp = await self._offload(self._prepare_chat, body)
         async with self._lock:
             self._admit()
-            self.metrics["llm_calls"] += 1
             seg = await self._offload(self._place, msgs, tools)
             n_turns, n_ctx = seg.conv.num_turns, seg.conv.num_tokens
             try:
@@ -380,6 +387,7 @@ class EndpointSession:
             calls = tuple((c.name, canon_args(c.arguments)) for c in res.calls)
         if finish == "stop" and tool_calls:
             finish = "tool_calls"
+            seg.conv.set_last_finish_reason(finish)  # the turn records what the agent saw
         gen = _Gen(content=content or "", raw=text, calls=calls, n_tokens=len(ids))
         seg.entries.append(gen)
         self._gens.append(gen)
@@ -450,6 +458,7 @@ class EndpointSession:
         lps: list[float] = []
         texts: list[str] = []
         aborts = 0
+        self.metrics["llm_calls"] += 1  # past every refusal: this request reaches the backend
         while True:
             max_new = min(want - len(ids), conv.remaining_context)
             if max_new <= 0:
@@ -654,8 +663,6 @@ _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
-_GATE_CODES = ("request_too_large", "too_many_requests", "too_many_bytes_in_flight", "request_header_fields_too_large")
-
 
 class _Gate:
     """One job's requests in flight and the body bytes they hold (EndpointBounds)."""
@@ -743,6 +750,8 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY, bounds: Endp
         if path.startswith("/v1/"):
             path = path[3:]
         method = scope["method"]
+        if path != "/health":
+            session.metrics["requests"] += 1
         held = 0
         try:
             if scope.get("http_version") not in ("1.0", "1.1"):  # h11 parses any HTTP/x.y
@@ -800,8 +809,7 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY, bounds: Endp
                 return
             raise EndpointError(404, f"no route {method} {scope['path']}", code="not_found")
         except EndpointError as e:
-            if e.code in _GATE_CODES:
-                session._refuse(e)
+            session._refuse(e)  # every error answer, once (401, 404, 400 ..., not only the gate's)
             extra = [] if e.retry is None else [(b"x-should-retry", b"true" if e.retry else b"false")]
             if e.status in (413, 431, 505):  # the rest of the request is not read: the connection cannot be reused
                 extra.append((b"connection", b"close"))
@@ -810,7 +818,7 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY, bounds: Endp
             return
         except Exception as e:  # a bug here must not take the job's server down with it
             log.exception("endpoint_request_crashed", path=scope["path"])
-            err = EndpointError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+            err = session._refuse(EndpointError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
             await send_json(send, 500, err.body())
 
     return app

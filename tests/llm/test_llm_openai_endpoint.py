@@ -313,7 +313,8 @@ def test_cancel_mid_call_aborts_the_backend_request(qwen_tokenizer, scripted, ar
 
     ep = arun(main())
     assert be.stats["requests"] == 1  # the later call never reached the backend
-    assert ep.session.metrics["refused_calls"] == 1  # and the SDK did not retry it (x-should-retry: false)
+    # two requests, both answered 503 (the SDK retried neither: x-should-retry: false)
+    assert ep.session.metrics["requests"] == ep.session.metrics["refused_calls"] == 2
     t = ep.session.trajectory()
     assert t["metrics"]["segments"] == 0 and len(t["response_ids"]) == 0
 
