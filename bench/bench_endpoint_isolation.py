@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""What one job's abuse of its harness endpoint costs the other jobs (issue 31).
+
+Same run: a *server* process hosts one ``EndpointSession`` + uvicorn per job on Unix sockets
+in one event loop, exactly as the run daemon hosts them (``make_app``/``serve``, default
+``EndpointBounds``), over a scripted vLLM-API backend in its own process (``echo``, zero
+latency). ``--neighbours`` well-behaved clients (this process, threads; small multi-turn chat
+calls sent back unchanged) call their own jobs' endpoints through every phase: quiet first, then
+with one attacker process per phase against another job's endpoint through the stdlib TCP relay
+the sandbox uses (``sandbox.toolserver.relay.Relay``), running the attacks of
+tests/harness/isolation_agents.py: ``big8`` (8 MB body), ``big60`` (60 MB), ``nested``
+(200k ``[``), ``conns`` (10,000 connections), ``slow`` (slowloris headers and body, HTTP/0.9, a
+2 MiB header line, HTTP/7.0), ``noread`` (64 replies never read).
+
+Phases: quiet, each attack, quiet again (the machine's own drift). Per phase: neighbour latency p50/p99/max and its ratio to the quiet p99, the server's largest
+event-loop lag (a 10 ms ticker in the server) and its peak RSS. Example::
+
+    python bench/bench_endpoint_isolation.py --quick
+    python bench/bench_endpoint_isolation.py --phase-s 20 --tokenizer qwen
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_agent_loop import ROOT, tokenizer_dir  # noqa: E402
+from common import loadavg, percentile, revision  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from tests.harness.isolation_agents import ATTACKER  # noqa: E402
+
+ATTACKS = ("big8", "big60", "nested", "conns", "slow", "noread")
+
+SERVER = r"""
+import asyncio, json, os, sys, time
+from rolloutd.llm.client import LLMClient, simple_generate
+from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
+from rolloutd.llm.tokenizer_utils import load_tokenizer
+tok_dir, backend, d, n, max_context = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+
+async def main():
+    tok = load_tokenizer(tok_dir)
+    client = LLMClient(backend)
+    servers = []
+    for i in range(n):
+        s = EndpointSession(simple_generate(client, "b", 0), tok, limits=EndpointLimits(max_context=max_context),
+                            api_key="k")
+        await s.max_body()
+        servers.append(await serve(make_app(s), uds=f"{d}/job{i}.sock"))
+    print("READY", flush=True)
+    lag = 0.0
+    while True:  # the loop's lag: how late a 10 ms sleep wakes up; reported (max) every 0.25 s
+        t_end = time.monotonic() + 0.25
+        while time.monotonic() < t_end:
+            t = time.monotonic()
+            await asyncio.sleep(0.01)
+            lag = max(lag, time.monotonic() - t - 0.01)
+        rss = hwm = 0
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) / 1024
+            elif line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) / 1024
+        print("STAT", json.dumps({"lag": round(lag, 4), "rss": round(rss, 1), "hwm": round(hwm, 1)}), flush=True)
+        lag = 0.0
+
+asyncio.run(main())
+"""
+
+RELAYED_ATTACKER = r"""
+import os, sys
+from rolloutd.sandbox.toolserver.relay import Relay
+r = Relay(sys.argv[1]); port = r.start()
+os.environ["OPENAI_BASE_URL"] = "http://127.0.0.1:%d/v1" % port
+os.environ["OPENAI_API_KEY"] = "k"
+sys.argv = ["attack", sys.argv[2]]
+code = open(os.environ["ATTACK_FILE"]).read()
+exec(compile(code, "attack", "exec"))
+"""
+
+
+def lines_of(proc) -> queue.Queue:
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [q.put(ln) for ln in proc.stdout], daemon=True).start()
+    return q
+
+
+def wait_line(q: queue.Queue, prefix: str, proc, timeout_s: float = 120.0) -> str:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            ln = q.get(timeout=1.0)
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        if ln.startswith(prefix):
+            return ln
+    raise RuntimeError(f"no {prefix} line")
+
+
+def neighbour(sock: str, stop: threading.Event, out: list):
+    """Small chat calls, history sent back unchanged; (time, latency) per call."""
+    import httpx
+
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello"}]
+    with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://x/v1", timeout=300,
+                      headers={"Authorization": "Bearer k"}) as c:
+        i = 0
+        while not stop.is_set():
+            t = time.perf_counter()
+            r = c.post("/chat/completions", json={"model": "m", "messages": msgs, "max_tokens": 4})
+            lat = time.perf_counter() - t
+            if r.status_code != 200:
+                raise RuntimeError(f"neighbour call failed: {r.status_code} {r.text[:200]}")
+            out.append((time.monotonic(), lat))
+            msgs.append(r.json()["choices"][0]["message"])
+            msgs.append({"role": "user", "content": f"again {i}"})
+            if len(msgs) > 24:
+                msgs = msgs[:2]
+            i += 1
+            time.sleep(0.05)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--neighbours", type=int, default=4)
+    ap.add_argument("--phase-s", type=float, default=15.0)
+    ap.add_argument("--attacks", default=",".join(ATTACKS))
+    ap.add_argument("--tokenizer", default="auto", help="auto | qwen | tiny")
+    ap.add_argument("--max-context", type=int, default=16384)
+    ap.add_argument("--quick", action="store_true", help="6 s phases")
+    a = ap.parse_args()
+    if a.quick:
+        a.phase_s = 6.0
+    tok_dir, tok_name = tokenizer_dir(a.tokenizer)
+    d = Path(tempfile.mkdtemp(prefix="bei-", dir="/tmp"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = []
+    try:
+        be = subprocess.Popen([sys.executable, "-m", "rolloutd.llm.scripted", "--port", "0", "--tokenizer",
+                               str(tok_dir), "--policy", "echo", "--latency", "constant:0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        procs.append(be)
+        port = int(wait_line(lines_of(be), "READY", be).split()[1])
+        n = a.neighbours + 1
+        srv = subprocess.Popen([sys.executable, "-c", SERVER, str(tok_dir), f"http://127.0.0.1:{port}", str(d),
+                                str(n), str(a.max_context)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True, env=env)
+        procs.append(srv)
+        sq = lines_of(srv)
+        wait_line(sq, "READY", srv)
+        stats: list[tuple[float, dict]] = []
+
+        def collect():
+            while srv.poll() is None:
+                try:
+                    ln = sq.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                if ln.startswith("STAT {"):
+                    try:
+                        stats.append((time.monotonic(), json.loads(ln[5:])))
+                    except ValueError:  # a log line interleaved
+                        pass
+
+        threading.Thread(target=collect, daemon=True).start()
+        (d / "attack.py").write_text(ATTACKER)
+        stop = threading.Event()
+        lat: list = []
+        ths = [threading.Thread(target=neighbour, args=(str(d / f"job{i}.sock"), stop, lat), daemon=True)
+               for i in range(a.neighbours)]
+        for t in ths:
+            t.start()
+        time.sleep(4.0)  # warm-up (first renders, imports on first use)
+        rows = []
+        for phase in ["quiet"] + a.attacks.split(",") + ["quiet"]:
+            t0 = time.monotonic()
+            atk = None
+            if phase != "quiet":
+                atk = subprocess.Popen([sys.executable, "-c", RELAYED_ATTACKER, str(d / f"job{n - 1}.sock"), phase],
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       env=dict(env, ATTACK_FILE=str(d / "attack.py")))
+            time.sleep(a.phase_s)
+            t1 = time.monotonic()
+            out = ""
+            if atk is not None:
+                if atk.poll() is None:
+                    atk.send_signal(signal.SIGKILL)
+                out = atk.communicate(timeout=30)[0]
+            xs = [x for t, x in lat if t0 <= t <= t1]
+            st = [s for t, s in stats if t0 <= t <= t1 + 0.3]
+            ans = [ln for ln in out.splitlines() if ln.startswith(("ANSWER", "OPENED", "CLOSED"))]
+            rows.append({"phase": phase, "calls": len(xs), "p50_ms": percentile(xs, 50) * 1000,
+                         "p99_ms": percentile(xs, 99) * 1000, "max_ms": max(xs) * 1000 if xs else float("nan"),
+                         "loop_lag_ms": max((s["lag"] for s in st), default=float("nan")) * 1000,
+                         "rss_mb": max((s["rss"] for s in st), default=float("nan")),
+                         "hwm_mb": max((s["hwm"] for s in st), default=float("nan")), "attacker": ans[:6]})
+            time.sleep(1.0)
+        stop.set()
+        for t in ths:
+            t.join(30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        subprocess.run(["rm", "-rf", str(d)], check=False)
+    q = rows[0]["p99_ms"]
+    print(f"# bench_endpoint_isolation: {a.neighbours} neighbours, {a.phase_s:g} s per phase, {tok_name}, "
+          f"max_context {a.max_context}; rev {revision(ROOT)}; load {loadavg()}")
+    print("| phase | calls | p50 ms | p99 ms | p99 / quiet | max ms | server loop lag max ms | server RSS MB (peak) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['phase']} | {r['calls']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['p99_ms'] / q:.2f} | "
+              f"{r['max_ms']:.0f} | {r['loop_lag_ms']:.0f} | {r['rss_mb']:.0f} ({r['hwm_mb']:.0f}) |")
+    for r in rows[1:-1]:
+        print(f"  {r['phase']}: {'; '.join(r['attacker'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
