@@ -10,7 +10,8 @@ Bodies are harness-sized and each shape carries the same conversation: a system 
 characters, as Claude Code's), ``--tools`` tools, a history of ``--turns`` assistant turns with one
 tool call and one tool result each. Chat Completions is measured with ``parse_messages``' cache
 off (a new agent history every call) and on (the same history sent again, as the endpoint sees
-it); each other shape likewise without and with its ``cache``. ``time.process_time`` per call, medians over ``--repeats`` rounds of ``--calls`` calls::
+it); each other shape likewise without and with its ``cache``. ``time.process_time`` per call,
+medians over ``--repeats`` rounds of ``--calls`` calls::
 
     python bench/bench_wire.py
     python bench/bench_wire.py --quick
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 
 from rolloutd.llm import anthropic_wire, gemini_wire, responses_wire
@@ -64,8 +64,8 @@ def bodies(n_tools: int, turns: int) -> dict[str, bytes]:
                             "tools": [{"type": "function", "function": {"name": n, "description": d,
                                                                         "parameters": p}} for n, d, p in tools]}),
         "anthropic": json.dumps({"model": "m", "max_tokens": 4096, "stream": True, "messages": anth,
-                                 "system": [{"type": "text", "text": SYSTEM[:200]}, {"type": "text", "text": SYSTEM,
-                                                                                     "cache_control": {"type": "ephemeral"}}],
+                                 "system": [{"type": "text", "text": SYSTEM[:200]},
+                                            {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
                                  "tools": [{"name": n, "description": d, "input_schema": p} for n, d, p in tools]}),
         "responses": json.dumps({"model": "m", "instructions": SYSTEM, "input": resp, "stream": True, "store": False,
                                  "include": ["reasoning.encrypted_content"],
@@ -100,14 +100,16 @@ def make_calls(b: dict[str, bytes]):
     return {
         "chat (no cache)": lambda: chat_call(b["chat"], [None, False]),
         "chat (history cached)": (lambda st: lambda: chat_call(b["chat"], st))([None, True]),
-        "anthropic": lambda: anthropic_wire.stream_events(Reply(**REPLY), anthropic_wire.parse(json.loads(b["anthropic"]))),
+        "anthropic": lambda: anthropic_wire.stream_events(Reply(**REPLY),
+                                                          anthropic_wire.parse(json.loads(b["anthropic"]))),
         "anthropic (cached)": (lambda c: lambda: anthropic_wire.stream_events(
             Reply(**REPLY), anthropic_wire.parse(json.loads(b["anthropic"]), cache=c)))({}),
         "responses": lambda: responses_wire.stream_events(Reply(**REPLY),
                                                           responses_wire.parse(json.loads(b["responses"]))),
         "responses (cached)": (lambda c: lambda: responses_wire.stream_events(
             Reply(**REPLY), responses_wire.parse(json.loads(b["responses"]), cache=c)))({}),
-        "gemini": lambda: gemini_wire.stream_chunks(Reply(**REPLY), gemini_wire.parse(json.loads(b["gemini"]), "m", True)),
+        "gemini": lambda: gemini_wire.stream_chunks(Reply(**REPLY),
+                                                    gemini_wire.parse(json.loads(b["gemini"]), "m", True)),
         "gemini (cached)": (lambda c: lambda: gemini_wire.stream_chunks(
             Reply(**REPLY), gemini_wire.parse(json.loads(b["gemini"]), "m", True, cache=c)))({}),
     }
@@ -134,7 +136,7 @@ def main() -> None:
                 fn()
             rounds[name].append((time.process_time() - t0) / a.calls)
     base = statistics.median(rounds["chat (no cache)"])
-    print(f"body sizes (KB): " + ", ".join(f"{k} {len(v) / 1024:.0f}" for k, v in b.items()))
+    print("body sizes (KB): " + ", ".join(f"{k} {len(v) / 1024:.0f}" for k, v in b.items()))
     print(f"{'shape':24s} {'CPU/call (ms)':>14s} {'x chat (no cache)':>18s}")
     for name, xs in rounds.items():
         m = statistics.median(xs)

@@ -326,7 +326,9 @@ def _parse(body: Any, need_max: bool, cache: dict | None) -> WireRequest:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("stream: Input should be a valid boolean", "stream")
-    extras: dict[str, Any] = {"thinking": thinking, "metadata": metadata}
+    tc = body.get("tool_choice")
+    extras: dict[str, Any] = {"thinking": thinking, "metadata": metadata, "parallel_tool_calls":
+                              not (isinstance(tc, dict) and tc.get("disable_parallel_tool_use") is True)}
     if isinstance(body.get("output_config"), dict):  # effort, format: accepted, not enforced
         extras["output_config"] = body["output_config"]
     return WireRequest(messages=msgs, tools=tools, parse_calls=parse_calls, sampling=samp, stream=stream,

@@ -237,7 +237,8 @@ def _item(it: Any, where: str) -> tuple:
         role = it.get("role")
         if role not in ("user", "assistant", "system", "developer"):
             raise bad(f"{where}.role must be 'user', 'assistant', 'system' or 'developer'", "input")
-        return ("message", "system" if role == "developer" else role, _parts_text(it.get("content"), f"{where}.content"))
+        text = _parts_text(it.get("content"), f"{where}.content")
+        return ("message", "system" if role == "developer" else role, text)
     if t == "reasoning":
         return ("reasoning", _reasoning_text(it))
     if t == "function_call":

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-anthropic = pytest.importorskip("anthropic", reason="the anthropic SDK is not installed (pip install rolloutd[harness])")
+anthropic = pytest.importorskip("anthropic",
+                                reason="the anthropic SDK is not installed (pip install rolloutd[harness])")
 pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[daemon])")
 
 from rolloutd.llm import anthropic_wire as W
