@@ -61,6 +61,12 @@ def why_no_mounts() -> Optional[str]:
         return "no /dev/loop-control (loop module not loaded)"
     if mkfs_ext4() is None:
         return "mkfs.ext4 not found (e2fsprogs)"
+    try:  # a private mount namespace (systemd PrivateTmp=, unshare -m): the other daemons would
+        # not see the workspace mounts and would read the empty dir beneath them
+        if os.readlink("/proc/self/ns/mnt") != os.readlink("/proc/1/ns/mnt"):
+            return "this process has its own mount namespace (not pid 1's): other daemons would not see its mounts"
+    except OSError:
+        pass  # pid 1 not inspectable (no CAP_SYS_PTRACE over it): no verdict
     return None
 
 
