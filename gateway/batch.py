@@ -63,6 +63,10 @@ __all__ = [
 
 SUBMIT_CHUNK = 1024           # tasks per submit request (keeps requests far below max_request_bytes)
 LOST_AFTER_IDLE_POLLS = 2     # consecutive "nothing pending, nothing ready" polls before jobs count as lost
+# Late results of abandoned jobs are acknowledged in the background for up to LATE_ACK_S (a cancel
+# that never reached a daemon leaves its job running: the next poll acknowledges that one).
+LATE_ACK_S = 60.0
+LATE_ACK_POLL_S = 0.5
 
 
 def placeholder(job_id: int, instance_id: str, sample_index: int, status: str, error_type: str, message: str,
@@ -172,6 +176,7 @@ class BatchClient:
         self._idle_polls = 0
         self._batches = itertools.count(1)
         self.dropped_late = 0                   # late results of abandoned jobs, acknowledged and dropped
+        self._acker: threading.Thread | None = None  # acknowledges abandoned jobs' late results (_ack_late)
         # asyncio side (bound to the loop that first uses it)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctl_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rolloutd-batch-ctl")
@@ -202,6 +207,8 @@ class BatchClient:
                 self._loop.call_soon_threadsafe(task.cancel)
         self._ctl_pool.shutdown(wait=True, cancel_futures=True)
         self._poll_pool.shutdown(wait=True, cancel_futures=True)
+        if self._acker is not None:  # it sees _closed within one short poll
+            self._acker.join(self._poller.timeout_s + 2 * LATE_ACK_POLL_S)
         self._poller.close()
         self._ctl.close()
 
@@ -288,13 +295,15 @@ class BatchClient:
         return batch
 
     # -- receiving -----------------------------------------------------------------------
-    def _poll(self, wait_s: float) -> int:
-        """One poll; routes results into the stash. Returns the number received."""
+    def _poll(self, wait_s: float, ack: bool = False) -> int:
+        """One poll; routes results into the stash (an abandoned job's is dropped). Returns the
+        number received. Without anything expected it asks nothing, unless ``ack``: a poll that
+        only acknowledges what the last reply carried."""
         with self._poll_lock:
             with self._lock:
                 expecting = set(self._outstanding)
-            if not expecting:
-                return 0
+                if not expecting and not self._abandoned and not ack:
+                    return 0
             from rolloutd.bus.messages import Poll
 
             p = self._poller
@@ -320,6 +329,32 @@ class BatchClient:
                 else:
                     self._idle_polls = 0
             return len(results)
+
+    def _start_acker(self):
+        """Acknowledge the late results of abandoned (cancelled) jobs in the background, now rather
+        than at this client's next poll: until then the gateway holds them (``done_unacked``), and
+        a client that polls no more would leave them for ``retention_s``."""
+        with self._lock:
+            if not self._abandoned or self._closed or (self._acker is not None and self._acker.is_alive()):
+                return
+            self._acker = threading.Thread(target=self._ack_late, name="rolloutd-batch-ack", daemon=True)
+            self._acker.start()
+
+    def _ack_late(self):
+        until = time.monotonic() + LATE_ACK_S
+        try:
+            while not self._closed and time.monotonic() < until:
+                with self._lock:
+                    if not self._abandoned:
+                        break
+                self._poll(LATE_ACK_POLL_S)
+            if not self._closed:
+                self._poll(0.0, ack=True)  # the last reply's results are acknowledged by the next poll
+        except (GatewayError, GatewayTimeout):
+            pass  # the next poll of this client acknowledges them
+        except Exception:  # noqa: BLE001 - e.g. the socket closed under it by close()
+            if not self._closed:
+                raise
 
     def _take(self, batch: Batch) -> list[dict]:
         out = []
@@ -352,6 +387,7 @@ class BatchClient:
             self.cancel(missing)
         except (GatewayError, GatewayTimeout):
             pass  # best effort: the jobs' own timeout_s stops them anyway
+        self._start_acker()
         out = []
         waited = time.monotonic() - batch.submitted_at
         for jid in missing:
@@ -462,6 +498,7 @@ class BatchClient:
                 out.cancel_outcome = {int(k): v for k, v in reply.items()}
             except (GatewayError, GatewayTimeout) as e:
                 out.cancel_outcome = {j: f"unknown ({type(e).__name__})" for j in missing}
+            self._start_acker()
         out.cancelled = missing
         out.partial = [r for g in buffers.values() for r in g]
         out.elapsed_s = time.monotonic() - t0
@@ -672,6 +709,21 @@ def token_arrays(traj: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
 SEGMENT_KEYS = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "turns")
 
 
+def token_policy_versions(traj: dict) -> np.ndarray:
+    """The policy version that sampled each response token (int64, ``-1`` on observation tokens),
+    from the turns' spans: ``turns[i]`` covers ``response_ids[start:end]`` at ``policy_version``
+    (after a swap under ``stale_policy = "continue"`` one message spans two versions)."""
+    n = len(traj.get("response_ids") if traj.get("response_ids") is not None else ())
+    out = np.full(n, -1, np.int64)
+    for turn in traj.get("turns") or ():
+        start, end = turn.get("start"), turn.get("end")
+        if start is None and turn.get("span") is not None:
+            start, end = turn["span"]
+        if start is not None and end is not None and turn.get("policy_version") is not None:
+            out[int(start):int(end)] = int(turn["policy_version"])
+    return out
+
+
 def segments_of(traj: dict) -> list[dict]:
     """The token sequences of a trajectory, in order: its ``segments`` (2+ of them, each
     ``{"index", "prompt_ids", "response_ids", "loss_mask", "logprobs", "turns"}``), or the
@@ -739,6 +791,9 @@ def collate(trajs: Sequence[dict], *, pad_id: int = 0, prompt_length: int | None
     ``policy_versions``           [B] i64     the first turn's policy version, -1 if none
     ``min_policy_versions``,
     ``max_policy_versions``       [B] i64     over all turns (-1 if none)
+    ``token_policy_versions``     [B, R] i64  the version that sampled each response token
+                                              (:func:`token_policy_versions`; -1 on pads and
+                                              observations)
     ``job_ids``, ``sample_index``,
     ``segment_index``             [B] i64     (segment: which segment of its trajectory the row is)
     ``instance_ids``              [B] object
@@ -781,6 +836,7 @@ def collate(trajs: Sequence[dict], *, pad_id: int = 0, prompt_length: int | None
     versions = np.full(B, -1, np.int64)
     vmin = np.full(B, -1, np.int64)
     vmax = np.full(B, -1, np.int64)
+    tokver = np.full((B, R), -1, np.int64)
     job_ids = np.zeros(B, np.int64)
     sample_index = np.zeros(B, np.int64)
     segment_index = np.zeros(B, np.int64)
@@ -807,6 +863,7 @@ def collate(trajs: Sequence[dict], *, pad_id: int = 0, prompt_length: int | None
             responses[i, :len(r)] = r
             rmask[i, :len(r)] = 1
             logprobs[i, :len(r)] = np.where(lm > 0, lp, 0.0)
+            tokver[i, :len(r)] = token_policy_versions(t)[:len(r)]
             if ok:
                 loss_mask[i, :len(r)] = (lm > 0)
         if ok:
@@ -846,6 +903,7 @@ def collate(trajs: Sequence[dict], *, pad_id: int = 0, prompt_length: int | None
         "policy_versions": versions,
         "min_policy_versions": vmin,
         "max_policy_versions": vmax,
+        "token_policy_versions": tokver,
         "job_ids": job_ids,
         "sample_index": sample_index,
         "segment_index": segment_index,

@@ -102,7 +102,7 @@ from typing import Any
 
 import numpy as np
 
-from rolloutd.gateway.batch import BatchClient, segments_of, token_arrays
+from rolloutd.gateway.batch import BatchClient, segments_of, token_arrays, token_policy_versions
 
 try:  # the real interface: no stand-ins, the adapter is only ever tested against veRL itself
     from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
@@ -374,6 +374,8 @@ class RolloutdAgentLoop(AgentLoopBase):
             mask = np.zeros(1, np.int64)
             lps = np.zeros(1, np.float32)
         lps = np.where(mask > 0, lps, 0.0).astype(np.float32)
+        tokver = token_policy_versions(seg)[:len(resp)]  # per response token; -1: observation or pad
+        tokver = np.concatenate([tokver, np.full(len(resp) - len(tokver), -1, np.int64)])
         versions = [int(t["policy_version"]) for t in seg.get("turns") or () if t.get("policy_version") is not None]
         if not versions and traj.get("policy_version") is not None:
             versions = [int(traj["policy_version"])]
@@ -396,6 +398,7 @@ class RolloutdAgentLoop(AgentLoopBase):
             "turn_scores": [],
             "tool_rewards": [],
             "reward_extra_info": {"rolloutd_ok": float(ok)},
+            "rolloutd_token_policy_versions": tokver.tolist(),  # a swap under stale_policy=continue mixes them
             "min_global_steps": min(versions),
             "max_global_steps": max(versions),
         }

@@ -20,6 +20,8 @@ its connection while its request is in flight is counted in ``stats["disconnects
 ``{"abort_all": true}``) ends in-flight ``/generate`` requests at once with
 ``finish_reason: {"type": "abort"}`` and the tokens sampled so far (those whose per-token time
 has passed), as SGLang returns a partial output; ``stats["aborted"]`` counts them.
+``stats["tokens_sampled"]`` counts the tokens of delayed requests (per-token latency), including
+those of requests aborted or disconnected part-way (what a benchmark counts as wasted work).
 
 It is a raw asyncio-protocol HTTP/1.1 server with keep-alive; with zero latency a
 request is answered synchronously from ``data_received`` (no task, no timer), which
@@ -655,27 +657,34 @@ class ScriptedBackend:
                 self._waiting -= 1
         self._running += 1
         started = time.perf_counter()
+        n, per = len(ids), self.latency.per_token
+
+        def sampled() -> int:  # tokens whose time has passed (the rest were never sampled)
+            spent = time.perf_counter() - started
+            k = int((spent - (delay - per * n)) / per) if per > 0 else int(n * spent / delay)
+            return max(0, min(k, n - 1))
+
         try:
             if delay > 0 and abort is not None:
                 try:
                     await asyncio.wait_for(abort.wait(), delay)
                 except asyncio.TimeoutError:
                     pass
-                else:  # aborted: the tokens whose time has passed were sampled, the rest never will be
-                    n = len(ids)
-                    per = self.latency.per_token
-                    spent = time.perf_counter() - started
-                    k = int((spent - (delay - per * n)) / per) if per > 0 else int(n * spent / delay)
-                    k = max(0, min(k, n - 1))
+                else:  # aborted: SGLang returns what was sampled so far
+                    k = sampled()
                     ids, lps, finish, stop_reason = ids[:k], lps[:k], "abort", None
                     self.stats["aborted"] += 1
                     self.stats["aborted_tokens"] += k
             elif delay > 0:
                 await asyncio.sleep(delay)
+        except asyncio.CancelledError:  # the client closed the connection: sampled, never delivered
+            self.stats["tokens_sampled"] += sampled()
+            raise
         finally:
             self._running -= 1
             if sem is not None:
                 sem.release()
+        self.stats["tokens_sampled"] += len(ids)
         self.stats["completed"] += 1
         return self._render(api, req, prompt, ids, lps, finish, stop_reason, time.perf_counter() - t0)
 

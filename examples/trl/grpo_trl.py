@@ -63,15 +63,16 @@ def rolloutd_reward(completions, rolloutd_reward, **kwargs):
 
 def trajectories_to_trl(trajs, pad_id: int) -> dict:
     """rolloutd trajectories as TRL's rollout_func output (one entry per trajectory)."""
-    from rolloutd.gateway.batch import token_arrays
+    from rolloutd.gateway.batch import token_arrays, token_policy_versions
 
     out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "rolloutd_reward": [],
-           "rolloutd_status": [], "rolloutd_policy_version": []}
+           "rolloutd_status": [], "rolloutd_policy_version": [], "token_policy_versions": []}
     for t in trajs:
         prompt, resp, mask, lps = token_arrays(t)
         ok = t.get("status") == "ok"
+        tokver = [int(v) for v in token_policy_versions(t)]  # TRL's loss has no per-token version: for rewards/logs
         if not ok or len(resp) == 0:  # TRL has no status: one masked token, reward 0
-            resp, mask, lps = [pad_id], [0], [0.0]
+            resp, mask, lps, tokver = [pad_id], [0], [0.0], [-1]
             prompt = prompt if len(prompt) else [pad_id]
         out["prompt_ids"].append([int(x) for x in prompt])
         out["completion_ids"].append([int(x) for x in resp])
@@ -80,6 +81,7 @@ def trajectories_to_trl(trajs, pad_id: int) -> dict:
         out["rolloutd_reward"].append(float(t.get("reward", 0.0)) if ok else 0.0)
         out["rolloutd_status"].append(t.get("status"))
         out["rolloutd_policy_version"].append(t.get("policy_version"))
+        out["token_policy_versions"].append(tokver)
     return out
 
 
@@ -176,7 +178,9 @@ def train(args) -> dict:
         def log_step(trajs, trl_out, trainer, roll_s):
             step = trainer.state.global_step
             counts = status_counts(trajs)
-            versions = sorted({t["policy_version"] for t in trajs if t["status"] == "ok"})
+            # every sampled token, not only the first turn: a swap under stale_policy=continue mixes versions
+            versions = sorted({v for row, m in zip(trl_out["token_policy_versions"], trl_out["env_mask"])
+                               for v, k in zip(row, m) if k} | {t["policy_version"] for t in trajs if t["status"] == "ok"})
             if versions != [state["version"]]:
                 failures.append(f"step {step}: trajectories from policy versions {versions}, expected "
                                 f"[{state['version']}]")
