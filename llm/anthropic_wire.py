@@ -81,7 +81,7 @@ def call_id_of(tool_use_id: str) -> str:
 
 # -- requests ------------------------------------------------------------------------------
 def _text_blocks(content: Any, where: str) -> str:
-    """A string, or a list of text blocks (``cache_control``/``citations`` ignored), as text."""
+    """A string, or a list of text blocks (``cache_control``/``citations`` ignored) joined by newlines."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -95,7 +95,7 @@ def _text_blocks(content: Any, where: str) -> str:
             if not isinstance(b.get("text"), str):
                 raise bad(f"{where}.{j}.text: Field required (a string)", where)
             out.append(b["text"])
-        return "".join(out)
+        return "\n".join(out)  # separate blocks (a reminder, a prompt): never glue their words
     if content is None:
         return ""
     raise bad(f"{where}: must be a string or a list of text blocks", where)
@@ -122,7 +122,7 @@ def _user(m: dict, where: str) -> tuple:
                 texts = []
                 pieces.append(("user", ""))
             texts.append(b["text"])
-            pieces[-1] = ("user", "".join(texts))
+            pieces[-1] = ("user", "\n".join(texts))
         elif t == "tool_result":
             tid = b.get("tool_use_id")
             if not isinstance(tid, str) or not tid:

@@ -78,7 +78,9 @@ def error_body(e: EndpointError) -> bytes:
 
 
 # -- requests ------------------------------------------------------------------------------
-def _parts_text(content: Any, where: str) -> str:
+def _parts_text(content: Any, where: str, sep: str = "\n") -> str:
+    """A string or text parts; parts of a user-side message are joined by newlines (as vLLM joins
+    them), an assistant message's by nothing (one reply's text, maybe split)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -93,7 +95,7 @@ def _parts_text(content: Any, where: str) -> str:
         else:
             kind = p.get("type") if isinstance(p, dict) else type(p).__name__
             raise bad(f"{where}[{j}]: content part of type {kind!r} is not supported (text only)", "input")
-    return "".join(out)
+    return sep.join(out)
 
 
 def _tools(raw: Any) -> tuple[list[dict] | None, dict[str, dict], list[str], bytes]:
@@ -196,7 +198,7 @@ def _num(body: dict, key: str, default: Any, cast=float, lo: float | None = None
 def _reasoning_text(it: dict) -> str:
     content = it.get("content")
     if isinstance(content, list) and content:
-        return _parts_text(content, "reasoning.content")
+        return _parts_text(content, "reasoning.content", "")
     enc = it.get("encrypted_content")
     if isinstance(enc, str) and enc.startswith(_ENC):
         try:
@@ -237,7 +239,7 @@ def _item(it: Any, where: str) -> tuple:
         role = it.get("role")
         if role not in ("user", "assistant", "system", "developer"):
             raise bad(f"{where}.role must be 'user', 'assistant', 'system' or 'developer'", "input")
-        text = _parts_text(it.get("content"), f"{where}.content")
+        text = _parts_text(it.get("content"), f"{where}.content", "" if role == "assistant" else "\n")
         return ("message", "system" if role == "developer" else role, text)
     if t == "reasoning":
         return ("reasoning", _reasoning_text(it))

@@ -225,6 +225,15 @@ def test_previous_response_not_found_and_unknown_get(arun):
     assert g.status_code == 404 and "resp_nope" in g.json()["error"]["message"]
 
 
+def test_user_side_parts_join_with_newlines_assistant_parts_do_not():
+    req = W.parse({"model": "m", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "<env>"}, {"type": "input_text", "text": "go"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Do"}, {"type": "output_text", "text": "ne."}]},
+        {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": "a"},
+                                                                    {"type": "input_text", "text": "b"}]}]})
+    assert [m.content for m in req.messages] == ["<env>\ngo", "Done.", "a\nb"]
+
+
 def test_unknown_fields_tolerated_and_codex_extras():
     req = W.parse({"model": "m", "input": [{"type": "message", "role": "user", "content": "q"},
                                            {"type": "web_search_call", "status": "completed",
