@@ -383,7 +383,7 @@ _PLANES = (0xF0000, 0x100000, 0xE000)
 class _IdText:
     """Per tokenizer: which ids are added/special tokens, and their strings."""
 
-    __slots__ = ("tokenizer", "added", "special", "special_strings", "strings", "index", "pattern")
+    __slots__ = ("tokenizer", "added", "special", "special_strings", "strings", "index", "pattern", "_decode_run")
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -396,6 +396,13 @@ class _IdText:
         from .tokenizer_utils import trie_pattern
 
         self.pattern = trie_pattern(self.strings)
+        # the Rust decoder directly (what HF's decode does, minus its per-call overhead) unless HF
+        # post-processes the text
+        b = getattr(tokenizer, "backend_tokenizer", None)
+        if b is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self._decode_run = lambda ids: b.decode(ids, skip_special_tokens=False)
+        else:
+            self._decode_run = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
 
     def decode(self, ids: list[int], skip_special: bool) -> tuple[str, dict[int, str] | None]:
         """``(text, unescape table)``: added-token ids as their strings (special ones dropped
@@ -416,7 +423,8 @@ class _IdText:
                 runs.append((True, s))
         if run:
             runs.append((False, run))
-        pieces = [(k, s if k else tok.decode(s, skip_special_tokens=False)) for k, s in runs]
+        dec = self._decode_run
+        pieces = [(k, s if k else dec(s)) for k, s in runs]
         plain = "".join(p for _, p in pieces)
         if self.pattern is None or not any(not k and self.pattern.search(p) for k, p in pieces):
             return plain, None
