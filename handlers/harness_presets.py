@@ -258,6 +258,7 @@ def record_requests(app, directory: str | None, job_id: str):
     rendering of that request (and for debugging a preset). Off (the app itself) by default."""
     if not directory:
         return app
+    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"{job_id}.jsonl")
 
     async def recorded(scope, receive, send):

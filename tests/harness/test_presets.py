@@ -231,6 +231,15 @@ def test_preset_solves_swe_with_its_own_tools(preset, request, preset_backend, r
         if os.environ.get("ROLLOUTD_TEST_STRICT") == "1":
             pytest.fail("ROLLOUTD_TEST_STRICT=1: " + msg)
         pytest.skip(msg)
+    from rolloutd.handlers.harness_presets import NPM_PACKAGES, PRESETS, node_bin
+
+    binary = PRESETS[preset]["command"][0]
+    venv = request.getfixturevalue("agent_venv")
+    if preset in NPM_PACKAGES and not os.path.exists(os.path.join(node_bin(venv), binary)):
+        msg = f"{binary} is not in the agent venv's npm cache ({node_bin(venv)}): no npm on this machine"
+        if os.environ.get("ROLLOUTD_TEST_STRICT") == "1":
+            pytest.fail("ROLLOUTD_TEST_STRICT=1: " + msg)
+        pytest.skip(msg)
     results = request.getfixturevalue("preset_results")
     right, wrong = results[f"{preset}-0"], results[f"{preset}-1"]
     for r in (right, wrong):
