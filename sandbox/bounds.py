@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 RUN_DIR_BYTES = 1 << 20   # tool.sock, config.json (~2 KB), llm.sock
+MIN_IMAGE_BYTES = 4 << 20  # below this a workspace gets a tmpfs (ext4 needs room for its metadata)
 RUN_DIR_INODES = 64
 
 MS_NOSUID, MS_NODEV, MNT_DETACH = 0x2, 0x4, 0x2
@@ -80,7 +81,7 @@ def mount_tmpfs(target: os.PathLike, size_bytes: int, uid: int, gid: int, nr_ino
 def make_ext4_image(image: os.PathLike, size_bytes: int, uid: int, gid: int,
                     templates: Optional[os.PathLike] = None) -> None:
     """A sparse file of exactly size_bytes holding an empty ext4 (4 KiB blocks, one inode per
-    16 KiB, no journal: the data is as ephemeral as the sandbox; no reserved blocks).
+    16 KiB but at least 1024, no journal: the data is as ephemeral as the sandbox; no reserved blocks).
 
     With a templates dir, mkfs runs once per (size, owner) and each image is a sparse copy of
     that template (~0.2 MB of metadata for 4 GB: well under a millisecond, where mkfs.ext4 is
@@ -96,7 +97,8 @@ def make_ext4_image(image: os.PathLike, size_bytes: int, uid: int, gid: int,
         return
     with open(image, "wb") as f:
         f.truncate(size_bytes)
-    r = subprocess.run([mkfs_ext4() or "mkfs.ext4", "-q", "-F", "-t", "ext4", "-b", "4096", "-i", "16384",
+    inodes = max(1024, size_bytes // 16384)  # small images: room for a few files anyway
+    r = subprocess.run([mkfs_ext4() or "mkfs.ext4", "-q", "-F", "-t", "ext4", "-b", "4096", "-N", str(inodes),
                         "-I", "256", "-m", "0", "-O", "^has_journal,^resize_inode",
                         "-E", "lazy_itable_init=1,nodiscard,root_owner=%d:%d" % (uid, gid), str(image)],
                        capture_output=True, text=True, timeout=60)

@@ -147,12 +147,13 @@ class Runtime(abc.ABC):
             return out
         if disk_mb:
             size = int(float(disk_mb) * 2**20) // 4096 * 4096
-            if self.disk_quota == "loop":
+            mode = "tmpfs" if size < bounds.MIN_IMAGE_BYTES else self.disk_quota  # a few MB of RAM at most
+            if mode == "loop":
                 bounds.make_ext4_image(d / "disk.img", size, uid, gid, templates=self.root_dir / "disk-templates")
                 bounds.mount_ext4_image(d / "disk.img", d / "workspace")
             else:
-                bounds.mount_tmpfs(d / "workspace", size, uid, gid)
-            out["workspace"] = self.disk_quota
+                bounds.mount_tmpfs(d / "workspace", size, uid, gid, nr_inodes=max(1024, size // 16384))
+            out["workspace"] = mode
         if not self.run_dir_read_only:
             bounds.mount_tmpfs(d / "run", bounds.RUN_DIR_BYTES, uid, gid, bounds.RUN_DIR_INODES)
             out["run"] = "tmpfs"
