@@ -62,6 +62,7 @@ from .openai_wire import (
     Msg,
     Reply,
     Sampling,
+    WireRequest,
     bad,
     canon_args,
     chat_chunks,
@@ -182,7 +183,7 @@ class _Gen:
 class _Segment:
     """A self-consistent token sequence: a Conversation (chat) or one raw completion."""
 
-    __slots__ = ("closed", "conv", "entries", "index", "raw", "tools")
+    __slots__ = ("busy", "closed", "conv", "entries", "index", "last_call", "opened_call", "raw", "tools")
 
     def __init__(self, index: int, conv: Conversation | None, tools: list | None, entries: list) -> None:
         self.index = index
@@ -190,6 +191,8 @@ class _Segment:
         self.tools = tools
         self.entries: list[Msg | _Gen] = entries
         self.closed = False  # a request failed mid-way: never extended again
+        self.busy = False  # a request is extending it now
+        self.opened_call = self.last_call = 0  # the session's request counter when opened / last extended
         self.raw: dict | None = None  # /v1/completions: arrays and the one turn
 
     @property
@@ -240,8 +243,8 @@ class EndpointSession:
                                           "assistant_tokens_reencoded": 0, "llm_s": 0.0, "aborts": 0,
                                           "malformed_tool_calls": 0}
         self._gens: list[_Gen] = []
-        self._lock = asyncio.Lock()
-        self._inflight: asyncio.Future | None = None
+        self._inflight: set[asyncio.Future] = set()  # backend calls in flight (a job's requests run concurrently)
+        self._calls = 0  # requests placed so far: the clock of the segments' side-call accounting
         self._cancelled: str | None = None
         self._call_ids = itertools.count()
         self._decode_cache: dict[int, str] = {}
@@ -299,11 +302,7 @@ class EndpointSession:
                       "tokens", "messages", "context_length_exceeded")
         msgs = parse_messages(msgs_raw, self._prev_msgs)
         self._prev_msgs = (msgs_raw, msgs)
-        # A token is at most max_bytes_per_token bytes, a character at least one byte.
-        chars = sum(len(m.content) for m in msgs)
-        if self._mbpt is not None and chars > self._mbpt * self.limits.max_context:
-            raise bad(f"the messages hold {chars} characters; no tokenization of them fits this job's context "
-                      f"window of {self.limits.max_context} tokens", "messages", "context_length_exceeded")
+        self._check_size(msgs)
         tools = parse_tools(body.get("tools"))
         return body, msgs, tools, parse_tool_choice(body.get("tool_choice"), tools), parse_sampling(body)
 
@@ -314,9 +313,9 @@ class EndpointSession:
         if self._cancelled is None:
             self._cancelled = reason
             log.info("endpoint_cancelled", reason=reason)
-        fut = self._inflight
-        if fut is not None and not fut.done():
-            fut.cancel()
+        for fut in list(self._inflight):
+            if not fut.done():
+                fut.cancel()
 
     @property
     def cancelled(self) -> str | None:
@@ -363,9 +362,17 @@ class EndpointSession:
         if self._mbpt is None:
             await self.max_body()
         body, msgs, tools, parse_calls, samp = await self._offload(self._prepare_chat, body)
-        async with self._lock:
+        return await self.serve_messages(msgs, tools, parse_calls, samp, bool(body.get("logprobs"))), body
+
+    async def serve_messages(self, msgs: list[Msg], tools: list | None, parse_calls: bool, samp: Sampling,
+                             want_lp: bool = False) -> Reply:
+        """One translated chat request of any API shape: placed in the conversation it
+        continues (or a new one), sampled, parsed. A job's requests run concurrently; each
+        conversation is extended by one request at a time."""
+        self._admit()
+        seg = await self._offload(self._place, msgs, tools)
+        try:
             self._admit()
-            seg = await self._offload(self._place, msgs, tools)
             n_turns, n_ctx = seg.conv.num_turns, seg.conv.num_tokens
             try:
                 ids, lps, finish, text = await self._sample(seg.conv, samp)
@@ -373,7 +380,9 @@ class EndpointSession:
                 if seg.conv.num_turns > n_turns:  # a partial (aborted) reply is in it: never extend it again
                     seg.closed = True
                 raise
-            return self._chat_reply(seg, n_ctx, ids, lps, finish, text, parse_calls, bool(body.get("logprobs"))), body
+            return self._chat_reply(seg, n_ctx, ids, lps, finish, text, parse_calls, want_lp)
+        finally:
+            seg.busy = False
 
     def _chat_reply(self, seg: _Segment, n_ctx: int, ids: list[int], lps: list[float], finish: str, text: str,
                     parse_calls: bool, want_lp: bool) -> Reply:
@@ -396,32 +405,56 @@ class EndpointSession:
                      prompt_tokens=n_ctx, completion_tokens=len(ids), token_ids=ids,
                      logprobs=lps, token_strs=self._token_strs(ids) if want_lp else None)
 
-    def _place(self, msgs: list[Msg], tools: list | None) -> _Segment:
-        """The segment this request continues (its new messages appended), or a new one."""
-        seg = self.segments[-1] if self.segments else None
-        if seg is not None and seg.conv is not None and not seg.closed and tools == seg.tools \
-                and len(msgs) >= len(seg.entries):
+    def _continued(self, msgs: list[Msg], tools: list | None) -> _Segment | None:
+        """The open conversation ``msgs`` continues, the longest one if several do: its entries
+        are a prefix of ``msgs`` (our replies compared as values) with the same tools, and no
+        other request is extending it right now (a concurrent continuation of the same history
+        is a fork: it gets its own segment)."""
+        best = None
+        n = len(msgs)
+        for seg in reversed(self.segments):
+            if seg.conv is None or seg.closed or seg.busy or tools != seg.tools:
+                continue
             entries = seg.entries
+            k = len(entries)
+            if k > n or (best is not None and k <= len(best.entries)):
+                continue
+            if k == n and not seg.conv.awaiting_generation:
+                continue  # nothing new to add: a repeated request (its own retry) opens a new segment
             if all((e.matches(m) if type(e) is _Gen else e.key == m.key) for e, m in zip(entries, msgs)):
-                tail = msgs[len(entries):]
-                conv = seg.conv
-                if conv.awaiting_generation and not tail:  # the same request again after a failure
-                    return seg
-                if tail and not conv.awaiting_generation:
-                    try:
-                        conv.add_messages(self.call_ids.prepare([m.template_dict() for m in tail]))
-                    except ContextOverflow as e:
-                        raise bad(str(e), "messages", "context_length_exceeded") from None
-                    except Exception as e:  # noqa: BLE001 - the template refused them (e.g. raise_exception on role order)
-                        raise bad(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
-                                  "messages") from None
-                    for e in entries:
-                        if type(e) is _Gen and not e.reused:
-                            e.reused = True
-                            self.metrics["assistant_tokens_reused"] += e.n_tokens
-                    entries.extend(tail)
-                    return seg
-        return self._new_segment(msgs, tools)
+                best = seg
+        return best
+
+    def _place(self, msgs: list[Msg], tools: list | None) -> _Segment:
+        """The conversation this request continues (its new messages appended), or a new one;
+        marked busy until the request is done. Runs in an endpoint thread, one per job at a time."""
+        self._calls += 1
+        seg = self._continued(msgs, tools)
+        if seg is not None:
+            entries = seg.entries
+            tail = msgs[len(entries):]
+            conv = seg.conv
+            if conv.awaiting_generation and not tail:  # the same request again after a failure
+                seg.busy, seg.last_call = True, self._calls
+                return seg
+            if tail and not conv.awaiting_generation:
+                try:
+                    conv.add_messages(self.call_ids.prepare([m.template_dict() for m in tail]))
+                except ContextOverflow as e:
+                    raise bad(str(e), "messages", "context_length_exceeded") from None
+                except Exception as e:  # noqa: BLE001 - the template refused them (e.g. raise_exception on role order)
+                    raise bad(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                              "messages") from None
+                for e in entries:
+                    if type(e) is _Gen and not e.reused:
+                        e.reused = True
+                        self.metrics["assistant_tokens_reused"] += e.n_tokens
+                entries.extend(tail)
+                seg.busy, seg.last_call = True, self._calls
+                return seg
+        seg = self._new_segment(msgs, tools)
+        seg.busy, seg.opened_call = True, self._calls
+        return seg
 
     def _new_segment(self, msgs: list[Msg], tools: list | None) -> _Segment:
         try:
@@ -433,8 +466,8 @@ class EndpointSession:
         if conv.remaining_context <= 0:
             raise bad(f"the messages take {conv.num_tokens} tokens; this job's context window is "
                       f"{self.limits.max_context}", "messages", "context_length_exceeded")
-        if self.segments and self.segments[-1].n_turns == 0:
-            self.segments.pop()  # an earlier request that never sampled: nothing to keep
+        # earlier requests that never sampled (and are not being served): nothing to keep
+        self.segments = [s for s in self.segments if s.busy or s.n_turns > 0]
         seg = _Segment(len(self.segments), conv, tools, list(msgs))
         if seg.index:
             log.info("endpoint_segment_opened", segment=seg.index, messages=len(msgs), prompt_tokens=conv.num_tokens)
@@ -516,7 +549,8 @@ class EndpointSession:
             if timeout <= 0:
                 raise self._refuse(EndpointError(503, "the job's deadline has passed", type="service_unavailable",
                                                  code="deadline_exceeded", retry=False))
-        fut = self._inflight = asyncio.ensure_future(self.generate(ids, params))
+        fut = asyncio.ensure_future(self.generate(ids, params))
+        self._inflight.add(fut)
         t0 = time.perf_counter()
         try:
             done, _ = await asyncio.wait((fut,), timeout=timeout)
@@ -546,7 +580,7 @@ class EndpointSession:
                                     type="service_unavailable", code="job_failed", retry=False) from None
         finally:
             self.metrics["llm_s"] += time.perf_counter() - t0
-            self._inflight = None
+            self._inflight.discard(fut)
             if not fut.done():  # our own request task was cancelled (server shutdown)
                 fut.cancel()
 
@@ -564,6 +598,51 @@ class EndpointSession:
         return out
 
     # -- completions -----------------------------------------------------------------------
+    def _check_size(self, msgs: list[Msg]) -> None:
+        # A token is at most max_bytes_per_token bytes, a character at least one byte.
+        if len(msgs) > self.limits.max_context:
+            raise bad(f"{len(msgs)} messages cannot fit this job's context window of {self.limits.max_context} "
+                      "tokens", "messages", "context_length_exceeded")
+        chars = sum(len(m.content) for m in msgs)
+        if self._mbpt is not None and chars > self._mbpt * self.limits.max_context:
+            raise bad(f"the messages hold {chars} characters; no tokenization of them fits this job's context "
+                      f"window of {self.limits.max_context} tokens", "messages", "context_length_exceeded")
+
+    def _prepare_wire(self, raw: bytes | dict, parse: Callable[[dict], WireRequest]) -> WireRequest:
+        req = parse(self._load(raw))
+        self._check_size(req.messages)
+        return req
+
+    async def serve_wire(self, raw: bytes | dict, parse: Callable[[dict], WireRequest]) -> tuple[WireRequest, Reply]:
+        """One request of another API shape: ``parse`` (a wire module's, e.g. ``anthropic_wire.parse``)
+        translates the body in an endpoint thread; then the same session path as Chat Completions."""
+        self._admit()
+        if self._mbpt is None:
+            await self.max_body()
+        req = await self._offload(self._prepare_wire, raw, parse)
+        return req, await self.serve_messages(req.messages, req.tools, req.parse_calls, req.sampling)
+
+    def _count(self, req: WireRequest) -> int:
+        conv = Conversation(self.tokenizer, self.call_ids.prepare([m.template_dict() for m in req.messages]),
+                            req.tools, 1 << 30, **self.conv_options)
+        return conv.num_tokens
+
+    async def count_tokens(self, raw: bytes | dict, parse: Callable[[dict], WireRequest]) -> int:
+        """The prompt tokens of a translated request (``count_tokens`` routes); no segment, no LLM call."""
+        self._admit()
+        if self._mbpt is None:
+            await self.max_body()
+
+        def work() -> int:
+            req = self._prepare_wire(raw, parse)
+            try:
+                return self._count(req)
+            except Exception as e:  # noqa: BLE001 - the template refused the messages
+                raise bad(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                          "messages") from None
+
+        return await self._offload(work)
+
     def _prepare_completion(self, raw: bytes | dict):
         body = self._load(raw)
         prompt = body.get("prompt")
@@ -595,37 +674,35 @@ class EndpointSession:
             await self.max_body()
         body, ids, samp = await self._offload(self._prepare_completion, body)
         want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
-        async with self._lock:
-            self._admit()
-            room = self.limits.max_context - len(ids)
-            if room <= 0:
-                raise bad(f"the prompt takes {len(ids)} tokens; this job's context window is "
-                          f"{self.limits.max_context}", "prompt", "context_length_exceeded")
-            self.metrics["llm_calls"] += 1
-            want = samp.max_tokens if samp.max_tokens is not None else min(16, self.limits.max_tokens)
-            g, backend, pv = await self._call(np.asarray(ids, dtype=np.int32), samp.params(min(want, room)))
-            text = self._decode(g.token_ids)  # from the ids, never the backend's text
-            if samp.stop:
-                text = self._apply_stop(g, text, samp.stop, "")
-            out = np.asarray(g.token_ids, dtype=np.int32).reshape(-1)
-            lp = np.asarray(g.logprobs, dtype=np.float32).reshape(-1)
-            if self.segments and self.segments[-1].n_turns == 0:
-                self.segments.pop()
-            seg = _Segment(len(self.segments), None, None, [])
-            seg.raw = {"prompt_ids": np.asarray(ids, dtype=np.int32), "response_ids": out,
-                       "loss_mask": np.ones(len(out), np.int8), "logprobs": lp,
-                       "turns": [{"index": 0, "span": [0, len(out)], "start": 0, "end": len(out),
-                                  "finish_reason": g.finish_reason, "backend": str(backend),
-                                  "policy_version": int(pv), "latency_s": float(g.latency_s or 0.0),
-                                  "obs_start": None, "obs_end": None, "continuation": False}]}
-            self.segments.append(seg)
-            ids_out, lps_out = out.tolist(), lp.astype(np.float64).tolist()
-            fr = g.finish_reason if g.finish_reason in ("stop", "length") else "stop"
-            reply = Reply(id=f"cmpl-{uuid.uuid4().hex}", model=self.model, content=text, tool_calls=[],
-                          reasoning=None, finish_reason=fr, prompt_tokens=len(ids), completion_tokens=len(ids_out),
-                          token_ids=ids_out, logprobs=lps_out,
-                          token_strs=self._token_strs(ids_out) if want_lp else None)
-            return reply, text, body
+        self._admit()
+        room = self.limits.max_context - len(ids)
+        if room <= 0:
+            raise bad(f"the prompt takes {len(ids)} tokens; this job's context window is "
+                      f"{self.limits.max_context}", "prompt", "context_length_exceeded")
+        self.metrics["llm_calls"] += 1
+        want = samp.max_tokens if samp.max_tokens is not None else min(16, self.limits.max_tokens)
+        g, backend, pv = await self._call(np.asarray(ids, dtype=np.int32), samp.params(min(want, room)))
+        text = self._decode(g.token_ids)  # from the ids, never the backend's text
+        if samp.stop:
+            text = self._apply_stop(g, text, samp.stop, "")
+        out = np.asarray(g.token_ids, dtype=np.int32).reshape(-1)
+        lp = np.asarray(g.logprobs, dtype=np.float32).reshape(-1)
+        self.segments = [s for s in self.segments if s.busy or s.n_turns > 0]
+        seg = _Segment(len(self.segments), None, None, [])
+        seg.raw = {"prompt_ids": np.asarray(ids, dtype=np.int32), "response_ids": out,
+                   "loss_mask": np.ones(len(out), np.int8), "logprobs": lp,
+                   "turns": [{"index": 0, "span": [0, len(out)], "start": 0, "end": len(out),
+                              "finish_reason": g.finish_reason, "backend": str(backend),
+                              "policy_version": int(pv), "latency_s": float(g.latency_s or 0.0),
+                              "obs_start": None, "obs_end": None, "continuation": False}]}
+        self.segments.append(seg)
+        ids_out, lps_out = out.tolist(), lp.astype(np.float64).tolist()
+        fr = g.finish_reason if g.finish_reason in ("stop", "length") else "stop"
+        reply = Reply(id=f"cmpl-{uuid.uuid4().hex}", model=self.model, content=text, tool_calls=[],
+                      reasoning=None, finish_reason=fr, prompt_tokens=len(ids), completion_tokens=len(ids_out),
+                      token_ids=ids_out, logprobs=lps_out,
+                      token_strs=self._token_strs(ids_out) if want_lp else None)
+        return reply, text, body
 
     # -- result ----------------------------------------------------------------------------
     def trajectory(self) -> dict:
@@ -653,6 +730,11 @@ class EndpointSession:
         out["policy_version"] = recs[0]["turns"][0]["policy_version"] if recs else None
         m = dict(self.metrics)
         m["segments"] = len(recs)
+        # A side segment: opened while an earlier conversation was still going on (that one was
+        # extended again afterwards): a title/summary call between main turns, a subagent.
+        chats = [x for x in segs if x.conv is not None]
+        m["side_segments"] = sum(1 for x in chats if any(y.opened_call < x.opened_call < y.last_call for y in chats))
+        m["calls_per_segment"] = round(m["llm_calls"] / len(recs), 3) if recs else 0.0
         out["metrics"] = m
         return out
 
@@ -662,6 +744,9 @@ MAX_BODY = 64 * 1024 * 1024
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
+
+
+_POST_ROUTES = ("/chat/completions", "/completions", "/messages", "/messages/count_tokens", "/responses")
 
 
 class _Gate:
@@ -728,12 +813,104 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY, bounds: Endp
         await timed_send(send, {"type": "http.response.body", "body": b""})
 
     def authorized(scope) -> bool:
+        """``Authorization: Bearer`` (OpenAI, Anthropic's auth token), ``x-api-key`` (Anthropic),
+        ``x-goog-api-key`` or ``?key=`` (Gemini)."""
         if not session.api_key:
             return True
+        key = session.api_key
         for k, v in scope.get("headers", ()):
-            if k == b"authorization":
-                return v.decode("latin-1") == "Bearer " + session.api_key
-        return False
+            if k == b"authorization" and v.decode("latin-1") == "Bearer " + key:
+                return True
+            if k in (b"x-api-key", b"x-goog-api-key") and v.decode("latin-1") == key:
+                return True
+        from urllib.parse import parse_qs
+
+        return key in parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key", ())
+
+    wire_cache: dict[str, dict] = {"anthropic": {}, "responses": {}, "gemini": {}}
+    stored: dict[str, tuple[list, dict]] = {}  # Responses store: response id -> (conversation items, response)
+    STORE_MAX = 256
+
+    async def post_route(path: str, scope, raw: bytes, send) -> None:
+        """The POST routes; ``raw`` is the body within this job's bounds."""
+        if path == "/chat/completions":
+            r, body = await session._chat(raw)
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            if body.get("stream"):
+                await send_sse(send, chat_chunks(r, include_usage))
+            else:
+                await send_json(send, 200, dumps(chat_response(r)))
+        elif path == "/completions":
+            r, text, body = await session._complete(raw)
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            if body.get("stream"):
+                await send_sse(send, completion_chunks(r, text, include_usage))
+            else:
+                await send_json(send, 200, dumps(completion_response(r, text)))
+        elif path == "/messages":
+            from . import anthropic_wire as aw
+
+            req, r = await session.serve_wire(raw, lambda b: aw.parse(b, wire_cache["anthropic"]))
+            if req.stream:
+                await send_sse(send, aw.stream_events(r, req))
+            else:
+                await send_json(send, 200, dumps(aw.response(r, req)))
+        elif path == "/messages/count_tokens":
+            from . import anthropic_wire as aw
+
+            n = await session.count_tokens(raw, aw.parse_count_tokens)
+            await send_json(send, 200, dumps(aw.count_tokens_response(n)))
+        elif path == "/responses":
+            from . import responses_wire as rw
+
+            def parse(b: dict) -> WireRequest:
+                prev = b.get("previous_response_id") if isinstance(b, dict) else None
+                hist = stored.get(prev)[0] if isinstance(prev, str) and prev in stored else None
+                return rw.parse(b, hist, wire_cache["responses"])
+
+            req, r = await session.serve_wire(raw, parse)
+            obj = rw.response(r, req)
+            if req.extras.get("store", True) is not False:
+                stored[rw.response_id(r)] = (rw.conversation_items(req, r), obj)
+                while len(stored) > STORE_MAX:
+                    stored.pop(next(iter(stored)))
+            if req.stream:
+                await send_sse(send, rw.stream_events(r, req))
+            else:
+                await send_json(send, 200, dumps(obj))
+        elif path.startswith("/models/") and ":" in path:  # Gemini, after the /v1beta prefix
+            from . import gemini_wire as gw
+
+            model, _, verb = path[len("/models/"):].rpartition(":")
+            if verb == "countTokens":
+                n = await session.count_tokens(raw, lambda b: gw.parse_count_tokens(b, model))
+                await send_json(send, 200, dumps(gw.count_tokens_response(n)))
+                return
+            if verb not in ("generateContent", "streamGenerateContent"):
+                raise EndpointError(404, f"no method {verb!r} on models", code="not_found")
+            stream = verb == "streamGenerateContent"
+            req, r = await session.serve_wire(raw, lambda b: gw.parse(b, model, stream, wire_cache["gemini"]))
+            if stream:  # alt=sse (what Gemini CLI and google-genai ask for)
+                await send_sse(send, gw.stream_chunks(r, req))
+            else:
+                await send_json(send, 200, dumps(gw.response(r, req)))
+        else:
+            raise EndpointError(404, f"no route POST {scope['path']}", code="not_found")
+
+    def error_body(path: str, e: EndpointError) -> bytes:
+        """Each API shape's own error object."""
+        try:
+            if path.startswith("/messages"):
+                from .anthropic_wire import error_body as eb
+            elif path.startswith("/responses"):
+                from .responses_wire import error_body as eb
+            elif path.startswith("/models/") and ":" in path:
+                from .gemini_wire import error_body as eb
+            else:
+                return e.body()
+        except ImportError:  # pragma: no cover - the wire modules ship with the endpoint
+            return e.body()
+        return eb(e)
 
     async def app(scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -749,6 +926,8 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY, bounds: Endp
         path = scope["path"]
         if path.startswith("/v1/"):
             path = path[3:]
+        elif path.startswith("/v1beta/"):  # Gemini
+            path = path[7:]
         method = scope["method"]
         if path != "/health":
             session.metrics["requests"] += 1
@@ -767,7 +946,14 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY, bounds: Endp
             if path == "/models" and method == "GET":
                 await send_json(send, 200, dumps(models_response(session.model, session.created)))
                 return
-            if path in ("/chat/completions", "/completions"):
+            if path.startswith("/responses/") and method == "GET":
+                hit = stored.get(path[len("/responses/"):])
+                if hit is None:
+                    raise EndpointError(404, f"no response {path[len('/responses/'):]!r} in this job's store",
+                                        code="not_found")
+                await send_json(send, 200, dumps(hit[1]))
+                return
+            if path in _POST_ROUTES or (path.startswith("/models/") and ":" in path):
                 if method != "POST":
                     raise EndpointError(405, f"{method} {scope['path']}: use POST")
                 limit = min(max_body, await session.max_body())
@@ -786,22 +972,7 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY, bounds: Endp
                         raw = await _read_body(receive, limit, gate, 2 * limit)
                     finally:
                         held = gate.bytes - before
-                    if path == "/chat/completions":
-                        r, body = await session._chat(raw)
-                        del raw
-                        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                        if body.get("stream"):
-                            await send_sse(send, chat_chunks(r, include_usage))
-                        else:
-                            await send_json(send, 200, dumps(chat_response(r)))
-                    else:
-                        r, text, body = await session._complete(raw)
-                        del raw
-                        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                        if body.get("stream"):
-                            await send_sse(send, completion_chunks(r, text, include_usage))
-                        else:
-                            await send_json(send, 200, dumps(completion_response(r, text)))
+                    await post_route(path, scope, raw, send)
                 finally:
                     gate.inflight -= 1
                     gate.bytes -= held
@@ -813,7 +984,7 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY, bounds: Endp
             extra = [] if e.retry is None else [(b"x-should-retry", b"true" if e.retry else b"false")]
             if e.status in (413, 431, 505):  # the rest of the request is not read: the connection cannot be reused
                 extra.append((b"connection", b"close"))
-            await send_json(send, e.status, e.body(), extra)
+            await send_json(send, e.status, error_body(path, e), extra)
         except (ConnectionResetError, asyncio.TimeoutError):
             return
         except Exception as e:  # a bug here must not take the job's server down with it

@@ -1,0 +1,118 @@
+"""Trajectories from interleaved and concurrent calls (issue 25 item 2): a job keeps every open
+conversation; a request extends the one it continues with its exact sampled ids, side calls and
+subagents get their own segments without breaking the main one, and a job's requests run
+concurrently. Real parts: the ``openai`` and ``anthropic`` SDKs as clients, a real uvicorn
+socket, the Qwen2.5 tokenizer and template, the scripted vLLM-API backend (0.3 s per call, so
+concurrent calls overlap at the backend). Before this change (checked) the Chat Completions case
+failed: the side call broke the main segment (the next main call re-encoded the main history)
+and the subagents were served one at a time; the Anthropic case got 404 (no /v1/messages).
+"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai SDK is not installed (pip install rolloutd[harness])")
+anthropic = pytest.importorskip("anthropic", reason="the anthropic SDK is not installed (pip install rolloutd[harness])")
+
+from rolloutd.llm.client import LLMClient, simple_generate
+from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
+
+from .conftest import BASH_TOOL
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Served:
+    def __init__(self, tok, url):
+        self.tok, self.url = tok, url
+        self.inflight = self.max_inflight = 0
+
+    async def __aenter__(self):
+        self.llm = LLMClient(self.url, timeout=60)
+        inner = simple_generate(self.llm, "b0", 0)
+
+        async def generate(ids, params):  # counts the backend calls in flight at once
+            self.inflight += 1
+            self.max_inflight = max(self.max_inflight, self.inflight)
+            try:
+                return await inner(ids, params)
+            finally:
+                self.inflight -= 1
+
+        self.session = EndpointSession(generate, self.tok, limits=EndpointLimits(max_context=8192, max_tokens=24))
+        self.server = await serve(make_app(self.session), host="127.0.0.1", port=0)
+        base = f"http://127.0.0.1:{self.server.port}"
+        self.oa = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
+        self.an = anthropic.AsyncAnthropic(base_url=base, api_key="k", max_retries=0)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.oa.close()
+        await self.an.close()
+        await self.server.stop()
+        await self.llm.aclose()
+
+
+async def chat(ep: Served, msgs: list, tools=None) -> dict:
+    r = await ep.oa.chat.completions.create(model="m", messages=msgs, max_tokens=24,
+                                            **({"tools": tools} if tools else {}))
+    m = r.choices[0].message
+    out = {"role": "assistant", "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
+    return out
+
+
+async def subagent(ep: Served, i: int, api: str) -> None:
+    """Claude Code's Task tool: its own system prompt, two turns, over the Anthropic Messages API
+    (or Chat Completions)."""
+    if api == "openai":
+        msgs = [{"role": "system", "content": f"You are subagent {i}."}, {"role": "user", "content": "look around"}]
+        msgs.append(await chat(ep, msgs))
+        msgs.append({"role": "user", "content": "go on"})
+        await chat(ep, msgs)
+        return
+    msgs = [{"role": "user", "content": f"subtask {i}: look around"}]
+    r = await ep.an.messages.create(model="m", max_tokens=24, system=f"You are subagent {i}.", messages=msgs)
+    msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]},
+             {"role": "user", "content": "go on"}]
+    await ep.an.messages.create(model="m", max_tokens=24, system=f"You are subagent {i}.", messages=msgs)
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+def test_side_calls_and_concurrent_subagents_keep_the_main_conversation_whole(qwen_tokenizer, scripted, api):
+    be = scripted(qwen_tokenizer, "echo", latency=0.3)
+
+    async def episode():
+        async with Served(qwen_tokenizer, be.url) as ep:
+            main = [{"role": "system", "content": "You are the main agent."}, {"role": "user", "content": "fix it"}]
+            main.append(await chat(ep, main, [BASH_TOOL]))
+            # a side call between main turns: a title, other system prompt, no tools
+            await chat(ep, [{"role": "system", "content": "Write a title."}, {"role": "user", "content": "fix it"}])
+            main.append({"role": "user", "content": "continue"})
+            main.append(await chat(ep, main, [BASH_TOOL]))
+            # two subagents at once, beside a main turn
+            main.append({"role": "user", "content": "and then?"})
+            *_, last = await asyncio.gather(subagent(ep, 1, api), subagent(ep, 2, api), chat(ep, main, [BASH_TOOL]))
+            main.append(last)
+            main.append({"role": "user", "content": "done?"})
+            await chat(ep, main, [BASH_TOOL])
+            return ep.session.trajectory(), ep.max_inflight
+
+    traj, max_inflight = asyncio.run(episode())
+    m = traj["metrics"]
+    assert max_inflight >= 2, "a job's requests were served one at a time"
+    # main + title + two subagents; every later main call extended the main segment
+    assert m["segments"] == 4 and m["side_segments"] == 3, m
+    assert m["llm_calls"] == 4 + 1 + 4 and m["calls_per_segment"] == 9 / 4, m
+    assert m["assistant_tokens_reencoded"] == 0 and m["assistant_tokens_reused"] > 0, m
+    segs = traj["segments"]
+    assert sorted(len(s["turns"]) for s in segs) == [1, 2, 2, 4]
+    for s in segs:  # each segment: sampled spans masked 1 with their logprobs, the rest 0
+        mask = np.asarray(s["loss_mask"])
+        spans = sum(e - b for b, e in (t["span"] for t in s["turns"]))
+        assert int(mask.sum()) == spans
+        assert not np.asarray(s["logprobs"])[mask == 0].any()
