@@ -10,8 +10,9 @@ import json
 
 import pytest
 
-anthropic = pytest.importorskip("anthropic",
-                                reason="the anthropic SDK is not installed (pip install rolloutd[harness])")
+from .wire_helpers import need_sdk  # noqa: E402
+
+anthropic = need_sdk("anthropic", "the anthropic SDK")
 pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[daemon])")
 
 from rolloutd.llm import anthropic_wire as W

@@ -12,7 +12,9 @@ import re
 
 import pytest
 
-genai = pytest.importorskip("google.genai", reason="google-genai is not installed (pip install rolloutd[harness])")
+from .wire_helpers import need_sdk  # noqa: E402
+
+genai = need_sdk("google.genai", "google-genai")
 pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[daemon])")
 
 from google.genai import errors as gerrors

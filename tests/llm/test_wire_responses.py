@@ -11,7 +11,9 @@ import json
 
 import pytest
 
-openai = pytest.importorskip("openai", reason="the openai SDK is not installed (pip install rolloutd[harness])")
+from .wire_helpers import need_sdk  # noqa: E402
+
+openai = need_sdk("openai", "the openai SDK")
 pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[daemon])")
 
 from rolloutd.llm import responses_wire as W

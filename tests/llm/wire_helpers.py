@@ -13,6 +13,23 @@ from rolloutd.llm.openai_endpoint import serve
 from rolloutd.llm.openai_wire import EndpointError, Reply, bad, chat_response, parse_messages
 
 
+def need_sdk(module: str, what: str):
+    """Import a real SDK the test parses with: skip where it is missing, fail under
+    ROLLOUTD_TEST_STRICT=1 (CI installs the harness extra, which has it)."""
+    import importlib
+    import os
+
+    import pytest
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        msg = f"{what} is not installed (pip install 'rolloutd[harness]')"
+        if os.environ.get("ROLLOUTD_TEST_STRICT") == "1":
+            pytest.fail("ROLLOUTD_TEST_STRICT=1: " + msg, pytrace=False)
+        pytest.skip(msg, allow_module_level=True)
+
+
 @dataclass
 class Seen:
     method: str
