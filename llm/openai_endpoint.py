@@ -643,6 +643,11 @@ class EndpointSession:
 
         return await self._offload(work)
 
+    def _add_raw(self, seg: _Segment) -> None:
+        self.segments = [s for s in self.segments if s.busy or s.n_turns > 0]
+        seg.index = len(self.segments)
+        self.segments.append(seg)
+
     def _prepare_completion(self, raw: bytes | dict):
         body = self._load(raw)
         prompt = body.get("prompt")
@@ -687,15 +692,14 @@ class EndpointSession:
             text = self._apply_stop(g, text, samp.stop, "")
         out = np.asarray(g.token_ids, dtype=np.int32).reshape(-1)
         lp = np.asarray(g.logprobs, dtype=np.float32).reshape(-1)
-        self.segments = [s for s in self.segments if s.busy or s.n_turns > 0]
-        seg = _Segment(len(self.segments), None, None, [])
+        seg = _Segment(0, None, None, [])
         seg.raw = {"prompt_ids": np.asarray(ids, dtype=np.int32), "response_ids": out,
                    "loss_mask": np.ones(len(out), np.int8), "logprobs": lp,
                    "turns": [{"index": 0, "span": [0, len(out)], "start": 0, "end": len(out),
                               "finish_reason": g.finish_reason, "backend": str(backend),
                               "policy_version": int(pv), "latency_s": float(g.latency_s or 0.0),
                               "obs_start": None, "obs_end": None, "continuation": False}]}
-        self.segments.append(seg)
+        await self._offload(self._add_raw, seg)  # segments change in endpoint threads only, one per job
         ids_out, lps_out = out.tolist(), lp.astype(np.float64).tolist()
         fr = g.finish_reason if g.finish_reason in ("stop", "length") else "stop"
         reply = Reply(id=f"cmpl-{uuid.uuid4().hex}", model=self.model, content=text, tool_calls=[],
