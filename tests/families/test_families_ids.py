@@ -361,3 +361,60 @@ def test_cut_generation_then_a_user_turn_equals_reference(family):
         text = tok.apply_chat_template(full, tools=TOOLS, tokenize=False, add_generation_prompt=True)
         want = reference_encode(text, specials, encode, [])
     assert_same_ids(conv.context_ids, want, tok)
+
+
+# -- property: control-token text in an argument never splits a call ------------------------------
+def _call_pieces(family: str, args: dict) -> list[tuple[str, bool]]:
+    """One call in the family's format as (text, plain): markup is encoded with the tokenizer
+    (control tokens by id), the JSON the model writes with ordinary ids only."""
+    a = json.dumps(args, ensure_ascii=False)
+    if family == "qwen3":
+        return [("<tool_call>\n", False), ('{"name": "bash", "arguments": ' + a + "}", True),
+                ("\n</tool_call><|im_end|>", False)]
+    if family == "qwen3_coder":
+        return [("<tool_call>\n<function=bash>\n<parameter=command>\n", False), (args["command"], True),
+                ("\n</parameter>\n</function>\n</tool_call><|im_end|>", False)]
+    if family == "llama3":
+        return [("<|python_tag|>", False), ('{"name": "bash", "parameters": ' + a + "}", True), ("<|eom_id|>", False)]
+    if family == "mistral":
+        return [("[TOOL_CALLS]", False), ('[{"name": "bash", "arguments": ' + a + ', "id": "abc123DEF"}]', True),
+                ("</s>", False)]
+    if family == "gpt_oss":
+        return [("<|channel|>commentary to=functions.bash <|constrain|>json<|message|>", False), (a, True),
+                ("<|call|>", False)]
+    return [("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>bash<｜tool▁sep｜>", False), (a, True),
+            ("<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>", False)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_control_text_in_arguments_never_splits_a_call(family):
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    from rolloutd.llm.tokenizer_utils import fast_encoder
+
+    tok = family_or_skip(family)
+    enc = fast_encoder(tok)
+    # the family's delimiters (every control token in its call markup), end tokens, the strings of
+    # CTRL, JSON's own metacharacters and private-use characters (the placeholders' ranges)
+    markup = "".join(t for t, plain in _call_pieces(family, {"command": ""}) if not plain)
+    pat = enc.control_token_pattern()
+    controls = sorted({m.group(0) for m in pat.finditer(markup)} | set(get_family(family).end_tokens))
+    controls += list(CTRL[family]) + ["{", "}", '"', "\\", "\n", "ü", "\U000F0001", "\ue000"]
+    piece = st.one_of(st.sampled_from(controls), st.text(max_size=6))
+    parser = get_parser(get_family(family).parser, tools=TOOLS)
+
+    @hypothesis.settings(max_examples=60, deadline=None, database=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(st.lists(piece, max_size=8).map("".join))
+    def check(command):
+        if family == "qwen3_coder":  # its format is plain-text XML: a value may not hold its own closing tags
+            hypothesis.assume("</parameter>" not in command and "\n</" not in command)
+            hypothesis.assume(command == command.strip("\n") and "\r" not in command)
+        ids = []
+        for text, plain in _call_pieces(family, {"command": command}):
+            ids += enc.encode_plain(text) if plain else enc.encode(text)
+        res = parse_ids(parser, ids, tok)
+        assert res.errors == [] and [(c.name, c.arguments) for c in res.calls] == [("bash", {"command": command})]
+        assert res.content is None
+
+    check()
