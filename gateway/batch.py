@@ -176,6 +176,7 @@ class BatchClient:
         self._idle_polls = 0
         self._batches = itertools.count(1)
         self.dropped_late = 0                   # late results of abandoned jobs, acknowledged and dropped
+        self.late_statuses: dict[str, int] = {}  # ...by their status (cancelled, or what they finished as)
         self._acker: threading.Thread | None = None  # acknowledges abandoned jobs' late results (_ack_late)
         # asyncio side (bound to the loop that first uses it)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -317,6 +318,7 @@ class BatchClient:
                     if jid in self._abandoned:
                         self._abandoned.discard(jid)
                         self.dropped_late += 1
+                        self.late_statuses[r.get("status")] = self.late_statuses.get(r.get("status"), 0) + 1
                         continue
                     self._outstanding.discard(jid)
                     self._stash[jid] = r

@@ -191,13 +191,13 @@ def test_overprovision_keeps_the_first_complete_groups_and_cancels_exactly_the_r
         assert set(res.cancel_outcome) == set(res.cancelled)
         assert set(res.cancel_outcome.values()) <= {"cancelling", "cancelled"}
         accounted(res)
-        # the cancelled jobs really stop: the gateway reports them cancelled when asked again
-        for _ in range(100):
-            again = c.cancel(res.cancelled)
-            if set(again.values()) == {"cancelled"}:
-                break
+        # the cancelled jobs really stop: their late results come back cancelled and are acknowledged
+        # at once, in the background (so asked again, the gateway may no longer know them)
+        deadline = time.monotonic() + 60
+        while c.dropped_late < 4 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert set(again.values()) == {"cancelled"}, again
+        assert c.late_statuses == {"cancelled": 4}, c.late_statuses
+        assert set(c.cancel(res.cancelled).values()) <= {"cancelled", "not_found", "already_finished"}
         with pytest.raises(ValueError, match="tasks for want"):
             c.overprovision(tasks[:2], n=2, want=4)
 
