@@ -27,6 +27,5 @@ def test_a_sigstopped_run_daemon_s_listed_jobs_come_back_as_went_silent(up_facto
             os.kill(run, signal.SIGCONT)
         c.cancel(ids)
     causes = [r["cause"] for r in up.logged("job_redispatched")]
-    print(causes)
     assert len(causes) >= 4
     assert all(c.endswith(" went silent") and c.startswith("run@") for c in causes[:4]), causes
