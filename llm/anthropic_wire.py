@@ -323,7 +323,7 @@ def _parse(body: Any, need_max: bool, cache: dict | None) -> WireRequest:
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise bad("metadata: Input should be a valid dictionary", "metadata")
-    stream = body.get("stream", False)
+    stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise bad("stream: Input should be a valid boolean", "stream")
     tc = body.get("tool_choice")

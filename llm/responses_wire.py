@@ -366,7 +366,7 @@ def parse(body: Any, history: list | None = None, cache: dict | None = None) -> 
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
         raise bad("'include' must be a list of strings", "include")
-    stream = body.get("stream", False)
+    stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise bad("'stream' must be a boolean", "stream")
     ptc = body.get("parallel_tool_calls")
