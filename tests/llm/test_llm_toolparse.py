@@ -375,3 +375,26 @@ def test_trie_pattern_matches_like_the_flat_alternation():
     flat = re.compile("|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)))
     text = "<|ab|> <|a|> <|a [X][Y] [X] x <| [Y"
     assert [m.group(0) for m in trie_pattern(words).finditer(text)] == [m.group(0) for m in flat.finditer(text)]
+
+
+def test_call_ids_map_the_agents_ids_back_and_name_tool_messages():
+    from rolloutd.llm.toolparse import CallIds, ToolCall
+
+    ids = CallIds(samples=True)  # Mistral: the model writes the ids
+    first = ids.assign([ToolCall("bash", {"command": "ls"}, id="abc123DEF")])
+    again = ids.assign([ToolCall("bash", {"command": "pwd"}, id="abc123DEF")])  # the model reused its id
+    assert [c["id"] for c in first] == ["abc123DEF"] and [c["id"] for c in again] == ["call_1_0"]
+    history = [{"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "call_1_0", "type": "function", "function": {"name": "bash", "arguments": {}}}]},
+               {"role": "tool", "tool_call_id": "call_1_0", "content": "x"},
+               {"role": "tool", "tool_call_id": "abc123DEF", "content": "y"},
+               {"role": "tool", "tool_call_id": "unknown", "content": "z"}]
+    out = ids.prepare(history)
+    assert out[0]["tool_calls"][0]["id"] == "abc123DEF"  # what the model wrote, so its template renders it
+    assert out[1] == {"role": "tool", "tool_call_id": "abc123DEF", "name": "bash", "content": "x"}
+    assert out[2]["name"] == "bash" and out[3] == history[3]
+    assert history[1] == {"role": "tool", "tool_call_id": "call_1_0", "content": "x"}  # the request is not mutated
+    other = CallIds(samples=False)  # other families: the endpoint's ids; names still resolved
+    (c,) = other.assign([ToolCall("weather", {}, id="call_0")])
+    assert c["id"] == "call_0_0"
+    assert other.prepare([{"role": "tool", "tool_call_id": "call_0_0", "content": "x"}])[0]["name"] == "weather"
