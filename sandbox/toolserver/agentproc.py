@@ -78,12 +78,15 @@ def _check_args(args: Dict[str, Any], max_timeout: float) -> Dict[str, Any]:
             "tail": tail, "log": log}
 
 
-def _child_setup() -> None:
-    # Python ignores SIGPIPE; ignored signals survive exec (see bash.py).
+def _child_setup(confine: Callable[[], None]) -> Callable[[], None]:
     import signal
 
-    for sig in (signal.SIGPIPE, signal.SIGHUP, signal.SIGXFSZ):
-        signal.signal(sig, signal.SIG_DFL)
+    def setup() -> None:
+        # Python ignores SIGPIPE; ignored signals survive exec (see bash.py).
+        for sig in (signal.SIGPIPE, signal.SIGHUP, signal.SIGXFSZ):
+            signal.signal(sig, signal.SIG_DFL)
+        confine()  # guard.py's seccomp filter
+    return setup
 
 
 def kill_agent(pid: int) -> None:
@@ -104,7 +107,7 @@ def run_agent(a: Dict[str, Any], base_env: Dict[str, str], default_cwd: str, lim
               canceller: Canceller) -> Dict[str, Any]:
     import subprocess
 
-    from .guard import check_spawn
+    from .guard import check_spawn, child_filter
     from .procs import MANAGED, SPAWN_LOCK, apply_limits
 
     env = dict(base_env)
@@ -120,7 +123,7 @@ def run_agent(a: Dict[str, Any], base_env: Dict[str, str], default_cwd: str, lim
                 proc = subprocess.Popen(
                     a["argv"], env=env, cwd=cwd, stdin=subprocess.PIPE if a["stdin"] is not None else subprocess.DEVNULL,
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-                    preexec_fn=_child_setup)
+                    preexec_fn=_child_setup(child_filter()))
             except OSError as e:
                 return {"output": "", "exit_code": 127 if isinstance(e, FileNotFoundError) else 126,
                         "duration": time.monotonic() - t0, "timed_out": False, "truncated": False,

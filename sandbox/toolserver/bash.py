@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Tuple
 from ptyprocess import PtyProcess
 
 from .cancel import NEVER, Canceller
-from .guard import check_spawn
+from .guard import check_spawn, child_filter
 from .output import DEFAULT_MAX_OUTPUT, CappedBuffer, finish_text
 from .procs import MANAGED, SPAWN_LOCK, apply_limits, kill_pids, session_members
 from .session import Session, call_result
@@ -137,6 +137,8 @@ class ShellStartError(RuntimeError):
 
 
 def _child_setup(fds: List[Tuple[int, int]]):
+    confine = child_filter()  # built here, installed in the child
+
     def setup() -> None:
         """In the child, before exec.
 
@@ -152,6 +154,7 @@ def _child_setup(fds: List[Tuple[int, int]]):
         for src, dst in fds:
             os.dup2(src, dst)  # inheritable: the shell keeps them across exec
         os.dup2(0, FD_TTY)  # the pty slave
+        confine()  # last: the seccomp filter of guard.py
     return setup
 
 

@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from .errors import ToolError
 from .procs import MANAGED, SPAWN_LOCK, _children_map, _stat_rows, descendants
@@ -117,3 +117,104 @@ def purge(timeout: float = 10.0) -> Tuple[int, List[int]]:
             if left:
                 return len(killed), left
         time.sleep(0.001)
+
+
+# -- a seccomp filter for every process the tool server starts ----------------------------------
+# The kernel lets a process change the rlimits (prlimit64) and the nice value (setpriority) of
+# any process of its uid, with no ptrace check: an agent could give the tool server a CPU hard
+# limit (SIGKILL, which even a namespace init receives from the kernel), RLIMIT_NOFILE 4 (no new
+# connection, no grader pipes) or RLIMIT_NPROC 0. Children get this filter before exec (it is
+# inherited by everything they start and cannot be removed): prlimit64 may set limits only on
+# the caller itself (pid 0), setpriority only for PRIO_PROCESS 0. Reading limits stays allowed.
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_NR = {"x86_64": (302, 141), "i386": (340, 97)}  # prlimit64, setpriority
+_ALLOW, _EPERM = 0x7FFF0000, 0x00050000 | 1
+_LD, _JEQ, _AND, _RET = 0x20, 0x15, 0x54, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_ALU|AND|K, BPF_RET|K
+
+
+def _filter_program() -> bytes:
+    import platform
+    import struct
+
+    if platform.machine() != "x86_64":
+        return b""  # other arches: not filtered (documented)
+    prl, prio = _NR["x86_64"]
+    i_prl, i_prio = _NR["i386"]
+    prog = _assemble(prl, prio, i_prl, i_prio)
+    return b"".join(struct.pack("HBBI", *i) for i in prog)
+
+
+def _assemble(prl: int, prio: int, i_prl: int, i_prio: int):
+    """(code, jt, jf, k) instructions; labels resolved here."""
+    body = [
+        ("ld", 4), ("jeq", _AUDIT_ARCH_X86_64, "native", None),
+        ("ld", 0), ("jeq", i_prl, "deny", None), ("jeq", i_prio, "deny", "allow"),
+        ("native:",), ("ld", 0), ("and", 0xBFFFFFFF),
+        ("jeq", prl, "prlimit", None), ("jeq", prio, "setprio", "allow"),
+        ("prlimit:",), ("ld", 16), ("jeq", 0, "allow", None),
+        ("ld", 32), ("jeq", 0, None, "deny"), ("ld", 36), ("jeq", 0, "allow", "deny"),
+        ("setprio:",), ("ld", 16), ("jeq", 0, None, "deny"), ("ld", 24), ("jeq", 0, "allow", "deny"),
+        ("allow:",), ("ret", _ALLOW), ("deny:",), ("ret", _EPERM),
+    ]
+    labels, n = {}, 0
+    for op in body:
+        if op[0].endswith(":"):
+            labels[op[0][:-1]] = n
+        else:
+            n += 1
+    out, i = [], 0
+    for op in body:
+        if op[0].endswith(":"):
+            continue
+        if op[0] == "ld":
+            out.append((_LD, 0, 0, op[1]))
+        elif op[0] == "and":
+            out.append((_AND, 0, 0, op[1]))
+        elif op[0] == "ret":
+            out.append((_RET, 0, 0, op[1]))
+        else:
+            jt = 0 if op[2] is None else labels[op[2]] - i - 1
+            jf = 0 if op[3] is None else labels[op[3]] - i - 1
+            out.append((_JEQ, jt, jf, op[1]))
+        i += 1
+    return out
+
+
+class _Filter:
+    """Built once in the parent; install() runs in a forked child before exec (no allocation)."""
+
+    def __init__(self) -> None:
+        self.ok = False
+        try:
+            code = _filter_program()
+            if not code:
+                return
+            self._buf = ctypes.create_string_buffer(code, len(code))
+
+            class Prog(ctypes.Structure):
+                _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+            self._prog = Prog(len(code) // 8, ctypes.addressof(self._buf))
+            self._prctl = ctypes.CDLL(None, use_errno=True).prctl
+            self._ptr = ctypes.addressof(self._prog)
+            self.ok = True
+        except Exception:
+            self.ok = False
+
+    def install(self) -> None:
+        if not self.ok:
+            return
+        # PR_SET_NO_NEW_PRIVS (needed without CAP_SYS_ADMIN), PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        if self._prctl(38, 1, 0, 0, 0) != 0 or self._prctl(22, 2, ctypes.c_void_p(self._ptr), 0, 0) != 0:
+            os._exit(126)  # never run an agent process without it
+
+
+_FILTER: Optional[_Filter] = None
+
+
+def child_filter() -> Callable[[], None]:
+    """The function a spawner calls in the child before exec."""
+    global _FILTER
+    if _FILTER is None:
+        _FILTER = _Filter()
+    return _FILTER.install

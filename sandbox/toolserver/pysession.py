@@ -19,7 +19,7 @@ from typing import Dict, Optional
 from .cancel import NEVER, Canceller
 from .output import DEFAULT_MAX_OUTPUT, CappedBuffer, finish_text
 from .session import Session, call_result
-from .guard import check_spawn
+from .guard import check_spawn, child_filter
 from .procs import MANAGED, SPAWN_LOCK, apply_limits
 from .wire import HEADER
 
@@ -79,6 +79,7 @@ class PythonSession(Session):
                 stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w,
                 pass_fds=(req_r, resp_w), env=self.env, cwd=self.cwd,
                 start_new_session=True,  # its own process group: SIGINT reaches its children too
+                preexec_fn=child_filter(),  # guard.py's seccomp filter
             )
             MANAGED.add(self.proc.pid)
         except BaseException:

@@ -126,6 +126,24 @@ def test_tool_server_ignores_every_signal_from_inside(sandbox):
     _alive_tool_server(c)
 
 
+def test_tool_server_limits_and_nice_value_are_out_of_reach(sandbox):
+    # prlimit64/setpriority check only uids, not ptrace access: before, `prlimit --pid 1` gave the
+    # tool server RLIMIT_NOFILE 4 (no new connection, no grader pipes) or a CPU hard limit (SIGKILL).
+    h, c = sandbox
+    r = _bash(c, "prlimit --pid 1 --nofile=4:4 && echo =LOW=; prlimit --pid 1 --cpu=1:1 && echo =CPU=; "
+                 "renice -n 19 -p 1 >/dev/null 2>&1 && echo =NICE=; "
+                 "python3 -c 'import resource; resource.prlimit(1, resource.RLIMIT_NPROC, (0, 0))' 2>&1 | tail -1; "
+                 "ulimit -n 512 && ulimit -n; nice -n 3 nice")  # the agent's own limits and nice value: allowed
+    assert "=LOW=" not in r.output and "=CPU=" not in r.output and "=NICE=" not in r.output, r
+    assert "PermissionError" in r.output and r.output.endswith("512\n3\n"), r
+    limits = _bash(c, "cat /proc/1/limits").output
+    assert "Max open files            20000" in limits or "Max open files" in limits, limits
+    assert [l for l in limits.splitlines() if l.startswith("Max cpu time")][0].split()[3] == "unlimited", limits
+    with c.__class__(h.tool_socket, timeout=20) as fresh:  # a new connection still works
+        assert fresh.ping().output == "pong"
+    _alive_tool_server(c)
+
+
 def test_the_agent_cannot_unharden_or_reach_through_a_nested_user_namespace(sandbox):
     # A nested user namespace gives the agent every capability *there*, none over pid 1.
     h, c = sandbox
