@@ -10,6 +10,7 @@ SDK parses): ``chat.completion`` / ``chat.completion.chunk`` / ``text_completion
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,6 +187,8 @@ def _num(body: dict, key: str, default: Any, cast=float, lo: float | None = None
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise bad(f"'{key}' must be a number", key)
+    if isinstance(v, float) and not math.isfinite(v):  # json.loads takes NaN and Infinity
+        raise bad(f"'{key}' must be a finite number", key)
     v = cast(v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise bad(f"'{key}' = {v} is out of range [{lo}, {hi}]", key)
