@@ -116,3 +116,42 @@ def test_side_calls_and_concurrent_subagents_keep_the_main_conversation_whole(qw
         spans = sum(e - b for b, e in (t["span"] for t in s["turns"]))
         assert int(mask.sum()) == spans
         assert not np.asarray(s["logprobs"])[mask == 0].any()
+
+
+def test_responses_and_gemini_shapes_extend_one_conversation_each(qwen_tokenizer, scripted):
+    """The Responses API with ``previous_response_id`` (and ``GET /v1/responses/{id}`` from the
+    job's store) and a Gemini chat, each over the real SDK, each extend their own conversation
+    with the exact sampled ids; Anthropic's and Gemini's count_tokens count the rendered prompt."""
+    genai = pytest.importorskip("google.genai", reason="google-genai is not installed (pip install rolloutd[harness])")
+    from google.genai import types
+
+    be = scripted(qwen_tokenizer, "echo")
+
+    async def episode():
+        async with Served(qwen_tokenizer, be.url) as ep:
+            r1 = await ep.oa.responses.create(model="m", instructions="Be brief.", input="hello", max_output_tokens=16)
+            got = await ep.oa.responses.retrieve(r1.id)
+            assert got.id == r1.id and got.output_text == r1.output_text
+            await ep.oa.responses.create(model="m", instructions="Be brief.", input="and again",
+                                         previous_response_id=r1.id, max_output_tokens=16)
+            g = genai.Client(api_key="k", http_options=types.HttpOptions(
+                base_url=f"http://127.0.0.1:{ep.server.port}", api_version="v1beta",
+                retry_options=types.HttpRetryOptions(attempts=1)))
+            chat_ = g.aio.chats.create(model="m", config=types.GenerateContentConfig(
+                system_instruction="You are Gemini here.", max_output_tokens=16))
+            await chat_.send_message("hi")
+            await chat_.send_message("more")
+            n_g = (await g.aio.models.count_tokens(model="m", contents="hi")).total_tokens
+            n_a = (await ep.an.messages.count_tokens(model="m", messages=[{"role": "user", "content": "hi"}])).input_tokens
+            return ep.session.trajectory(), n_g, n_a
+
+    traj, n_g, n_a = asyncio.run(episode())
+    m = traj["metrics"]
+    assert m["segments"] == 2 and m["llm_calls"] == 4, m
+    assert m["assistant_tokens_reencoded"] == 0 and m["assistant_tokens_reused"] > 0, m
+    assert sorted(len(s["turns"]) for s in traj["segments"]) == [2, 2]
+    # "hi" as one user message, rendered by the template with the generation prompt
+    text = qwen_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                              tokenize=False)
+    want = len(qwen_tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert n_g == n_a == want, (n_g, n_a, want)
