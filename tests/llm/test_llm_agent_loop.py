@@ -314,3 +314,28 @@ def test_parser_reads_the_sampled_ids_not_the_backend_text(mode, parser, special
     assert seen == [("bash", {"command": "echo '<|im_end|>'"})], seen
     assert res.stop_reason == "no_tool_call" and res.final_text == "Done."  # no <|im_end|> in it
     assert res.metrics["tool_calls"] == 1 and res.metrics["malformed_tool_calls"] == 0
+
+
+def test_loop_passes_the_tools_to_a_parser_that_types_arguments(qwen_tokenizer, scripted, arun):
+    """Qwen3-Coder's XML parameters are text; with the conversation's tool schemas the loop's parser
+    types them (the code handler's editor refused insert_line "0" as not an integer)."""
+    tok = qwen_tokenizer
+    editor = {"type": "function", "function": {"name": "editor", "parameters": {"type": "object", "properties": {
+        "command": {"type": "string"}, "insert_line": {"type": "integer"}, "dry": {"type": "boolean"}}}}}
+    call = ("<tool_call>\n<function=editor>\n<parameter=command>\ninsert\n</parameter>\n<parameter=insert_line>\n0\n"
+            "</parameter>\n<parameter=dry>\ntrue\n</parameter>\n</function>\n</tool_call>")
+    be = scripted(tok, Script([call, "Done."]))
+    seen = []
+
+    async def execute(c):
+        seen.append(c.arguments)
+        return "ok"
+
+    async def main():
+        async with LLMClient(be.url, "vllm", timeout=10) as c:
+            conv = Conversation(tok, [{"role": "user", "content": "go"}], [editor], 4096)
+            return await run_agent_loop(simple_generate(c, "b0", 1), conv, get_parser("qwen3_coder"), execute,
+                                        SamplingParams(128), 4, tok)
+
+    res = arun(main())
+    assert seen == [{"command": "insert", "insert_line": 0, "dry": True}] and res.final_text == "Done."
