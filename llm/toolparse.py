@@ -26,7 +26,11 @@ string (a delimiter), and control-token *text* the model wrote with ordinary ids
 mistake for a delimiter, restored in the result. A parser whose format needs
 control tokens says ``skip_special_tokens = False``; otherwise special token ids are
 dropped before parsing. Content and reasoning never carry a sampled special token.
-The agent loop and the OpenAI endpoint both go through :func:`parse_ids`.
+The agent loop and the OpenAI endpoint both go through :func:`parse_ids`; the endpoint's
+reply (content, reasoning, ``tool_calls``) is :func:`parse_reply`, its call ids :class:`CallIds`
+(the model's own ids where the family samples them, mapped back when the agent sends the
+history, and tool messages named after the call they answer). :func:`parser_name_for` is the
+default parser of a tokenizer (its model family's, else ``hermes``).
 
 More parsers can be added with :func:`register_parser` or through the entry-point
 group ``rolloutd.toolparsers`` (value: a ``ToolParser`` subclass).
