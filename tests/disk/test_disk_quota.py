@@ -18,7 +18,20 @@ from rolloutd.sandbox import (
 from rolloutd.sandbox.runtime import disk_usage
 from rolloutd.sandbox.spec import SandboxSpecError
 
-from tests.conftest import alive, remove_tree, short_tmpdir
+from tests.conftest import alive, remove_tree as _remove_tree, short_tmpdir
+
+
+def remove_tree(root) -> None:
+    """Reap and unmount first: a test that failed midway may leave a sandbox (and, as root, its
+    workspace mount, which rm --one-file-system would leave behind)."""
+    from rolloutd.sandbox.runtime import _remove_sandbox_dir
+
+    try:
+        get_runtime("bwrap", root_dir=root).reap(keep=())
+    except Exception:
+        pass
+    _remove_sandbox_dir(root)
+    _remove_tree(root)
 
 # Writes 1 MiB files until stopped (each file well under file_size_mb, so only the quota stops it).
 HOG = "i=0; while true; do head -c 1048576 /dev/zero > f$i || true; i=$((i+1)); done"

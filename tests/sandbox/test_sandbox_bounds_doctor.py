@@ -9,7 +9,8 @@ import sys
 
 from rolloutd.sandbox import bounds
 
-from tests.conftest import remove_tree, require_bwrap, short_tmpdir
+from tests.conftest import require_bwrap, short_tmpdir
+from tests.disk.test_disk_quota import remove_tree  # reaps and unmounts first
 
 
 def _run(*args: str, tmp=None) -> dict:
