@@ -41,6 +41,9 @@ DEFAULTS: dict = {
     "init": {"pool": 32, "prefetch": -1},
     "run": {"pool": 512, "prefetch": -1, "llm_timeout_s": 300.0},
     "eval": {"pool": 32, "prefetch": -1},
+    # A new lease goes only to a backend within max_policy_lag of the newest registered version; jobs
+    # on older ones: stale_policy = finish | abort_requeue (a counted attempt) | drop | continue
+    # (abort the generation in flight, continue it on a current server). docs/TRAINERS.md.
     "router": {"policy": "least_inflight", "health_interval_s": 5.0, "health_failures": 3,
                "lease_ttl_s": 30.0, "node_affinity": 0.1, "max_policy_lag": 0,
                "stale_policy": "finish"},
