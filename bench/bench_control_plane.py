@@ -420,6 +420,14 @@ def main():
             rows.append(r)
             c = r["cpu"]
             g = r.get("generator", {})
+            # Per operation, from /proc: the gateway's CPU above the 0-node row per heartbeat received,
+            # the router's per lease or release answered (bench_head_cpu.py measures both in process).
+            idle = rows[0]["cpu"] if rows[0] is not r else {}
+            hb, ops = g.get("hb_per_s") or 0, (g.get("leases_per_s") or 0) + (g.get("releases_per_s") or 0)
+            r["per_op_us"] = {
+                "gateway_per_hb": (c.get("gateway", 0) - idle.get("gateway", 0)) * 1e6 / hb if hb else None,
+                "router_per_lease_op": (c.get("router", 0) - idle.get("router", 0)) * 1e6 / ops if ops else None}
+            per_op = "".join(f" {k} {v:.0f} us" for k, v in r["per_op_us"].items() if v is not None)
             print(f"  {n:>5} nodes, {proto:>7} listings ({r['held']:,} held jobs, {r['populated']:,} in the gateway, "
                   f"{r['hb_mb_per_s']:.1f} MB/s of heartbeats): gateway {c.get('gateway', 0):.1%} "
                   f"router {c.get('router', 0):.1%} events {c.get('events', 0):.1%} of a core | "
@@ -427,7 +435,7 @@ def main():
                   f"poll p50/p99 {r['poll_ms']['p50']:.1f}/{r['poll_ms']['p99']:.1f} ms, {r['unanswered']} unanswered | generator "
                   f"{g.get('hb_per_s', 0):,.0f}/{g.get('hb_target_per_s', 0):,.0f} hb/s, "
                   f"{g.get('leases_per_s', 0):,.0f} leases/s ({g.get('refused', 0)} refused), redispatched {r['gateway'].get('redispatched')} "
-                  f"| load {r['load']}", flush=True)
+                  f"| generator's own CPU {c.get('generator', 0):.1%} |{per_op or ' -'} | load {r['load']}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows, "args": {k: v for k, v in vars(a).items()}}, indent=1))
     if a.plot:

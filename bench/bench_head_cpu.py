@@ -1,0 +1,277 @@
+"""CPU per heartbeat and per lease operation of the head's gateway and router (issue 29 item 3).
+
+    python bench/bench_head_cpu.py --quick          # 200 nodes of state, 3 rounds (~30 s)
+    python bench/bench_head_cpu.py                  # 1,000 nodes of state (648,000+ jobs), 5 rounds
+    python bench/bench_head_cpu.py --listing both   # list and packed listings side by side (same run)
+
+``bench_control_plane.py`` measures the head end to end, but on two cores shared with its own
+load generator and other people's tests the head gets what CPU is left, so its figures move with
+the machine. This one runs the real ``Gateway`` and ``Router`` objects in this process (no event
+loop: their handlers are called as their loops call them) on the exact wire frames their sockets
+deliver, and reads this thread's CPU clock around each step. CPU time (not wall time) of one
+thread is what the head would spend whatever else runs beside it, so figures from a loaded run are
+comparable with a quiet one (caches and frequency scaling still move them by some percent).
+
+State (as at ``--nodes`` nodes x 512 run slots): every node's init, run and eval daemon holding
+its pool plus prefetch (36, 576, 36 jobs) as dispatched jobs in the gateway's table, and their
+leases in the router (one per run slot, adopted from ``run.leases`` events). Heartbeats, as
+``daemons/phase.py`` builds them and ``bus.events.Publisher`` packs them, reach the gateway's SUB
+socket over tcp on loopback; per heartbeat the figures split ``recv`` (``recv_now``, pyzmq frame
+objects) from the handler (``Gateway._on_event``: parse, validate, rebuild the held set, renew).
+Per second each run daemon lists changes (``job_s`` churn: ``run_pool / job_s`` in and out) and a
+full listing every ``full_listing_s`` (5 s), init and eval full listings (<= 128 jobs). The router:
+``lease`` and ``release`` requests as a run daemon's DEALER sends them (``Router._on_request``,
+grant, ``backend.load`` publish; the reply's send is not timed), and ``run.leases`` events.
+
+``--listing packed`` sends the listings as packed little-endian int64 pairs (docs/EVENTS.md,
+heartbeat listings); ``both`` measures the two encodings on the same state, one after the other.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: F401 - puts the checkout on sys.path
+
+import zmq
+import zmq.asyncio
+
+from rolloutd.bus import codec, events
+from rolloutd.bus.messages import Lease, Release
+from rolloutd.bus.sockets import Sockets, recv_now
+from rolloutd.daemons.supervisor import config_from_args
+
+HELD = {"init": 36, "run": 576, "eval": 36}  # pool + default prefetch (pool // 8)
+COUNTS = {"done": 0, "failed": 0, "timeout": 0, "cancelled": 0, "forwarded": 0, "malformed": 0}
+cpu = time.thread_time
+
+
+def _sets(extra):
+    return config_from_args(None, None, ["logging.level=warning", "node=head", *extra])
+
+
+def _pub_sockets() -> Sockets:
+    """Sockets whose ``events_in`` is an inproc address nobody binds: a daemon's Publisher packs and
+    sends as in a real head, and the events go nowhere."""
+    s = Sockets(asyncio=False, linger_ms=0)
+    s.endpoints = types.SimpleNamespace(events_in=f"inproc://bench-events-{id(s)}")
+    return s
+
+
+class Cluster:
+    """The listings of ``nodes`` simulated nodes and the gateway state that matches them."""
+
+    def __init__(self, nodes: int, job_s: float, packed: bool):
+        from rolloutd.gateway.daemon import Gateway
+        from rolloutd.gateway.jobs import JobRecord
+
+        self.gw = Gateway(_sets(["gateway.lease_timeout_s=3600"]))
+        self.packed = packed
+        self.churn = max(1, round(512 / job_s))
+        self.sockets = _pub_sockets()
+        self.gw.events = events.Publisher(self.sockets, "gateway", "head")  # a PUB nobody reads: real packing cost
+        self.holders = []  # (who, base body, held list, reserve list)
+        jid = 0
+        for n in range(nodes):
+            node = f"sim{n:05d}"
+            for phase, k in HELD.items():
+                inc = f"{100000 + n}-1"
+                extra = 6 * self.churn if phase == "run" else 0
+                ids = list(range(jid + 1, jid + 1 + k + extra))
+                jid += k + extra
+                for j in ids:
+                    self.gw.table.add(JobRecord(j, "bench", {}, state="dispatched", holder=f"{phase}@{node}#{inc}",
+                                                last_seen=time.monotonic()))
+                base = {"daemon": phase, "node": node, "pid": 100000 + n, "incarnation": inc, "uptime_s": 1.0,
+                        "phase": phase, "pool": k, "inflight": k, "counts": COUNTS}
+                self.holders.append([f"{phase}@{node}", base, ids[:k], ids[k:], 0])
+
+    def _pairs(self, ids):
+        if self.packed:
+            return events.pack_listing([(j, 1) for j in ids])
+        return [[j, 1] for j in ids]
+
+    def frames(self, rnd: int, active: int) -> list[tuple[str, list]]:
+        """One second of heartbeats of the first ``active`` nodes: (kind, [topic, body])."""
+        out = []
+        for h in self.holders[:3 * active]:
+            who, base, held, reserve, seq = h
+            seq += 1
+            h[4] = seq
+            body = dict(base, ts=time.time(), jobs_seq=seq)
+            node_i = int(base["node"][3:])
+            if base["phase"] != "run" or rnd % 5 == node_i % 5 or seq == 1:
+                body["jobs"] = self._pairs(held)
+                kind = f"{base['phase']} full ({len(held)} jobs)"
+            else:
+                gone, new = held[:self.churn], reserve[:self.churn]
+                h[2] = held = held[self.churn:] + new
+                h[3] = reserve[self.churn:] + gone
+                body["jobs_added"], body["jobs_removed"] = self._pairs(new), self._pairs(gone)
+                kind = f"run changes (+{len(new)} -{len(gone)})"
+            out.append((kind, [b"daemon.heartbeat", codec.pack(body)]))
+        return out
+
+    def close(self):
+        self.sockets.close()
+
+
+async def _receive(sub, n: int, recv_us: list) -> list:
+    """``n`` messages as the gateway's loop takes them (``recv_now`` on a zmq.asyncio socket), each
+    recv's CPU time appended to ``recv_us``."""
+    got = []
+    deadline = time.monotonic() + 60
+    while len(got) < n and time.monotonic() < deadline:
+        if not await sub.poll(1000):
+            continue
+        while len(got) < n:
+            c0 = cpu()
+            fr = recv_now(sub)
+            c1 = cpu()
+            if fr is None:
+                break
+            got.append(fr)
+            recv_us.append((c1 - c0) * 1e6)
+    return got
+
+
+def measure_gateway(nodes: int, active: int, rounds: int, job_s: float, packed: bool) -> dict:
+    t0 = time.monotonic()
+    cl = Cluster(nodes, job_s, packed)
+    built = time.monotonic() - t0
+    ctx, actx = zmq.Context(), zmq.asyncio.Context()  # the gateway's sockets are zmq.asyncio ones
+    pub, sub = ctx.socket(zmq.PUB), actx.socket(zmq.SUB)
+    for s in (pub, sub):
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.RCVHWM, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub.setsockopt(zmq.SUBSCRIBE, b"daemon.")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    time.sleep(0.3)  # the subscription reaches the PUB
+    per_kind: dict[str, list] = {}
+    recv_us, sizes = [], {}
+    try:
+        for rnd in range(rounds + 1):  # round 0 lists every holder in full: the warm-up
+            batch = cl.frames(rnd, active)
+            for _, f in batch:
+                pub.send_multipart(f)
+            got = asyncio.run(_receive(sub, len(batch), recv_us if rnd else []))
+            if len(got) < len(batch):
+                raise RuntimeError(f"only {len(got)} of {len(batch)} heartbeats arrived")
+            for (kind, raw), fr in zip(batch, got):
+                c0 = cpu()
+                cl.gw._on_event(fr)
+                c1 = cpu()
+                if rnd:
+                    per_kind.setdefault(kind, []).append((c1 - c0) * 1e6)
+                    sizes[kind] = len(raw[1])
+        c0 = cpu()
+        cl.gw._sweep_leases(time.monotonic())
+        sweep_us = (cpu() - c0) * 1e6
+        bad = cl.gw.malformed.get("events", 0)
+    finally:
+        pub.close()
+        sub.close()
+        ctx.term()
+        actx.term()
+        cl.close()
+    kinds = {k: {"median_us": common.median(v), "n": len(v), "bytes": sizes[k]} for k, v in per_kind.items()}
+    per_node_s = sum(v["median_us"] * v["n"] for v in kinds.values()) / (active * rounds)
+    per_node_s += common.median(recv_us) * 3
+    return {"built_s": round(built, 1), "kinds": kinds, "recv_us": common.median(recv_us),
+            "per_node_s_us": per_node_s, "sweep_ms": sweep_us / 1e3, "malformed": bad}
+
+
+def measure_router(nodes: int, ops: int, backends: int) -> dict:
+    from rolloutd.daemons.router import Router
+
+    r = Router(_sets([]))
+    sockets = _pub_sockets()
+    r.events = events.Publisher(sockets, "router", "head")
+    try:
+        for i in range(backends):
+            b = r.pool.add(f"http://127.0.0.1:{30000 + i}", api="vllm", capacity=0)
+            r.pool.mark(b.id, True)
+        ids = list(r.pool.backends)
+        # Every run slot's lease, adopted from run.leases events as after a router restart (timed: the
+        # router's per-event cost; each run daemon sends one with every full listing).
+        ev_us = []
+        for n in range(nodes):
+            body = {"daemon": "run", "node": f"sim{n:05d}", "pid": 1, "ts": time.time(), "incarnation": "i",
+                    "leases": [[f"Lsim{n}-{i}", ids[i % len(ids)], n * 1000 + i, 0] for i in range(512)]}
+            f = [zmq.Frame(b"run.leases"), zmq.Frame(codec.pack(body))]
+            c0 = cpu()
+            e = events.parse(f)
+            r._on_heartbeat(e[1])
+            ev_us.append((cpu() - c0) * 1e6)
+        ident = zmq.Frame(b"run@sim00000#i")
+        lease_us, release_us, grant = [], [], 0
+        for k in range(ops):
+            req = [ident, zmq.Frame(b"")] + [zmq.Frame(bytes(x)) for x in codec.encode(
+                Lease(job_id=10**9 + k, requester="run@sim00000", node="sim00000", wait_s=0.0, req_id=k + 1).to_wire())]
+            c0 = cpu()
+            r._on_request(req)
+            lease_us.append((cpu() - c0) * 1e6)
+            reply = codec.decode([bytes(x) for x in r.out[-1][2:]])
+            r.out.clear()
+            lid = (reply.get("body") or {}).get("lease_id")
+            grant += lid is not None
+            rel = [ident, zmq.Frame(b"")] + [zmq.Frame(bytes(x)) for x in codec.encode(Release(lease_id=lid or "x", req_id=k + 1).to_wire())]
+            c0 = cpu()
+            r._on_request(rel)
+            release_us.append((cpu() - c0) * 1e6)
+            r.out.clear()
+        c0 = cpu()
+        r.pool.expire(3600.0)
+        expire_ms = (cpu() - c0) * 1e3
+    finally:
+        sockets.close()
+    return {"lease_us": common.median(lease_us), "release_us": common.median(release_us), "granted": grant,
+            "leases_event_us": common.median(ev_us), "leases": len(r.pool.leases), "expire_ms": expire_ms,
+            "backends": backends}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--nodes", type=int, default=None, help="nodes of state (default 1000; quick 200)")
+    ap.add_argument("--active", type=int, default=None, help="nodes whose heartbeats are timed (default 200)")
+    ap.add_argument("--rounds", type=int, default=None, help="seconds of heartbeats timed (default 5; quick 3)")
+    ap.add_argument("--job-s", type=float, default=30.0, help="run-phase length (sets the churn and lease rate)")
+    ap.add_argument("--backends", type=int, default=8)
+    ap.add_argument("--ops", type=int, default=None, help="lease+release pairs timed (default 5000; quick 2000)")
+    ap.add_argument("--listing", default="list", choices=("list", "packed", "both"))
+    a = ap.parse_args()
+    nodes = a.nodes or (200 if a.quick else 1000)
+    active = min(nodes, a.active or 200)
+    rounds = a.rounds or (3 if a.quick else 5)
+    ops = a.ops or (2000 if a.quick else 5000)
+    print(f"head CPU per operation (this thread's CPU clock): {nodes} nodes of state, {active} heartbeating, "
+          f"{rounds} rounds, job_s {a.job_s:.0f}, tree {common.revision(common.REPO)}, {common.machine()}, "
+          f"load {common.loadavg()}", flush=True)
+    lease_rate = 512 / a.job_s  # lease + release per node per second
+    for listing in (("list", "packed") if a.listing == "both" else (a.listing,)):
+        g = measure_gateway(nodes, active, rounds, a.job_s, listing == "packed")
+        print(f"  gateway, {listing} listings (state built in {g['built_s']} s, {g['malformed']} malformed):")
+        for k, v in sorted(g["kinds"].items()):
+            print(f"    {k:<28} {v['median_us']:8.1f} us per heartbeat (median of {v['n']}, {v['bytes']:,} bytes)")
+        print(f"    recv_now (per heartbeat)     {g['recv_us']:8.1f} us")
+        print(f"    per node-second: {g['per_node_s_us']:.0f} us -> {g['per_node_s_us'] * 1000 / 1e6:.1%} of a core at "
+              f"1,000 nodes | lease sweep {g['sweep_ms']:.2f} ms | load {common.loadavg()}", flush=True)
+    r = measure_router(nodes, ops, a.backends)
+    per_node = lease_rate * (r["lease_us"] + r["release_us"]) + r["leases_event_us"] / 5.0
+    print(f"  router ({r['backends']} backends, {r['leases']:,} leases held): lease {r['lease_us']:.1f} us, "
+          f"release {r['release_us']:.1f} us (median of {ops}, {r['granted']} granted), run.leases event "
+          f"(512 rows) {r['leases_event_us']:.0f} us, expire walk {r['expire_ms']:.1f} ms")
+    print(f"    per node-second ({lease_rate:.1f} leases + releases, a run.leases event per 5 s): {per_node:.0f} us -> "
+          f"{per_node * 1000 / 1e6:.1%} of a core at 1,000 nodes (sends of replies not included) | load {common.loadavg()}")
+
+
+if __name__ == "__main__":
+    main()
