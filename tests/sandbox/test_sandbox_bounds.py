@@ -75,6 +75,8 @@ def _q(s: str) -> str:
 def bounded_rt(short_root):
     require_bwrap()
     t = Tracker(_make("bwrap", short_root, tmp_size_mb=TMP_MB, shm_size_mb=SHM_MB))
+    if os.environ.get("ROLLOUTD_TEST_STRICT") == "1" and os.geteuid() == 0:  # CI: the hard bound must be in use
+        assert t.rt.disk_quota == "loop", "ROLLOUTD_TEST_STRICT=1 as root, but %s" % t.rt.disk_quota_reason
     yield t
     t.cleanup()
 
