@@ -73,6 +73,7 @@ class ToolServer:
         self._tools_ready = threading.Event()
         self._tools_error: Optional[str] = None
         self._grading = threading.Lock()  # one grade/purge at a time
+        self.refused_inside = 0  # connections from the sandbox's own processes (closed)
         self._tl = threading.local()  # per connection thread: the restart notes of its last reply
         self.hardened = False
 
@@ -169,14 +170,44 @@ class ToolServer:
         threading.Thread(target=self._accept, args=(self.sock,), name="accept", daemon=True).start()
 
     def _accept(self, sock: socket.socket) -> None:
+        import errno
+
         while True:
             try:
                 conn, _ = sock.accept()
             except InterruptedError:
                 continue
-            except OSError:
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    time.sleep(0.05)  # out of descriptors or memory for now: never stop accepting
+                    continue
                 return  # closed: a new socket replaced it
-            threading.Thread(target=self._serve_conn, args=(conn,), name="conn", daemon=True).start()
+            if self._from_inside(conn):
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._serve_conn, args=(conn,), name="conn", daemon=True).start()
+            except RuntimeError:  # no thread to be had: refuse this one, keep accepting
+                conn.close()
+
+    def _from_inside(self, conn: socket.socket) -> bool:
+        """As the sandbox's pid 1, only the host may talk to us: a peer in our pid namespace (a
+        process of the agent's) has a pid here, the host's is 0. Such connections are closed at
+        once (no thread, no call: nothing to flood us with)."""
+        if os.getpid() != 1:
+            return False
+        import struct
+
+        try:
+            pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        except OSError:
+            return True
+        if pid == 0:
+            return False
+        self.refused_inside += 1
+        if self.refused_inside in (1, 10, 100) or self.refused_inside % 10000 == 0:
+            log("tool_connection_from_inside_refused", pid=pid, count=self.refused_inside)
+        return True
 
     def _guard_socket(self) -> None:
         """The agent shares our uid and sees /run/rolloutd: if it removed or replaced the socket or
@@ -377,7 +408,7 @@ class ToolServer:
             "tools_loaded": self._tools_ready.is_set(),
             "bash_restarts": self.bash.restarts if self.bash else 0,
             "python_restarts": self.python.restarts if self.python else 0,
-            "abandoned": self.abandoned, "hardened": self.hardened,
+            "abandoned": self.abandoned, "hardened": self.hardened, "refused_inside": self.refused_inside,
         }
         return result(output="pong", exit_code=0, info=info)
 

@@ -269,3 +269,48 @@ def test_eval_clients_purge_before_their_first_call(sandbox):
 
     r = asyncio.run(custom_eval())
     assert r.output == "mine\n", r
+
+
+INSIDE_CLIENT = r"""
+import json, socket, struct
+ok = refused = 0
+for i in range(300):  # a flood too: each is closed at once, no thread, no call
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect("/run/rolloutd/tool.sock")
+    except OSError as e:
+        print("CONNECT", e.errno); break
+    body = json.dumps({"id": 1, "tool": "ping", "args": {}}).encode()
+    try:
+        s.sendall(struct.pack(">I", len(body)) + body)
+        s.settimeout(10)
+        data = s.recv(4)
+    except OSError:
+        data = b""
+    if data:
+        ok += 1
+    else:
+        refused += 1
+    s.close()
+print("answered", ok, "refused", refused)
+"""
+
+
+def test_connections_from_inside_the_sandbox_are_refused(short_root):
+    """The tool socket is the host's: a process of the agent that can reach it (here the sandbox
+    runs as the socket's owner: run_as=None) gets its connection closed, never a call, even in a
+    flood; the host's own calls go on."""
+    from tests.sandbox.conftest import Tracker, _make
+    from tests.conftest import require_bwrap
+
+    require_bwrap()
+    t = Tracker(_make("bwrap", short_root, run_as=None))
+    try:
+        h = t.create("inside", SandboxSpec(workspace_files={"client.py": INSIDE_CLIENT}))
+        c = t.client(h, timeout=30)
+        r = _bash(c, "python3 client.py", timeout=60)
+        assert r.output.strip() == "answered 0 refused 300", r  # before: answered 300 refused 0
+        assert c.ping().info["refused_inside"] >= 300
+        _alive_tool_server(c)
+    finally:
+        t.cleanup()
