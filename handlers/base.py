@@ -94,6 +94,17 @@ class JobContext:
 
         return AsyncToolClient(self.job.sandbox["tool_socket"], purge_first=self.phase == "eval")
 
+    async def purge(self) -> dict:
+        """Kill every process in this job's sandbox (the ``purge`` tool). Files the host writes for
+        a grader go in after this: a live agent process could otherwise read or rewrite them."""
+        from rolloutd.sandbox import AsyncToolClient
+
+        async with AsyncToolClient(self.job.sandbox["tool_socket"]) as client:
+            r = await client.call("purge", {}, timeout=60)
+        if r.error:
+            raise RuntimeError(f"clearing the sandbox failed: {r.error}")
+        return r.info.get("purged") or {}
+
     async def grade(self, argv: list[str], *, timeout: float, cwd: str | None = None,
                     env: dict[str, str] | None = None, stdin: str | None = None, tail_bytes: int = 1 << 20):
         """Run a grader in this job's sandbox as its only process (the ``grade`` tool): every

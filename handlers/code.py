@@ -96,6 +96,9 @@ class CodeHandler(DomainHandler):
                                                    solution=self.solution_file, marker=marker), encoding="utf-8")
             give_to_sandbox(sb, [check])
 
+        # First no agent process may be alive: one could read the marker from the check file or
+        # rewrite the file before grade's own purge (issue 24).
+        await ctx.purge()
         await asyncio.to_thread(write)
         try:
             # The grade tool: every process the agent left is killed first; the output is the

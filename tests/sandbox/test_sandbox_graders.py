@@ -94,3 +94,38 @@ def test_swe_grader_ignores_a_forger_daemon(bwrap_rt):
     assert reward == 0.0 and details["resolved"] is False, details
     assert details["counts"]["parsed"], details
     assert details["FAIL_TO_PASS_failed"], details
+
+
+REWRITER = r"""
+import glob, os, re, sys, time
+if os.fork():
+    os._exit(0)
+os.setsid()
+open("/tmp/rewriter.ready", "w").close()
+while True:  # rewrite any check file the grader puts in the workspace into a pass
+    for path in glob.glob("/workspace/.rolloutd_check_*.py"):
+        try:
+            src = open(path).read()
+        except OSError:
+            continue
+        m = re.search(r"ROLLOUTD-CHECK-\" \+ '([0-9a-f]{32})'", src)
+        if m and "FORGED" not in src:
+            with open(path, "w") as f:
+                f.write("print('FORGED'); print('ROLLOUTD-CHECK-%s')\n" % m.group(1))
+    time.sleep(0.001)
+"""
+
+
+def test_code_grader_files_are_written_after_the_purge(bwrap_rt):
+    """A daemon that rewrites the check file as soon as it appears (before grade's own purge could
+    stop it) must find no file while it lives: the eval purges first, then writes the file."""
+    from rolloutd.handlers.code import CodeHandler
+
+    wrong = "def has_close_elements(numbers, threshold):\n    return True\n"
+    h = bwrap_rt.create("code-rw", SandboxSpec(workspace_files={"solution.py": wrong, "rw.py": REWRITER}))
+    c = bwrap_rt.client(h, timeout=20)
+    r = c.call("bash", {"command": "python3 rw.py; while [ ! -e /tmp/rewriter.ready ]; do sleep 0.02; done; "
+                                   "echo up", "timeout": 20})
+    assert "up" in r.output, r
+    reward, details = asyncio.run(CodeHandler().evaluate(_ctx(h, bwrap_rt.rt, task_id="HumanEval/0")))
+    assert reward == 0.0 and "FORGED" not in details["output"], details  # before: 1.0, output FORGED
