@@ -479,7 +479,8 @@ class ToolServer:
     def t_grade(self, args: Dict[str, Any], canceller: Canceller) -> Dict[str, Any]:
         """Run a grader as the only process of the sandbox: every other process is killed first
         (and verified gone), nothing else may start while it runs, and its output comes back on
-        pipes created for it. Arguments as for the agent tool; env is exactly ``env`` (+ PATH)."""
+        pipes created for it. Arguments as for the agent tool; env is exactly ``env`` (+ PATH), with
+        HOME a fresh empty directory and PYTHONNOUSERSITE=1 unless given."""
         from .agentproc import _check_args, kill_agent, run_agent  # noqa: F401
         from .guard import purge, sealed
 
@@ -490,8 +491,18 @@ class ToolServer:
         a["env"] = {}
         with self._grading, sealed():
             info = self._clear(canceller)
-            out = run_agent(a, env, self.workdir, self._limits, canceller)
-            purge()  # whatever the grader left behind
+            # A HOME no agent process ever saw (made after the purge): dotfiles the agent left in
+            # its HOME or /tmp (~/.local/.../site-packages/*.pth, .gitconfig) must not run in a grader.
+            import shutil
+            import tempfile
+
+            env["HOME"] = tempfile.mkdtemp(prefix=".rolloutd-grade-", dir="/tmp" if os.path.isdir("/tmp") else None)
+            env.setdefault("PYTHONNOUSERSITE", "1")
+            try:
+                out = run_agent(a, env, self.workdir, self._limits, canceller)
+            finally:
+                purge()  # whatever the grader left behind
+                shutil.rmtree(env["HOME"], ignore_errors=True)
         out["purged"] = info
         return out
 

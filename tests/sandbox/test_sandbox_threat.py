@@ -220,6 +220,18 @@ def test_grade_output_is_the_graders_own_though_a_forger_owns_the_shell(sandbox)
     assert r.output == "honest\n", r
 
 
+def test_a_grader_runs_none_of_the_agents_dotfiles(sandbox):
+    # A .pth in the user site of the HOME graders used to get (/tmp) ran inside every Python grader.
+    h, c = sandbox
+    r = _bash(c, "d=$(python3 -c 'import site; print(site.getusersitepackages())' | sed 's|^/tmp/home|/tmp|'); "
+                 "mkdir -p \"$d\" && echo 'import sys; print(\"FORGED\")' > \"$d/x.pth\" && "
+                 "printf '[alias]\\n\\tst = !echo FORGED\\n' > /tmp/.gitconfig && echo planted")
+    assert "planted" in r.output, r
+    g = c.call("grade", {"argv": ["python3", "-c", "import os; print('real', os.environ['HOME'] != '/tmp')"],
+                         "env": {"HOME": "/tmp"}, "timeout": 20})
+    assert g.output == "real True\n" and g.exit_code == 0, g
+
+
 def test_no_process_starts_beside_a_running_grader(sandbox):
     """The seal: an agent process that reached the tool socket cannot start anything while a
     grader runs (its request is refused), and its own process dies in the purge."""
