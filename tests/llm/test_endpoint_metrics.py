@@ -41,8 +41,8 @@ def test_every_request_and_every_refusal_is_counted(qwen_tokenizer, scripted, ar
                 await c.chat.completions.create(model="m", messages=[user], temperature=9)
             with pytest.raises(openai.AuthenticationError):  # 401
                 await c.with_options(api_key="wrong").chat.completions.create(model="m", messages=[user])
-            with pytest.raises(openai.NotFoundError):  # 404 (the Responses API is not served)
-                await c.responses.create(model="m", input="hi")
+            with pytest.raises(openai.NotFoundError):  # 404 (no such route)
+                await c.post("/no/such/route", cast_to=object, body={})
             await c.models.list()  # 200, no LLM call
             r2 = await c.chat.completions.create(model="m", tools=[BASH_TOOL], messages=[
                 user, msg.model_dump(exclude_none=True),
