@@ -22,14 +22,21 @@ Interface (what the harness handler uses)::
 * Routes: ``POST /v1/chat/completions`` (non-streaming and ``stream: true`` SSE),
   ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``; the ``/v1`` prefix is optional.
   Errors use OpenAI's JSON error shape (:class:`~rolloutd.llm.openai_wire.EndpointError`).
-* Requests of one session are served one at a time (the conversation is one sequence).
+  Other API shapes on the same session (``anthropic_wire``, ``responses_wire``, ``gemini_wire``
+  translate): ``POST /v1/messages`` and ``/v1/messages/count_tokens``, ``POST /v1/responses`` and
+  ``GET /v1/responses/{id}``, ``POST /v1beta/models/{m}:generateContent|:streamGenerateContent|
+  :countTokens``; each answers errors in its own shape.
+* A session's requests run concurrently; each conversation is extended by one at a time.
+  Request parsing, rendering and tokenization run in endpoint threads, never on the caller's
+  loop; ``EndpointBounds`` bounds what one job's traffic may cost (docs/HARNESS.md, "Bounds").
 * ``parser`` names a tool-call parser of the registry (``rolloutd.llm.toolparse``); ``conv_options``
   are extra ``Conversation`` keywords (model-family settings); ``api_key`` is checked when set.
 
-Token capture. Each session keeps its current *segment*: a :class:`Conversation` plus the
-messages it represents, where the assistant messages are the replies we sampled. A request
-whose ``messages`` start with exactly those messages (our replies sent back as text or as
-structured ``tool_calls``, the same tools) *extends* the segment: only the new messages are
+Token capture. Each session keeps every conversation it opened (a *segment*: a
+:class:`Conversation` plus the messages it represents, where the assistant messages are the
+replies we sampled). A request whose ``messages`` start with exactly one segment's messages
+(our replies sent back as text or as structured ``tool_calls``, the same tools; the longest
+such segment that no other request is extending) *extends* it: only the new messages are
 rendered (with the template's own delimiters, :meth:`Conversation.add_messages`) and the
 assistant turns stay the exact sampled ids. Any other request (an edited, dropped or
 summarized history, other tools, a retry after our reply) opens a new segment rendered from the
