@@ -54,7 +54,7 @@ class JobContext:
 
     @llm.setter
     def llm(self, generate):
-        self._llm = generate if generate is None or isinstance(generate, CapturingLLM) else CapturingLLM(generate)
+        self._llm = generate if generate is None or isinstance(generate, CapturingLLM) else CapturingLLM(generate, self)
 
     # -- job fields ---------------------------------------------------------------------
     @property
@@ -222,13 +222,15 @@ class CapturingLLM:
     """``ctx.llm``: the daemon's LLM session (or any generate callable), recording each call's
     prompt and generation in ``capture``. Everything else is the session's."""
 
-    def __init__(self, generate):
+    def __init__(self, generate, ctx: "JobContext"):
         self._generate = generate
+        self._ctx = ctx
         self.capture = CallCapture()
 
     async def __call__(self, prompt_ids, params):
         g, backend, version = await self._generate(prompt_ids, params)
-        self.capture.add(prompt_ids, g, backend, version)
+        if self._ctx.conversation is None and self._ctx.capture_tokens:  # else the handler's record wins: no copy
+            self.capture.add(prompt_ids, g, backend, version)
         return g, backend, version
 
     def __getattr__(self, name):
