@@ -480,7 +480,8 @@ class ToolServer:
         """Run a grader as the only process of the sandbox: every other process is killed first
         (and verified gone), nothing else may start while it runs, and its output comes back on
         pipes created for it. Arguments as for the agent tool; env is exactly ``env`` (+ PATH), with
-        HOME a fresh empty directory and PYTHONNOUSERSITE=1 unless given."""
+        HOME a fresh empty directory, PYTHONNOUSERSITE=1 and PYTHONPYCACHEPREFIX under that HOME
+        unless given."""
         from .agentproc import _check_args, kill_agent, run_agent  # noqa: F401
         from .guard import purge, sealed
 
@@ -498,6 +499,9 @@ class ToolServer:
 
             env["HOME"] = tempfile.mkdtemp(prefix=".rolloutd-grade-", dir="/tmp" if os.path.isdir("/tmp") else None)
             env.setdefault("PYTHONNOUSERSITE", "1")
+            # Bytecode only from a cache no agent process wrote: a planted __pycache__/*.pyc whose
+            # header matches a restored source's mtime and size would otherwise run instead of it.
+            env.setdefault("PYTHONPYCACHEPREFIX", os.path.join(env["HOME"], "pycache"))
             try:
                 out = run_agent(a, env, self.workdir, self._limits, canceller)
             finally:

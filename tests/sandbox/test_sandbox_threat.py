@@ -232,6 +232,31 @@ def test_a_grader_runs_none_of_the_agents_dotfiles(sandbox):
     assert g.output == "real True\n" and g.exit_code == 0, g
 
 
+PLANT_PYC = r"""
+import importlib.util, os
+from importlib._bootstrap_external import _code_to_timestamp_pyc
+open("m.py", "w").write("print('real')\n")
+st = os.stat("m.py")
+code = compile("print('FORGED')\n", os.path.abspath("m.py"), "exec")
+os.makedirs("__pycache__", exist_ok=True)
+with open(importlib.util.cache_from_source("m.py"), "wb") as f:  # a header that matches m.py
+    f.write(_code_to_timestamp_pyc(code, int(st.st_mtime), st.st_size))
+print("planted")
+"""
+
+
+def test_a_grader_runs_no_bytecode_the_agent_planted(sandbox):
+    h, c = sandbox
+    (Path(h.workspace) / "plant.py").write_text(PLANT_PYC)
+    from rolloutd.handlers.tasks import give_to_sandbox
+    give_to_sandbox(h.to_dict(), [Path(h.workspace) / "plant.py"])
+    r = _bash(c, "python3 plant.py && python3 -c 'import m'")
+    assert r.output == "planted\nFORGED\n", r  # the plant works for the agent's own python
+    g = c.call("grade", {"argv": ["python3", "-c", "import m"], "cwd": "/workspace",
+                         "env": {"PYTHONDONTWRITEBYTECODE": "1"}, "timeout": 20})
+    assert g.output == "real\n", g
+
+
 def test_no_process_starts_beside_a_running_grader(sandbox):
     """The seal: an agent process that reached the tool socket cannot start anything while a
     grader runs (its request is refused), and its own process dies in the purge."""
