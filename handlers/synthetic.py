@@ -15,6 +15,7 @@ a misspelt ``"rnu"`` would otherwise silently run with no latency at all.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 
 from rolloutd.handlers.base import AgentHandler, JobContext
@@ -61,6 +62,10 @@ class SyntheticHandler(AgentHandler):
         if unknown:
             raise SyntheticInstanceError(f"{self.name}: unknown instance keys {sorted(unknown)}; "
                                          f"known: {sorted(self.instance_keys)}")
+        for key, val in ctx.instance.items():  # a NaN reward would reach the trainer; an inf latency hangs
+            for path, v in ((key, val),) if not isinstance(val, dict) else ((f"{key}.{k}", x) for k, x in val.items()):
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise SyntheticInstanceError(f"{self.name}: instance {path} is {v!r}; numbers must be finite")
 
     def _rng(self, ctx: JobContext, phase: str) -> random.Random:
         seed = ctx.instance.get("seed")

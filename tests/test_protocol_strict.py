@@ -207,6 +207,16 @@ def test_status_reports_versions_and_counts_malformed_requests(shared_up, raw):
         assert c.status()["malformed"]["requests"] == before + 1
 
 
+@pytest.mark.parametrize("instance,key", [({"reward": float("nan")}, "reward"), ({"run": float("inf")}, "run"),
+                                          ({"eval": {"dist": "constant", "value": float("nan")}}, "eval.value")])
+def test_synthetic_refuses_non_finite_numbers(shared_up, instance, key):
+    """Issue 28 item 2, inside a handler: a NaN reward reached the trainer as the result's reward."""
+    with shared_up.client() as c:
+        r = c.rollout("synthetic", instance, timeout_s=30)
+    assert r["status"] == "failed" and r["failed_phase"] == "init", r["status"]
+    assert r["error"]["type"] == "SyntheticInstanceError" and f"instance {key} is" in r["error"]["message"]
+
+
 def test_synthetic_refuses_unknown_instance_keys(shared_up):
     with shared_up.client() as c:
         r = c.rollout("synthetic", {"rnu": 1.0}, timeout_s=30)
