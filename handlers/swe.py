@@ -95,6 +95,9 @@ class SWEHandler(DomainHandler):
         # grading process's own, on fresh pipes (issue 24); the tests' whole output (1 MiB tail).
         patch = await ctx.grade(["git", "-c", "core.pager=cat", "diff", "--no-color", "--no-ext-diff"],
                                 cwd=inside, env=clean_env(), timeout=30)
+        # The host (root) writes the tests back into a tree the agent shaped: no symlink on the
+        # way may send that write elsewhere on the host (tests -> /etc, say).
+        await asyncio.to_thread(_unlink_symlinks, ws, task["test_files"])
         restored = await asyncio.to_thread(restore_tests, task["task_id"], ws, self.cache_dir)
         await asyncio.to_thread(give_to_sandbox, sb, [ws / r for r in restored])
         env = clean_env({"PYTHONPATH": self._pythonpath(sb), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
@@ -114,3 +117,29 @@ class SWEHandler(DomainHandler):
         if not result["counts"]["parsed"]:
             details["output_tail"] = output[-3000:]
         return result["reward"], details
+
+
+def _unlink_symlinks(root: Path, rels: list[str]) -> None:
+    """Remove every symlink on the path to, and under, each ``root/rel`` (no agent process is
+    alive by now: the first grade purged, so nothing can put one back)."""
+    import os
+    import shutil
+
+    for rel in rels:
+        p = root
+        for part in Path(rel).parts:
+            p = p / part
+            if p.is_symlink():
+                p.unlink()
+            elif p.exists() and not p.is_dir() and p != root / rel:
+                p.unlink()  # a file where a directory of the path should be
+        target = root / rel
+        if target.is_dir() and not target.is_symlink():
+            for dirpath, dirnames, filenames in os.walk(target):
+                for n in dirnames + filenames:
+                    q = Path(dirpath) / n
+                    if q.is_symlink():
+                        q.unlink()
+        elif target.exists() and target.is_dir():
+            shutil.rmtree(target)
+

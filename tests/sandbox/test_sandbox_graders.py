@@ -9,6 +9,7 @@ taken over from /proc: the forged "1.0" was the last line)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 from rolloutd.bus.messages import Job
@@ -129,3 +130,34 @@ def test_code_grader_files_are_written_after_the_purge(bwrap_rt):
     assert "up" in r.output, r
     reward, details = asyncio.run(CodeHandler().evaluate(_ctx(h, bwrap_rt.rt, task_id="HumanEval/0")))
     assert reward == 0.0 and "FORGED" not in details["output"], details  # before: 1.0, output FORGED
+
+
+def test_swe_restore_never_writes_through_an_agents_symlink(bwrap_rt, tmp_path):
+    """The tests are restored by the host: a `tests` symlink to a host directory must not make
+    the host write there (before: the restored test file appeared in the victim directory)."""
+    from rolloutd.handlers.swe import SWEHandler
+    from rolloutd.handlers.swe_tasks import DownloadError, build_task, task_ids
+
+    task_id = sorted(task_ids())[0]
+    try:
+        build_task(task_id)
+    except DownloadError as e:
+        import pytest
+        pytest.skip(f"swe task sdist not cached and the package index cannot be reached: {e}")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    os.chmod(tmp_path, 0o755)
+    handler = SWEHandler()
+    ctx = _ctx(type("H", (), {"to_dict": lambda self: None})(), bwrap_rt.rt)
+    ctx.job.instance = {"task_id": task_id}
+    handler.setup_task(ctx)
+    h = bwrap_rt.create("swe-ln", handler.sandbox_spec(ctx))
+    ctx.job.sandbox = h.to_dict()
+    handler.prepare_sandbox(ctx)
+    c = bwrap_rt.client(h, timeout=20)
+    r = c.call("bash", {"command": f"rm -rf tests && ln -s {victim} tests && ls -ld tests", "timeout": 20})
+    assert "->" in r.output, r
+    reward, details = asyncio.run(handler.evaluate(ctx))
+    assert list(victim.iterdir()) == [], list(victim.iterdir())
+    assert (Path(h.workspace) / "tests").is_dir() and not (Path(h.workspace) / "tests").is_symlink()
+    assert reward == 0.0 and details["counts"]["parsed"], details  # the unfixed repository, graded
