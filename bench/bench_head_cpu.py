@@ -90,10 +90,11 @@ class Cluster:
                 base = {"daemon": phase, "node": node, "pid": 100000 + n, "incarnation": inc, "uptime_s": 1.0,
                         "phase": phase, "pool": k, "inflight": k, "counts": COUNTS}
                 self.holders.append([f"{phase}@{node}", base, ids[:k], ids[k:], 0])
+        self.gw.table.unvouched.clear()  # as named by their holders' last full listings (bench_lease_sweep.py)
 
     def _pairs(self, ids):
         if self.packed:
-            return events.pack_listing([(j, 1) for j in ids])
+            return events.pack_listing({j: 1 for j in ids})
         return [[j, 1] for j in ids]
 
     def frames(self, rnd: int, active: int) -> list[tuple[str, list]]:
@@ -140,9 +141,11 @@ async def _receive(sub, n: int, recv_us: list) -> list:
     return got
 
 
-def measure_gateway(nodes: int, active: int, rounds: int, job_s: float, packed: bool) -> dict:
+def measure_gateway(nodes: int, active: int, rounds: int, job_s: float, listings: tuple) -> dict:
+    """Per listing encoding, one gateway with the same state; their rounds alternate (list round 1,
+    packed round 1, list round 2, ...) so a change in the machine's load lands on both alike."""
     t0 = time.monotonic()
-    cl = Cluster(nodes, job_s, packed)
+    cls = {enc: Cluster(nodes, job_s, enc == "packed") for enc in listings}
     built = time.monotonic() - t0
     ctx, actx = zmq.Context(), zmq.asyncio.Context()  # the gateway's sockets are zmq.asyncio ones
     pub, sub = ctx.socket(zmq.PUB), actx.socket(zmq.SUB)
@@ -154,38 +157,44 @@ def measure_gateway(nodes: int, active: int, rounds: int, job_s: float, packed: 
     sub.setsockopt(zmq.SUBSCRIBE, b"daemon.")
     sub.connect(f"tcp://127.0.0.1:{port}")
     time.sleep(0.3)  # the subscription reaches the PUB
-    per_kind: dict[str, list] = {}
-    recv_us, sizes = [], {}
+    per_kind = {enc: {} for enc in listings}
+    recv_us = {enc: [] for enc in listings}
+    sizes: dict = {}
     try:
         for rnd in range(rounds + 1):  # round 0 lists every holder in full: the warm-up
-            batch = cl.frames(rnd, active)
-            for _, f in batch:
-                pub.send_multipart(f)
-            got = asyncio.run(_receive(sub, len(batch), recv_us if rnd else []))
-            if len(got) < len(batch):
-                raise RuntimeError(f"only {len(got)} of {len(batch)} heartbeats arrived")
-            for (kind, raw), fr in zip(batch, got):
-                c0 = cpu()
-                cl.gw._on_event(fr)
-                c1 = cpu()
-                if rnd:
-                    per_kind.setdefault(kind, []).append((c1 - c0) * 1e6)
-                    sizes[kind] = len(raw[1])
-        c0 = cpu()
-        cl.gw._sweep_leases(time.monotonic())
-        sweep_us = (cpu() - c0) * 1e6
-        bad = cl.gw.malformed.get("events", 0)
+            for enc, cl in cls.items():
+                batch = cl.frames(rnd, active)
+                for _, f in batch:
+                    pub.send_multipart(f)
+                got = asyncio.run(_receive(sub, len(batch), recv_us[enc] if rnd else []))
+                if len(got) < len(batch):
+                    raise RuntimeError(f"only {len(got)} of {len(batch)} heartbeats arrived")
+                for (kind, raw), fr in zip(batch, got):
+                    c0 = cpu()
+                    cl.gw._on_event(fr)
+                    c1 = cpu()
+                    if rnd:
+                        per_kind[enc].setdefault(kind, []).append((c1 - c0) * 1e6)
+                        sizes[enc, kind] = len(raw[1])
+        out = {}
+        for enc, cl in cls.items():
+            c0 = cpu()
+            cl.gw._sweep_leases(time.monotonic())
+            sweep_us = (cpu() - c0) * 1e6
+            kinds = {k: {"median_us": common.median(v), "n": len(v), "bytes": sizes[enc, k]} for k, v in per_kind[enc].items()}
+            per_node_s = sum(v["median_us"] * v["n"] for v in kinds.values()) / (active * rounds)
+            per_node_s += common.median(recv_us[enc]) * 3
+            out[enc] = {"built_s": round(built, 1), "kinds": kinds, "recv_us": common.median(recv_us[enc]),
+                        "per_node_s_us": per_node_s, "sweep_ms": sweep_us / 1e3,
+                        "malformed": cl.gw.malformed.get("events", 0)}
+        return out
     finally:
         pub.close()
         sub.close()
         ctx.term()
         actx.term()
-        cl.close()
-    kinds = {k: {"median_us": common.median(v), "n": len(v), "bytes": sizes[k]} for k, v in per_kind.items()}
-    per_node_s = sum(v["median_us"] * v["n"] for v in kinds.values()) / (active * rounds)
-    per_node_s += common.median(recv_us) * 3
-    return {"built_s": round(built, 1), "kinds": kinds, "recv_us": common.median(recv_us),
-            "per_node_s_us": per_node_s, "sweep_ms": sweep_us / 1e3, "malformed": bad}
+        for cl in cls.values():
+            cl.close()
 
 
 def measure_router(nodes: int, ops: int, backends: int) -> dict:
@@ -211,28 +220,36 @@ def measure_router(nodes: int, ops: int, backends: int) -> dict:
             r._on_heartbeat(e[1])
             ev_us.append((cpu() - c0) * 1e6)
         ident = zmq.Frame(b"run@sim00000#i")
-        lease_us, release_us, grant = [], [], 0
+        # Odd ops also read req_id up front as Router._on_request did before issue 29 (every request
+        # paid a second partial decode; now only an error reply does): the before figures, interleaved.
+        lease_us, release_us, grant = ([], []), ([], []), 0
         for k in range(ops):
+            before = k % 2
             req = [ident, zmq.Frame(b"")] + [zmq.Frame(bytes(x)) for x in codec.encode(
                 Lease(job_id=10**9 + k, requester="run@sim00000", node="sim00000", wait_s=0.0, req_id=k + 1).to_wire())]
             c0 = cpu()
+            if before:
+                codec.peek_req_id(req[2:])
             r._on_request(req)
-            lease_us.append((cpu() - c0) * 1e6)
+            lease_us[before].append((cpu() - c0) * 1e6)
             reply = codec.decode([bytes(x) for x in r.out[-1][2:]])
             r.out.clear()
             lid = (reply.get("body") or {}).get("lease_id")
             grant += lid is not None
             rel = [ident, zmq.Frame(b"")] + [zmq.Frame(bytes(x)) for x in codec.encode(Release(lease_id=lid or "x", req_id=k + 1).to_wire())]
             c0 = cpu()
+            if before:
+                codec.peek_req_id(rel[2:])
             r._on_request(rel)
-            release_us.append((cpu() - c0) * 1e6)
+            release_us[before].append((cpu() - c0) * 1e6)
             r.out.clear()
         c0 = cpu()
         r.pool.expire(3600.0)
         expire_ms = (cpu() - c0) * 1e3
     finally:
         sockets.close()
-    return {"lease_us": common.median(lease_us), "release_us": common.median(release_us), "granted": grant,
+    return {"lease_us": common.median(lease_us[0]), "release_us": common.median(release_us[0]), "granted": grant,
+            "lease_before_us": common.median(lease_us[1]), "release_before_us": common.median(release_us[1]),
             "leases_event_us": common.median(ev_us), "leases": len(r.pool.leases), "expire_ms": expire_ms,
             "backends": backends}
 
@@ -256,8 +273,8 @@ def main():
           f"{rounds} rounds, job_s {a.job_s:.0f}, tree {common.revision(common.REPO)}, {common.machine()}, "
           f"load {common.loadavg()}", flush=True)
     lease_rate = 512 / a.job_s  # lease + release per node per second
-    for listing in (("list", "packed") if a.listing == "both" else (a.listing,)):
-        g = measure_gateway(nodes, active, rounds, a.job_s, listing == "packed")
+    gws = measure_gateway(nodes, active, rounds, a.job_s, ("list", "packed") if a.listing == "both" else (a.listing,))
+    for listing, g in gws.items():
         print(f"  gateway, {listing} listings (state built in {g['built_s']} s, {g['malformed']} malformed):")
         for k, v in sorted(g["kinds"].items()):
             print(f"    {k:<28} {v['median_us']:8.1f} us per heartbeat (median of {v['n']}, {v['bytes']:,} bytes)")
@@ -267,7 +284,8 @@ def main():
     r = measure_router(nodes, ops, a.backends)
     per_node = lease_rate * (r["lease_us"] + r["release_us"]) + r["leases_event_us"] / 5.0
     print(f"  router ({r['backends']} backends, {r['leases']:,} leases held): lease {r['lease_us']:.1f} us, "
-          f"release {r['release_us']:.1f} us (median of {ops}, {r['granted']} granted), run.leases event "
+          f"release {r['release_us']:.1f} us (before: {r['lease_before_us']:.1f} and {r['release_before_us']:.1f}; "
+          f"medians of {ops // 2} each, {r['granted']} of {ops} granted), run.leases event "
           f"(512 rows) {r['leases_event_us']:.0f} us, expire walk {r['expire_ms']:.1f} ms")
     print(f"    per node-second ({lease_rate:.1f} leases + releases, a run.leases event per 5 s): {per_node:.0f} us -> "
           f"{per_node * 1000 / 1e6:.1%} of a core at 1,000 nodes (sends of replies not included) | load {common.loadavg()}")

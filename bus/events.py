@@ -10,6 +10,7 @@ import os
 import threading
 import time
 
+import numpy as np
 import zmq
 
 from rolloutd.bus import codec
@@ -33,9 +34,36 @@ class Publisher:
             pass
 
 
+# A listing (``jobs``, ``jobs_added``, ``jobs_removed``) is either a list of [id, attempt] pairs or,
+# from holders with more than PACK_MIN jobs, those pairs packed as little-endian int64 (a msgpack
+# bin of 16 bytes per pair): one frame either way, and the receiver checks its length instead of
+# walking 576 Python lists (docs/EVENTS.md, docs/SCALING.md).
+PAIR_BYTES = 16
+PACK_MIN = 16
+_PAIR = np.dtype("<i8")
+
+
+def pack_listing(held: dict) -> list | bytes:
+    """``held`` (job id -> attempt) as a heartbeat listing: packed when it has more than PACK_MIN jobs."""
+    if len(held) <= PACK_MIN:
+        return [[j, a] for j, a in held.items()]
+    a = np.empty((len(held), 2), dtype=_PAIR)
+    a[:, 0] = list(held.keys())
+    a[:, 1] = list(held.values())
+    return a.tobytes()
+
+
+def unpack_listing(raw: bytes) -> list:
+    """A packed listing's [id, attempt] pairs (tuples), as a list. ValueError when it is not whole pairs."""
+    if len(raw) % PAIR_BYTES:
+        raise ValueError(f"a packed listing of {len(raw)} bytes is not whole [id, attempt] int64 pairs")
+    a = np.frombuffer(raw, dtype=_PAIR)
+    return list(zip(a[0::2].tolist(), a[1::2].tolist()))
+
+
 def parse(frames) -> tuple[str, dict] | None:
     """``(topic, body)`` of an event, or None when it is not one of ours (garbage on the
-    stream must never reach the job table)."""
+    stream must never reach the job table). Packed listings come back as lists of pairs."""
     if len(frames) != 2:
         return None
     try:
@@ -47,7 +75,13 @@ def parse(frames) -> tuple[str, dict] | None:
         return None
     for key in ("jobs", "jobs_added", "jobs_removed"):
         jobs = body.get(key)
-        if jobs is not None and not (isinstance(jobs, list) and all(
+        if jobs is None:
+            continue
+        if isinstance(jobs, bytes):  # packed: validated by its length alone, decoded at C speed
+            if len(jobs) % PAIR_BYTES:
+                return None
+            body[key] = unpack_listing(jobs)
+        elif not (isinstance(jobs, list) and all(
                 isinstance(j, list) and len(j) == 2 and all(isinstance(x, int) for x in j) for j in jobs)):
             return None
     seq = body.get("jobs_seq")
@@ -56,6 +90,11 @@ def parse(frames) -> tuple[str, dict] | None:
     if ("jobs_added" in body or "jobs_removed" in body) and (seq is None or "jobs" in body):
         return None  # changes mean nothing without their place in the sequence, or beside a full listing
     return topic, body
+
+
+def _pairs(listing) -> list:
+    """A listing as pairs, packed or not (bodies unpacked without ``parse``: the init daemon's)."""
+    return unpack_listing(listing) if isinstance(listing, bytes) else listing
 
 
 class HeldJobs:
@@ -88,16 +127,17 @@ class HeldJobs:
         again (the whole listing, or what was added), or None when it could not be applied."""
         seq = body.get("jobs_seq")
         if "jobs" in body:
-            self.jobs = {j: a for j, a in body["jobs"]}
+            jobs = _pairs(body["jobs"])
+            self.jobs = dict(jobs)
             self.seq, self.valid = seq, True
-            return body["jobs"]
+            return jobs
         if not self.valid or seq is None or self.seq is None or seq != self.seq + 1:
             self.valid = False
             return None
-        for j, a in body.get("jobs_removed", ()):
+        for j, a in _pairs(body.get("jobs_removed", ())):
             if self.jobs.get(j) == a:
                 del self.jobs[j]
-        added = body.get("jobs_added", ())
+        added = _pairs(body.get("jobs_added", ()))
         for j, a in added:
             self.jobs[j] = a
         self.seq = seq

@@ -24,7 +24,7 @@ from rolloutd.bus.messages import Job, MessageError, Result, empty_trajectory, f
 from rolloutd.bus.credit import CreditReceiver, CreditSender
 from rolloutd.bus.sockets import SUBSCRIBE as _SUBSCRIBE, recv, recv_now
 from rolloutd.bus.daemon import Daemon
-from rolloutd.bus.events import HeldJobs
+from rolloutd.bus.events import HeldJobs, pack_listing
 from rolloutd.daemons.llm_session import StaleLease
 from rolloutd.handlers.base import JobContext, PhaseTimeout, Services
 from rolloutd.handlers.registry import UnknownHandler, get_handler
@@ -91,11 +91,11 @@ class PhaseDaemon(Daemon):
         out = {"jobs_seq": self._jobs_seq}
         if (prev is None or len(held) <= int(self.dcfg["full_listing_max"])
                 or now - self._listed_at >= float(self.dcfg["full_listing_s"])):
-            out["jobs"] = [[j, a] for j, a in held.items()]
+            out["jobs"] = pack_listing(held)  # packed above PACK_MIN jobs (docs/EVENTS.md)
             self._listed_at = now
         else:
-            out["jobs_added"] = [[j, a] for j, a in held.items() if prev.get(j) != a]
-            out["jobs_removed"] = [[j, a] for j, a in prev.items() if held.get(j) != a]
+            out["jobs_added"] = pack_listing({j: a for j, a in held.items() if prev.get(j) != a})
+            out["jobs_removed"] = pack_listing({j: a for j, a in prev.items() if held.get(j) != a})
         self._listed = held
         return out
 

@@ -512,7 +512,7 @@ class Gateway(Daemon):
                         self._unvouch(holder, body.get("jobs_removed", ()), now)
                     else:
                         t.full_at = now
-                        if was_valid:  # what the new full listing left out or changed
+                        if was_valid and before != t.jobs:  # what the new full listing left out or changed
                             self._unvouch(holder, before.items() - t.jobs.items(), now)
             else:
                 self.hb_seen[who] = now
