@@ -56,16 +56,27 @@ def ensure_loopback() -> bool:
     return True
 
 
-class Relay:
-    """Listen on ``host:port`` (0: any free port) and relay each connection to ``unix_path``."""
+MAX_OPEN = 128  # connections relayed at once; the endpoint itself serves 64 per job
 
-    def __init__(self, unix_path: str, host: str = "127.0.0.1", port: int = 0, backlog: int = 256) -> None:
+
+class Relay:
+    """Listen on ``host:port`` (0: any free port) and relay each connection to ``unix_path``.
+
+    At most ``max_open`` connections are relayed at once (two threads each, in the tool server,
+    which no RLIMIT_NPROC bounds): a connection past that is reset at once, so an agent opening
+    thousands of connections costs the node nothing but the resets (it once made 11,000 threads).
+    """
+
+    def __init__(self, unix_path: str, host: str = "127.0.0.1", port: int = 0, backlog: int = 256,
+                 max_open: int = MAX_OPEN) -> None:
         self.unix_path = unix_path
         self.host = host
         self.want_port = port
         self.backlog = backlog
         self.port: Optional[int] = None
         self.connections = 0  # accepted so far
+        self.refused = 0  # reset because max_open were being relayed
+        self._slots = threading.BoundedSemaphore(max_open)
         self._sock: Optional[socket.socket] = None
         self._open: Dict[int, Tuple[socket.socket, socket.socket]] = {}
         self._lock = threading.Lock()
@@ -95,9 +106,24 @@ class Relay:
             except OSError:
                 return  # closed by stop()
             self.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), name="relay-conn", daemon=True).start()
+            if not self._slots.acquire(blocking=False):
+                self.refused += 1
+                _abort(conn)
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="relay-conn", daemon=True).start()
+            except RuntimeError:  # no thread to be had: refuse this one, keep relaying the others
+                self._slots.release()
+                self.refused += 1
+                _abort(conn)
 
     def _serve(self, tcp: socket.socket) -> None:
+        try:
+            self._relay(tcp)
+        finally:
+            self._slots.release()
+
+    def _relay(self, tcp: socket.socket) -> None:
         up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             up.settimeout(10.0)
@@ -147,7 +173,7 @@ class Relay:
         with self._lock:
             n = len(self._open)
         return {"socket": self.unix_path, "host": self.host, "port": self.port, "open": n,
-                "accepted": self.connections}
+                "accepted": self.connections, "refused": self.refused}
 
 
 def _abort(s: socket.socket) -> None:
