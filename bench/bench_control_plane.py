@@ -56,7 +56,7 @@ def held_per_node(run_pool: int) -> dict[str, int]:
 # ---- the generator (a child process) -------------------------------------------------------
 def generator(a):
     import zmq
-    from rolloutd.bus import codec
+    from rolloutd.bus import codec, events
     from rolloutd.bus.messages import PROTOCOL_VERSION, Lease, Release
 
     ctx = zmq.Context()
@@ -107,6 +107,9 @@ def generator(a):
         assert i < j
         return (raw[:i], raw[i + 8:j], raw[j + 4:])
 
+    # Listings as the phase daemons send them (packed above events.PACK_MIN pairs), or as lists
+    # (--listing list: the format before issue 29).
+    enc = events.pack_listing if a.listing == "packed" else (lambda held: [[j, at] for j, at in held.items()])
     sims = []  # (full parts, change parts or None)
     ids = iter(got)
     churn = max(1, round(a.run_pool / a.job_s * a.hb_s))  # jobs entering and leaving run per heartbeat
@@ -118,7 +121,7 @@ def generator(a):
             body = {"daemon": phase, "node": node, "pid": 100000 + n, "incarnation": inc,
                     "uptime_s": 1.0, "phase": phase, "pool": pool, "inflight": min(pool, len(jobs)),
                     "counts": {"done": 0, "failed": 0, "timeout": 0, "cancelled": 0, "forwarded": 0, "malformed": 0}}
-            full = dict(body, jobs=jobs)
+            full = dict(body, jobs=enc({j: at for j, at in jobs}))
             lease_ev = None  # run.leases, published with each full listing (before the heartbeat)
             if phase == "run":
                 lease_ev = codec.pack({"daemon": "run", "node": node, "pid": 100000 + n, "ts": time.time(),
@@ -126,14 +129,15 @@ def generator(a):
                                      "leases": [[f"Lsim{n}-{i}", a.backend_id, j[0], 0] for i, j in enumerate(jobs[:pool])]})
             change = None
             if a.protocol == "changes" and len(jobs) > 128:
-                change = packed(dict(body, jobs_added=[[next(fake), 1] for _ in range(churn)],
-                                     jobs_removed=[[next(fake), 1] for _ in range(churn)]))
+                change = packed(dict(body, jobs_added=enc({next(fake): 1 for _ in range(churn)}),
+                                     jobs_removed=enc({next(fake): 1 for _ in range(churn)})))
             sims.append((packed(full), change, lease_ev))
     full_every = max(1, round(5.0 / a.hb_s))
     per_round = sum((len(b"".join(f)) + len(ls or b"")) * (1 if c is None else 1 / full_every)
                     + (0 if c is None else len(b"".join(c)) * (1 - 1 / full_every)) + 12 for f, c, ls in sims)
-    Path(a.ready_file).write_text(json.dumps({"populated": len(got), "wanted": a.nodes * per_node,
-                                              "bytes_per_s": per_round / a.hb_s}))
+    tmp = Path(a.ready_file + ".tmp")  # renamed into place: the bench polls for the file and must not read it half-written
+    tmp.write_text(json.dumps({"populated": len(got), "wanted": a.nodes * per_node, "bytes_per_s": per_round / a.hb_s}))
+    tmp.rename(a.ready_file)
     slices = 20
     per_slice = max(1, -(-len(sims) // slices))
     lease_rate = a.nodes * a.run_pool / a.job_s
@@ -302,7 +306,7 @@ def run_size(a, nodes: int, backend, protocol: str = "changes") -> dict:
                                 "--populate-max", str(a.populate_max), "--init", head.addr("init"),
                                 "--events-in", head.addr("events_in"), "--router", head.addr("router"),
                                 "--ready-file", str(ready), "--backend-id", backend_id, "--hb-s", str(a.hb_s),
-                                "--job-s", str(a.job_s), "--protocol", protocol, "--duration", str(a.seconds + a.warmup + 30)],
+                                "--job-s", str(a.job_s), "--protocol", protocol, "--listing", a.listing, "--duration", str(a.seconds + a.warmup + 30)],
                                env=env, stdout=subprocess.PIPE, text=True)
         t_pop = time.monotonic()
         left = want
@@ -386,6 +390,8 @@ def main():
     ap.add_argument("--protocol", default=None,
                     help="heartbeat listings to measure: changes (current daemons), full (every job, every beat); "
                          "default changes,full (quick: changes)")
+    ap.add_argument("--listing", default="packed", choices=("packed", "list"),
+                    help="listing encoding: packed (current daemons, issue 29) or list (before)")
     ap.add_argument("--probe-timeout", type=float, default=5.0, help="a probe unanswered this long counts as lost")
     ap.add_argument("--populate-max", type=int, default=700_000)
     ap.add_argument("--populate-timeout", type=float, default=240.0)
@@ -411,7 +417,7 @@ def main():
     a.protocol = a.protocol or ("changes" if a.quick else "changes,full")
     from rolloutd.llm.scripted import ScriptedBackend
 
-    print(f"control plane: sizes {sizes}, {a.seconds:.0f} s windows, heartbeat {a.hb_s} s, run pool {a.run_pool}, "
+    print(f"control plane: sizes {sizes}, {a.seconds:.0f} s windows, heartbeat {a.hb_s} s, {a.listing} listings, run pool {a.run_pool}, "
           f"tree {common.revision(a.root)}, {common.machine()}, load {common.loadavg()}", flush=True)
     rows = []
     with ScriptedBackend() as backend:
