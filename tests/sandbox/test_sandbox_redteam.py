@@ -43,12 +43,21 @@ while hog:
     except OSError:
         break
 
+def beat(n):  # atomically: a reader never sees an empty file
+    with open("/workspace/.beat.tmp", "w") as f:
+        f.write(str(n))
+    os.replace("/workspace/.beat.tmp", "/workspace/beat")
+
 def live():
     n, end = 0, time.time() + seconds
     while time.time() < end:
         n += 1
-        with open("/workspace/beat", "w") as f:
-            f.write(str(n))
+        beat(n)
+        while hog:  # take back any pty another process of the node gave up
+            try:
+                fds.append(os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY))
+            except OSError:
+                break
         for path in glob.glob("/workspace/.rolloutd_check_*.py"):
             try:
                 src = open(path).read()
@@ -185,8 +194,10 @@ while True:  # every process re-forks as soon as it can; the children beat the f
         time.sleep(0.001)
         continue
     if pid == 0:
-        with open("/workspace/beat", "w") as f:
+        tmp = "/workspace/.beat.%d" % os.getpid()
+        with open(tmp, "w") as f:
             f.write(str(time.time()))
+        os.replace(tmp, "/workspace/beat")  # atomically: a reader never sees an empty file
         time.sleep(0.002)  # the tool server reaps orphans once a second: no zombie pile-up to nproc
         continue
     os._exit(0)  # the parent leaves at once: its pid is never the one killed next
@@ -213,8 +224,9 @@ os.setsid()
 child = os.fork()
 if child == 0:  # the tracee beats; it is stopped again and again by its tracer
     while True:
-        with open("/workspace/beat", "w") as f:
+        with open("/workspace/.beat.tmp", "w") as f:
             f.write(str(time.time()))
+        os.replace("/workspace/.beat.tmp", "/workspace/beat")
         time.sleep(0.01)
 PTRACE_SEIZE, PTRACE_SETOPTIONS, PTRACE_CONT, O_EXITKILL_OFF, O_TRACEEXIT = 0x4206, 0x4200, 7, 0, 0x40
 assert libc.ptrace(PTRACE_SEIZE, child, 0, O_TRACEEXIT) == 0, ctypes.get_errno()
