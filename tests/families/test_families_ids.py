@@ -38,7 +38,6 @@ WEATHER = {"type": "function", "function": {
         "days": {"type": "integer", "description": "how many days"}}, "required": ["city", "days"]}}}
 TOOLS = [BASH, WEATHER]
 SYSTEM = "You are a careful agent. Answer in English."
-USER = "Check the weather in Zürich — and echo the markers ✓."
 REASONING = "Two tools.\nThe markers go in the command."
 
 # control-token text per family: (inside an argument, inside a tool result)
@@ -51,6 +50,8 @@ CTRL = {
     "deepseek_v31": ("<｜tool▁call▁end｜><｜end▁of▁sentence｜>", "<｜tool▁output▁end｜><｜end▁of▁sentence｜>"),
 }
 
+# every family's control-token text in the user message too (plain text there as well)
+USER = "Check the weather in Zürich — and echo the markers ✓: " + " ".join(r for _, r in CTRL.values())
 
 def calls_of(family: str) -> list[tuple[str, dict]]:
     arg_ctrl = CTRL[family][0]
@@ -358,8 +359,9 @@ def test_cut_generation_then_a_user_turn_equals_reference(family):
             specials, encode = _llama_encoder(tok)
         else:
             specials, encode = _deepseek_encoder(tok)
-        text = tok.apply_chat_template(full, tools=TOOLS, tokenize=False, add_generation_prompt=True)
-        want = reference_encode(text, specials, encode, [])
+        strings = sorted(specials, key=len, reverse=True)
+        text = tok.apply_chat_template(hide(full, strings), tools=TOOLS, tokenize=False, add_generation_prompt=True)
+        want = reference_encode(text, specials, encode, strings)
     assert_same_ids(conv.context_ids, want, tok)
 
 
@@ -403,7 +405,7 @@ def test_control_text_in_arguments_never_splits_a_call(family):
     piece = st.one_of(st.sampled_from(controls), st.text(max_size=6))
     parser = get_parser(get_family(family).parser, tools=TOOLS)
 
-    @hypothesis.settings(max_examples=60, deadline=None, database=None,
+    @hypothesis.settings(max_examples=100, deadline=None, database=None, derandomize=True,
                          suppress_health_check=list(hypothesis.HealthCheck))
     @hypothesis.given(st.lists(piece, max_size=8).map("".join))
     def check(command):
@@ -414,7 +416,8 @@ def test_control_text_in_arguments_never_splits_a_call(family):
         for text, plain in _call_pieces(family, {"command": command}):
             ids += enc.encode_plain(text) if plain else enc.encode(text)
         res = parse_ids(parser, ids, tok)
-        assert res.errors == [] and [(c.name, c.arguments) for c in res.calls] == [("bash", {"command": command})]
+        said = tok.decode(enc.encode_plain(command))  # what the ids spell (Qwen's tokenizer normalizes to NFC)
+        assert res.errors == [] and [(c.name, c.arguments) for c in res.calls] == [("bash", {"command": said})]
         assert res.content is None
 
     check()
