@@ -15,8 +15,9 @@
 3. 128 sandboxes at once: start all, one action in each (AsyncToolClient, concurrently),
    destroy all; then verify nothing leaked (processes, dirs, loopback addresses).
 4. Issue 24 (--hardening-only runs just this), before/after in one run, interleaved:
-   `true` round trip and sandbox ready with the tool server non-dumpable vs left dumpable
-   (SandboxSpec.env ROLLOUTD_UNSAFE_DUMPABLE=1: the baseline knob), and the eval start-up of
+   `true` round trip and sandbox ready with the tool server hardened (non-dumpable, seccomp
+   filter on its children) vs not (SandboxSpec.env ROLLOUTD_UNSAFE_DUMPABLE=1: the baseline
+   knob), and the eval start-up of
    grading: the old path (bash `restart: true` + the command in the fresh shell) vs the grade
    tool (purge + fresh process), each after the agent left N background processes.
 Medians are the headline (the machine is shared and noisy); p99 is reported too.
@@ -325,7 +326,8 @@ def bench_hardening(root: Path, n: int, n_start: int, leftovers: int = 5) -> Dic
 
 
 def report_hardening(h: Dict[str, object]) -> None:
-    print("issue 24, same run, interleaved (hardened = non-dumpable tool server; dumpable = baseline):")
+    print("issue 24, same run, interleaved (hardened = non-dumpable tool server + seccomp filter on its children; "
+          "dumpable = neither):")
     for what in ("true", "ready"):
         r = h[what]
         print("  %-6s median ms: hardened %.2f (p99 %.2f, n=%d) / dumpable %.2f (p99 %.2f): %.2fx" % (

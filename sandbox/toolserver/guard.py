@@ -39,8 +39,11 @@ def harden(session_env: Optional[dict] = None) -> bool:
     """Make this process non-dumpable (see the module docstring). False if the kernel refused.
 
     ROLLOUTD_UNSAFE_DUMPABLE=1 in the sandbox's env (SandboxSpec.env, written by the host before
-    start) leaves it dumpable: bench/bench_sandbox.py's same-run baseline, nothing else."""
+    start) leaves it dumpable and its children unfiltered: bench/bench_sandbox.py's same-run
+    baseline, nothing else."""
+    global _UNSAFE
     if (session_env or {}).get("ROLLOUTD_UNSAFE_DUMPABLE") == "1":
+        _UNSAFE = True
         return False
     try:
         return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
@@ -210,11 +213,14 @@ class _Filter:
 
 
 _FILTER: Optional[_Filter] = None
+_UNSAFE = False  # the benchmark's baseline (harden)
 
 
 def child_filter() -> Callable[[], None]:
     """The function a spawner calls in the child before exec."""
     global _FILTER
+    if _UNSAFE:
+        return lambda: None
     if _FILTER is None:
         _FILTER = _Filter()
     return _FILTER.install
