@@ -116,7 +116,7 @@ def test_a_zombie_thread_group_leader_dies_in_the_purge(bwrap_rt):
     assert r.error is None and not _beats_during(r.output), r
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "PURGE DEFEATED -> reward 1 for a wrong HumanEval solution. guard._alive_others() reads only "
     "/proc/<tgid>/stat, whose state is the leader thread's: a process whose leader ended with "
     "SYS_exit while another thread runs shows 'Z' and is skipped, and purge() sends kill(-1) only "
@@ -141,7 +141,7 @@ def test_a_zombie_leader_with_no_shell_left_cannot_reach_the_code_grader(bwrap_r
     assert reward == 0.0, (reward, details, r)
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "NODE-WIDE DoS: bwrap's /dev/pts is a devpts instance without max=, so one sandbox can take "
     "every pty non-initial devpts instances may have (kernel.pty.max - kernel.pty.reserve = 3072 "
     "here; one process, RLIMIT_NOFILE raised to its hard limit 20000). Every other sandbox of the "
@@ -161,7 +161,7 @@ def test_one_sandbox_cannot_take_every_pty_of_the_node(bwrap_rt):
     assert r.error is None and r.output.strip() == "hello", r
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
     "GRADING TURNED INTO AN INFRASTRUCTURE FAILURE: bwrap's /tmp tmpfs is owned by the sandbox uid, "
     "so `chmod 555 /tmp` is allowed; t_grade then makes the grader's HOME with "
     "tempfile.mkdtemp(dir='/tmp') as the same uid -> PermissionError -> 'internal error in tool "
@@ -256,7 +256,7 @@ def test_a_tracee_held_in_exit_stop_by_its_tracer_dies_in_the_purge(bwrap_rt):
     assert time.monotonic() - t0 < 15, "the purge waited for a held tracee"
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "UNBOUNDED WRITABLE PATH: the agent makes its own: `unshare -Urm` (a nested user+mount "
     "namespace, allowed) and `mount -t tmpfs none /tmp/m` give a tmpfs sized at half the host's "
     "RAM (12G here); 64 MB written into it (600 MB by hand) in a sandbox whose /tmp, /dev/shm and workspace are "

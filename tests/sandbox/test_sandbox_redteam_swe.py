@@ -1,0 +1,133 @@
+"""Red team of the swe grader (issue 24), through the domain's real eval against a real bwrap
+sandbox: what the agent leaves in the repository is what pytest runs over, and the host restores
+the task's tests into that tree as root. Findings are strict xfails (see test_sandbox_redteam.py)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rolloutd.bus.messages import Job
+from rolloutd.handlers.base import JobContext, Services
+
+
+def _swe(bwrap_rt):
+    """A swe sandbox of the first task, its repository copied in; (handler, ctx, handle, client, task)."""
+    from rolloutd.handlers.swe import SWEHandler
+    from rolloutd.handlers.swe_tasks import DownloadError, build_task, get_task, task_ids
+
+    task_id = sorted(task_ids())[0]
+    try:
+        build_task(task_id)
+    except DownloadError as e:  # only a cold cache with no package index
+        pytest.skip(f"swe task sdist not cached and the package index cannot be reached: {e}")
+    handler = SWEHandler()
+    ctx = JobContext(Job(job_id=1, attempt=1, handler="swe", instance={"task_id": task_id}, sandbox=None),
+                     Services(lambda: bwrap_rt.rt))
+    ctx.phase = "eval"
+    handler.setup_task(ctx)
+    h = bwrap_rt.create("swe", handler.sandbox_spec(ctx))
+    ctx.job.sandbox = h.to_dict()
+    handler.prepare_sandbox(ctx)
+    return handler, ctx, h, bwrap_rt.client(h, timeout=30), get_task(task_id)
+
+
+FORCE_PASS = '''
+import pytest
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    rep.outcome, rep.longrepr = "passed", None
+'''
+
+# `python3 -m pytest` with cwd /workspace: the cwd is sys.path[0], so this file is "pytest". It
+# takes the cwd out of sys.path, imports the real pytest and runs it with the plugin above.
+FAKE_PYTEST = '''
+import os, sys
+sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]
+import pytest
+
+class ForcePass:
+''' + "\n".join("    " + line for line in FORCE_PASS.splitlines() if "import" not in line).replace(
+    "def pytest_runtest_makereport(item", "def pytest_runtest_makereport(self, item") + '''
+
+sys.exit(pytest.main(sys.argv[1:], plugins=[ForcePass()]))
+'''
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "REWARD HACK (documented in SANDBOX.md as 'the task's grading design', here with its cost): "
+    "a conftest.py the agent adds at the repository root (rootdir conftests load even with "
+    "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 and -o addopts=) with a pytest_runtest_makereport "
+    "hookwrapper setting every report to 'passed' turns the unfixed repository into reward 1.0: "
+    "every FAIL_TO_PASS test is printed PASSED in the -rp summary the grader parses. The agent "
+    "needs no knowledge of the tests. Fix: run the tests with --noconftest plus the repository's "
+    "own conftest files restored from the built task (restore_tests for every conftest.py of "
+    "the original tree, delete any other), or confirm outcomes from a report written by a plugin "
+    "of ours (-p with a file outside the workspace, e.g. --junitxml to a path the agent never saw)"))
+def test_swe_an_agents_conftest_cannot_pass_the_unfixed_repository(bwrap_rt):
+    handler, ctx, h, c, task = _swe(bwrap_rt)
+    r = c.call("bash", {"command": "cat >> conftest.py <<'EOF'\n" + FORCE_PASS + "EOF\necho ok", "timeout": 20})
+    assert "ok" in r.output, r
+    reward, details = asyncio.run(handler.evaluate(ctx))
+    assert details["counts"]["parsed"], details  # graded, not an error
+    assert reward == 0.0 and details["FAIL_TO_PASS_failed"], details
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "REWARD HACK: the swe test_cmd is `python3 -B -m pytest ...` with cwd=/workspace, so the "
+    "workspace is sys.path[0] and a pytest.py the agent leaves there IS the module `-m pytest` "
+    "runs (PYTHONPATH=/run/rolloutd-pytest comes after it). This one removes the cwd from sys.path, "
+    "imports the real pytest and runs it with a plugin that reports every test passed: reward 1.0 "
+    "for the unfixed repository, with no conftest.py at all. Fix: run pytest by path from the "
+    "read-only mount (python3 -P / -I with the mount on PYTHONPATH, or `python3 /run/rolloutd-"
+    "pytest/pytest/__main__.py`), and the conftest fix above"))
+def test_swe_a_pytest_module_in_the_workspace_is_not_the_grader(bwrap_rt):
+    handler, ctx, h, c, task = _swe(bwrap_rt)
+    assert task["test_cmd"][:4] == ["python3", "-B", "-m", "pytest"], task["test_cmd"]
+    (Path(h.workspace) / "pytest.py").write_text(FAKE_PYTEST)  # as the agent's editor would
+    from rolloutd.handlers.tasks import give_to_sandbox
+    give_to_sandbox(h.to_dict(), [Path(h.workspace) / "pytest.py"])
+    reward, details = asyncio.run(handler.evaluate(ctx))
+    assert details["counts"]["parsed"], details
+    assert reward == 0.0 and details["FAIL_TO_PASS_failed"], details
+
+
+@pytest.mark.xfail(strict=True, raises=shutil.SpecialFileError, reason=(
+    "GRADING TURNED INTO AN INFRASTRUCTURE FAILURE: the agent replaces a test file of the task "
+    "(tests/test_strutils.py) with a FIFO (mkfifo); the host's restore_tests() then calls "
+    "shutil.copy2 onto it, which raises shutil.SpecialFileError ('is a named pipe'), so "
+    "SWEHandler.evaluate raises and the job fails with no reward instead of reward 0. The "
+    "pending _unlink_symlinks (handlers/swe.py, uncommitted) removes symlinks and files on the "
+    "path, not a FIFO, socket or directory at the target itself. Fix: unlink whatever is at each "
+    "restored path (any type but a regular file or, for a dir entry, a real dir) before copying, "
+    "and copy with O_NOFOLLOW|O_CREAT|O_TRUNC onto a regular file only"))
+def test_swe_a_fifo_in_place_of_a_test_file_is_graded_not_an_error(bwrap_rt):
+    handler, ctx, h, c, task = _swe(bwrap_rt)
+    rel = task["test_files"][0]
+    r = c.call("bash", {"command": f"rm -f {rel} && mkfifo {rel} && ls -l {rel}", "timeout": 20})
+    assert r.output.startswith("p"), r
+    reward, details = asyncio.run(handler.evaluate(ctx))
+    assert reward == 0.0 and details["counts"]["parsed"], details
+
+
+def test_swe_restore_never_writes_through_a_symlinked_test_file(bwrap_rt, tmp_path):
+    """The host (root) restores the task's test files: a test file replaced by a symlink to a host
+    file must not make the host overwrite that file (the directory variant is
+    test_sandbox_graders.py's). On 88658d9 the victim held the test module afterwards; the fix is
+    handlers/swe.py's _unlink_symlinks."""
+    os.chmod(tmp_path, 0o755)
+    victim = tmp_path / "victim.conf"
+    victim.write_text("ORIGINAL\n")
+    handler, ctx, h, c, task = _swe(bwrap_rt)
+    rel = task["test_files"][0]
+    r = c.call("bash", {"command": f"ln -sf {victim} {rel} && ls -l {rel}", "timeout": 20})
+    assert "->" in r.output, r
+    reward, details = asyncio.run(handler.evaluate(ctx))
+    assert victim.read_text() == "ORIGINAL\n"
+    assert reward == 0.0 and details["counts"]["parsed"], details
