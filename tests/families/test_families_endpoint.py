@@ -190,3 +190,72 @@ def test_endpoint_equals_reference(family, mode, scripted, arun):
     assert_same_ids(seen[-1], case.want, tok)
     t = session.trajectory()
     assert t["metrics"]["segments"] == 1 and t["metrics"]["malformed_tool_calls"] == 0
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_endpoint_anthropic_shape_equals_reference(family, scripted, arun):
+    """The same reference conversation through the Anthropic Messages shape (the real anthropic SDK
+    as the agent): thinking/text/tool_use blocks from the sampled ids, Mistral's sampled call ids
+    inside the ``toolu_`` ids, ``tool_result`` blocks without names; what the backend is finally
+    sent equals the family's reference id for id."""
+    import numpy as np
+
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic SDK is not installed (pip install rolloutd[harness])")
+    from rolloutd.llm.client import LLMClient, simple_generate
+    from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
+
+    from .test_families_ids import SYSTEM, TOOLS, USER, assert_same_ids, reference_case
+
+    case = reference_case(family)
+    tok = case.tok
+    final = tok.encode(FINAL[family], add_special_tokens=False)
+    be = scripted(str(family_dir_or_skip(family)), Ids(case.turns + [final]))
+    seen: list[list[int]] = []
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+    async def main():
+        llm = LLMClient(be.url, timeout=60)
+        inner = simple_generate(llm, "b0", 7)
+
+        async def generate(ids, params):
+            g, b, v = await inner(ids, params)
+            g.text = "<tool_call>not this</tool_call>"  # never read
+            seen.append(np.asarray(ids).tolist())
+            return g, b, v
+
+        session = EndpointSession(generate, tok, limits=EndpointLimits(max_context=8192))
+        server = await serve(make_app(session), host="127.0.0.1", port=0)
+        client = anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="k", max_retries=0)
+        try:
+            msgs, replies = [{"role": "user", "content": USER}], []
+            for results in case.results:
+                r = await client.messages.create(model="m", max_tokens=1024, system=SYSTEM, messages=msgs, tools=tools)
+                replies.append(r)
+                msgs.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]})
+                uses = [b for b in r.content if b.type == "tool_use"]
+                msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id, "content": out}
+                                                         for b, out in zip(uses, results)]})
+            replies.append(await client.messages.create(model="m", max_tokens=1024, system=SYSTEM, messages=msgs,
+                                                        tools=tools))
+            return session, replies
+        finally:
+            await client.close()
+            await server.stop()
+            await llm.aclose()
+
+    session, replies = arun(main())
+    for i, r in enumerate(replies[:-1]):
+        assert r.stop_reason == "tool_use"
+        uses = [b for b in r.content if b.type == "tool_use"]
+        assert [(b.name, b.input) for b in uses] == case.calls[i]
+        if case.call_ids:
+            assert [b.id for b in uses] == ["toolu_" + c for c in case.call_ids[i]]
+        texts = [b.text for b in r.content if b.type == "text"]
+        assert texts == ([case.content] if case.content else [])
+        thinking = [b.thinking for b in r.content if b.type == "thinking"]
+        assert thinking == ([case.reasoning] if case.reasoning else [])
+    last = replies[-1]
+    assert last.stop_reason == "end_turn" and [b.text for b in last.content if b.type == "text"] == ["Done."]
+    assert_same_ids(seen[-1], case.want, tok)
+    assert session.trajectory()["metrics"]["segments"] == 1
