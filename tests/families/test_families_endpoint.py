@@ -259,3 +259,63 @@ def test_endpoint_anthropic_shape_equals_reference(family, scripted, arun):
     assert last.stop_reason == "end_turn" and [b.text for b in last.content if b.type == "text"] == ["Done."]
     assert_same_ids(seen[-1], case.want, tok)
     assert session.trajectory()["metrics"]["segments"] == 1
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_endpoint_responses_shape_equals_reference(family, scripted, arun):
+    """The same through the Responses shape (the openai SDK's responses.create): reasoning,
+    message and function_call items from the sampled ids, Mistral's sampled call ids,
+    function_call_output items; the backend is finally sent the reference's ids."""
+    import numpy as np
+    import openai
+    from rolloutd.llm.client import LLMClient, simple_generate
+    from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
+
+    from .test_families_ids import SYSTEM, TOOLS, USER, assert_same_ids, reference_case
+
+    case = reference_case(family)
+    tok = case.tok
+    final = tok.encode(FINAL[family], add_special_tokens=False)
+    be = scripted(str(family_dir_or_skip(family)), Ids(case.turns + [final]))
+    seen: list[list[int]] = []
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+
+    async def main():
+        llm = LLMClient(be.url, timeout=60)
+        inner = simple_generate(llm, "b0", 7)
+
+        async def generate(ids, params):
+            g, b, v = await inner(ids, params)
+            g.text = "<tool_call>not this</tool_call>"  # never read
+            seen.append(np.asarray(ids).tolist())
+            return g, b, v
+
+        session = EndpointSession(generate, tok, limits=EndpointLimits(max_context=8192))
+        server = await serve(make_app(session), host="127.0.0.1", port=0)
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0)
+        try:
+            items, replies = [{"role": "user", "content": USER}], []
+            for results in case.results:
+                r = await client.responses.create(model="m", instructions=SYSTEM, input=items, tools=tools)
+                replies.append(r)
+                items += [o.model_dump(exclude_none=True) for o in r.output]
+                calls = [o for o in r.output if o.type == "function_call"]
+                items += [{"type": "function_call_output", "call_id": c.call_id, "output": out}
+                          for c, out in zip(calls, results)]
+            replies.append(await client.responses.create(model="m", instructions=SYSTEM, input=items, tools=tools))
+            return session, replies
+        finally:
+            await client.close()
+            await server.stop()
+            await llm.aclose()
+
+    session, replies = arun(main())
+    for i, r in enumerate(replies[:-1]):
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == case.calls[i]
+        if case.call_ids:
+            assert [c.call_id for c in calls] == case.call_ids[i]
+        assert (r.output_text or None) == case.content
+    assert replies[-1].output_text == "Done."
+    assert_same_ids(seen[-1], case.want, tok)
+    assert session.trajectory()["metrics"]["segments"] == 1
