@@ -3,7 +3,7 @@
 
 A step is ``--groups`` x ``--n`` samples, one ``synthetic_llm`` job each: one generation of a
 long-tailed length (max_tokens drawn lognormal, median ``--median-tokens``, sigma ``--sigma``,
-capped at ``--max-tokens``) on a scripted SGLang-API server sampling ``--per-token-s`` s per
+capped at ``--max-tokens``) on a scripted SGLang-API server (and, for ``continue_vllm``, a vLLM-API one) sampling ``--per-token-s`` s per
 token. When half of the step's jobs are done, the next version is registered on a second server
 (the old one is not cleared: one server per version, as in a rolling swap), with
 ``max_policy_lag = 0``. The step ends when every sample is back. One ``rolloutd up`` per policy,
@@ -25,6 +25,7 @@ Per policy:
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import random
@@ -38,14 +39,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Rolloutd, loadavg, machine, median, revision  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-POLICIES = ("finish", "abort_requeue", "drop", "continue")
+# (label, stale_policy, server API): continue on the vLLM API cannot keep an aborted call's tokens
+VARIANTS = (("finish", "finish", "sglang"), ("abort_requeue", "abort_requeue", "sglang"), ("drop", "drop", "sglang"),
+            ("continue", "continue", "sglang"), ("continue_vllm", "continue", "vllm"))
 
 
 def lengths(rng: random.Random, k: int, med: float, sigma: float, cap: int) -> list[int]:
     return [max(1, min(cap, int(med * math.exp(rng.gauss(0.0, sigma))))) for _ in range(k)]
 
 
-def one_step(c, servers, step: int, lens: list[int], n: int, tag: str) -> dict:
+def one_step(c, servers, step: int, lens: list[int], n: int, tag: str, api: str) -> dict:
     old, new = servers[step % 2], servers[(step + 1) % 2]
     before = sum(s.stats["tokens_sampled"] for s in servers)
     tasks = [{"handler": "synthetic_llm", "instance_id": f"{tag}-{step}-{g}",
@@ -59,15 +62,19 @@ def one_step(c, servers, step: int, lens: list[int], n: int, tag: str) -> dict:
         if swapped:
             after.append(r)
         if not swapped and len(got) >= len(ids) // 2:
-            c.add_backend(new.url, api="sglang", policy_version=step + 1)
+            c.add_backend(new.url, api=api, policy_version=step + 1)
             swapped = True
     wall = time.perf_counter() - t0
+    end = time.monotonic() + 10  # disconnects of stopped jobs reach the servers a moment later: count them here
+    while any(x.num_running for x in servers) and time.monotonic() < end:
+        time.sleep(0.01)
     sampled = sum(s.stats["tokens_sampled"] for s in servers) - before
     ok = [r for r in got if r["status"] == "ok"]
     kept = sum(int(np.asarray(r["loss_mask"], dtype=np.int64).sum()) for r in ok)
     stale = sum(t["end"] - t["start"] for r in after if r["status"] == "ok" for t in r["turns"]
                 if t["policy_version"] <= step)
-    return {"wall_s": wall, "wasted_tokens": sampled - kept, "stale_tokens": stale, "ok": len(ok), "longest": max(lens),
+    errors = collections.Counter(f"{r['status']}:{(r.get('error') or {}).get('type')}" for r in got if r["status"] != "ok")
+    return {"errors": dict(errors), "wall_s": wall, "wasted_tokens": sampled - kept, "stale_tokens": stale, "ok": len(ok), "longest": max(lens),
             "sampled_tokens": sampled, "attempts": sum(r.get("attempts", 1) for r in got) - len(got)}
 
 
@@ -83,9 +90,11 @@ def main(argv=None) -> int:
     ap.add_argument("--per-token-s", type=float, default=0.005)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--only", help="comma-separated variant labels (default: all)")
     args = ap.parse_args(argv)
     if args.quick:
         args.groups, args.n, args.steps = 4, 4, 2
+    variants = [v for v in VARIANTS if not args.only or v[0] in args.only.split(",")]
 
     from rolloutd.llm.policies import get_policy
     from rolloutd.llm.scripted import ScriptedBackend
@@ -94,31 +103,37 @@ def main(argv=None) -> int:
     tok = build_tiny_tokenizer()
     text = "tok " * (args.max_tokens + 8)
     rng = random.Random(args.seed)
-    rows: dict[str, list[dict]] = {p: [] for p in POLICIES}
+    rows: dict[str, list[dict]] = {label: [] for label, _, _ in VARIANTS}
     services, backends = {}, []
     try:
-        for p in POLICIES:
-            services[p] = Rolloutd({"router.max_policy_lag": 0, "router.stale_policy": p}).start()
+        for p, policy, api in variants:
+            services[p] = Rolloutd({"router.max_policy_lag": 0, "router.stale_policy": policy}).start()
             pair = [ScriptedBackend(tok, policy=get_policy("constant", text=text),
                                     latency=f"constant:0.005,{args.per_token_s}") for _ in range(2)]
             for b in pair:
                 b.start()
             backends.append(pair)
             with services[p].client() as c:
-                c.add_backend(pair[0].url, api="sglang", policy_version=0)
+                c.add_backend(pair[0].url, api=api, policy_version=0)
         for step in range(args.steps):
             lens = lengths(rng, args.groups * args.n, args.median_tokens, args.sigma, args.max_tokens)
-            for i, p in enumerate(POLICIES):  # the same lengths for every policy
+            for i, (p, _, api) in enumerate(variants):  # the same lengths for every policy
                 with services[p].client() as c:
-                    row = one_step(c, backends[i], step, lens, args.n, p)
+                    row = one_step(c, backends[i], step, lens, args.n, p, api)
                 rows[p].append(row)
-                print(json.dumps({"step": step, "policy": p, **{k: round(v, 3) for k, v in row.items()}}), flush=True)
+                if row["errors"]:  # say why (the service's warnings), then go on
+                    seen = services[p].log().splitlines()
+                    print("\n".join(line[:300] for line in seen[-4000:] if "job_" in line or "presumed" in line
+                                    or "lease" in line)[-3000:], flush=True)
+                print(json.dumps({"step": step, "policy": p, **{k: v if isinstance(v, dict) else round(v, 3)
+                                                                for k, v in row.items()}}), flush=True)
     finally:
         for b in (b for pair in backends for b in pair):
             b.stop()
         for s in services.values():
             s.stop()
-    base = median(r["wall_s"] for r in rows["finish"])
+    rows = {p: rs for p, rs in rows.items() if rs}
+    base = median(r["wall_s"] for r in rows.get("finish") or next(iter(rows.values())))
     summary = {p: {"wall_s": round(median(r["wall_s"] for r in rs), 3),
                    "vs_finish": round(median(r["wall_s"] for r in rs) / base, 2),
                    "wasted_tokens": median(r["wasted_tokens"] for r in rs),
