@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import socket
 import threading
+import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from .cancel import Canceller
@@ -184,14 +186,38 @@ def _abort(s: socket.socket) -> None:
     s.close()
 
 
+_DRAIN_S = 30.0  # how long an upload the far side stopped reading is still dropped
+
+
+def _drain(src: socket.socket) -> None:
+    """Read and drop what ``src`` still sends (bounded in time): the far side has stopped reading
+    (it answered early, e.g. 413, and closed), and its answer, pumped the other way, must reach
+    the client, which is still sending and reads only afterwards."""
+    end = time.monotonic() + _DRAIN_S
+    try:
+        while time.monotonic() < end:
+            r, _, _ = select.select([src], [], [], max(0.0, end - time.monotonic()))
+            if not r or not src.recv(_CHUNK):
+                return
+    except (OSError, ValueError):
+        return
+
+
 def _pump(src: socket.socket, dst: socket.socket) -> None:
-    """Copy src -> dst until EOF or an error; then half-close dst (or cut both on an error)."""
+    """Copy src -> dst until EOF or an error; then half-close dst (or cut both on an error).
+
+    A failed write to ``dst`` does not cut the other direction: the far side may have answered
+    before reading everything (a 413 from Content-Length) and that answer is still on its way."""
     try:
         while True:
             data = src.recv(_CHUNK)
             if not data:
                 break
-            dst.sendall(data)
+            try:
+                dst.sendall(data)
+            except OSError:
+                _drain(src)
+                return
     except OSError:
         for s in (src, dst):
             try:
