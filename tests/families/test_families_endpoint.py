@@ -319,3 +319,66 @@ def test_endpoint_responses_shape_equals_reference(family, scripted, arun):
     assert replies[-1].output_text == "Done."
     assert_same_ids(seen[-1], case.want, tok)
     assert session.trajectory()["metrics"]["segments"] == 1
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_endpoint_gemini_shape_equals_reference(family, scripted, arun):
+    """The same through the Gemini shape (google-genai's generate_content): functionCall parts from
+    the sampled ids, functionResponse parts ``{"output": text}`` back; the backend is finally sent
+    the reference's ids."""
+    import numpy as np
+
+    genai = pytest.importorskip("google.genai", reason="google-genai is not installed (pip install rolloutd[harness])")
+    from google.genai import types
+    from rolloutd.llm.client import LLMClient, simple_generate
+    from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
+
+    from .test_families_ids import SYSTEM, TOOLS, USER, assert_same_ids, reference_case
+
+    case = reference_case(family)
+    tok = case.tok
+    final = tok.encode(FINAL[family], add_special_tokens=False)
+    be = scripted(str(family_dir_or_skip(family)), Ids(case.turns + [final]))
+    seen: list[list[int]] = []
+    decls = [types.FunctionDeclaration(name=t["function"]["name"], description=t["function"]["description"],
+                                       parameters_json_schema=t["function"]["parameters"]) for t in TOOLS]
+    cfg = types.GenerateContentConfig(system_instruction=SYSTEM, tools=[types.Tool(function_declarations=decls)],
+                                      automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True))
+
+    async def main():
+        llm = LLMClient(be.url, timeout=60)
+        inner = simple_generate(llm, "b0", 7)
+
+        async def generate(ids, params):
+            g, b, v = await inner(ids, params)
+            g.text = "<tool_call>not this</tool_call>"  # never read
+            seen.append(np.asarray(ids).tolist())
+            return g, b, v
+
+        session = EndpointSession(generate, tok, limits=EndpointLimits(max_context=8192))
+        server = await serve(make_app(session), host="127.0.0.1", port=0)
+        client = genai.Client(api_key="k", http_options=types.HttpOptions(
+            base_url=f"http://127.0.0.1:{server.port}", api_version="v1beta",
+            retry_options=types.HttpRetryOptions(attempts=1)))
+        try:
+            contents, replies = [types.Content(role="user", parts=[types.Part(text=USER)])], []
+            for results in case.results:
+                r = await client.aio.models.generate_content(model="m", contents=contents, config=cfg)
+                replies.append(r)
+                contents.append(r.candidates[0].content)
+                contents.append(types.Content(role="user", parts=[
+                    types.Part(function_response=types.FunctionResponse(id=c.id, name=c.name, response={"output": out}))
+                    for c, out in zip(r.function_calls or [], results)]))
+            replies.append(await client.aio.models.generate_content(model="m", contents=contents, config=cfg))
+            return session, replies
+        finally:
+            await client.aio.aclose()
+            await server.stop()
+            await llm.aclose()
+
+    session, replies = arun(main())
+    for i, r in enumerate(replies[:-1]):
+        assert [(c.name, c.args) for c in r.function_calls] == case.calls[i]
+    assert replies[-1].text == "Done."
+    assert_same_ids(seen[-1], case.want, tok)
+    assert session.trajectory()["metrics"]["segments"] == 1
