@@ -197,6 +197,45 @@ def measure_gateway(nodes: int, active: int, rounds: int, job_s: float, listings
             cl.close()
 
 
+async def _turns(gw, turns: int) -> dict:
+    """One loop turn's receive work as ``Gateway.serve`` does it (drain 5 sockets) with one heartbeat
+    waiting on the events socket and the other four empty, as at a few thousand heartbeats/s spread
+    over the second. Before: ``recv_now`` until it comes back empty (each empty one a raised
+    zmq.Again); now: ``Gateway._drain`` asks ``readable()`` first. Alternated turn by turn."""
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    socks = []
+    for i in range(5):
+        s = ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.SUBSCRIBE, b"daemon." if i == 3 else b"nothing")
+        s.connect(f"tcp://127.0.0.1:{port}")
+        socks.append(s)
+    await asyncio.sleep(0.3)
+    frame = [b"daemon.heartbeat", codec.pack({"daemon": "x", "node": "y"})]
+    times = ([], [])
+    try:
+        for k in range(turns):
+            await pub.send_multipart(frame)
+            while not await socks[3].poll(1000):
+                pass
+            before = k % 2
+            c0 = cpu()
+            for s in socks:
+                if before:
+                    for _ in range(512):
+                        if recv_now(s) is None:
+                            break
+                else:
+                    gw._drain(s, lambda f: None)
+            times[before].append((cpu() - c0) * 1e6)
+    finally:
+        for s in socks + [pub]:
+            s.close(0)
+        ctx.term()
+    return {"now_us": common.median(times[0]), "before_us": common.median(times[1])}
+
+
 def measure_router(nodes: int, ops: int, backends: int) -> dict:
     from rolloutd.daemons.router import Router
 
@@ -281,6 +320,11 @@ def main():
         print(f"    recv_now (per heartbeat)     {g['recv_us']:8.1f} us")
         print(f"    per node-second: {g['per_node_s_us']:.0f} us -> {g['per_node_s_us'] * 1000 / 1e6:.1%} of a core at "
               f"1,000 nodes | lease sweep {g['sweep_ms']:.2f} ms | load {common.loadavg()}", flush=True)
+    from rolloutd.gateway.daemon import Gateway
+
+    t = asyncio.run(_turns(Gateway(_sets([])), 4000 if a.quick else 10000))
+    print(f"  a loop turn's receive work (5 sockets, one heartbeat waiting): {t['now_us']:.1f} us "
+          f"(before: {t['before_us']:.1f} us, an empty recv per socket)", flush=True)
     r = measure_router(nodes, ops, a.backends)
     per_node = lease_rate * (r["lease_us"] + r["release_us"]) + r["leases_event_us"] / 5.0
     print(f"  router ({r['backends']} backends, {r['leases']:,} leases held): lease {r['lease_us']:.1f} us, "
