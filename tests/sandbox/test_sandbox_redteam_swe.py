@@ -131,3 +131,78 @@ def test_swe_restore_never_writes_through_a_symlinked_test_file(bwrap_rt, tmp_pa
     reward, details = asyncio.run(handler.evaluate(ctx))
     assert victim.read_text() == "ORIGINAL\n"
     assert reward == 0.0 and details["counts"]["parsed"], details
+
+
+# Started by git itself inside the first swe grade (`git diff`): the agent's .git/config names it as
+# core.fsmonitor. It detaches, and its leader thread exits with SYS_exit while a thread lives on
+# (/proc/<pid>/stat says Z). The thread waits for the host to restore the task's tests, then
+# appends code that makes every test function of the module pass.
+FSMONITOR_DAEMON = r'''
+import ctypes, os, sys, threading, time
+path = "/workspace/" + sys.argv[1]
+# Every test function of the module becomes one that passes; functools.wraps keeps its marks
+# (parametrize) and signature (fixtures), so the test ids stay those the grader looks for.
+PASS_ALL = """
+# PASSED-BY-DAEMON
+import functools as _ft
+def _passes(f):
+    @_ft.wraps(f)
+    def w(*a, **k):
+        return None
+    return w
+for _n, _f in list(globals().items()):
+    if _n.startswith("test_") and callable(_f):
+        globals()[_n] = _passes(_f)
+"""
+if os.fork():
+    os._exit(0)
+os.setsid()
+if os.fork():
+    os._exit(0)
+
+def live():
+    end = time.time() + 60
+    while time.time() < end:
+        try:
+            src = open(path).read()
+        except OSError:
+            src = ""
+        if src and "# PASSED-BY-DAEMON" not in src:
+            with open(path, "a") as f:
+                f.write(PASS_ALL)
+        time.sleep(0.002)
+    os._exit(0)
+
+threading.Thread(target=live).start()
+time.sleep(0.1)
+ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: the leader only
+'''
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "PURGE DEFEATED WITHOUT ANY DoS -> reward 1.0 for the unfixed repository, the restored tests "
+    "rewritten. The first swe grade runs `git diff` in /workspace, whose .git/config the agent "
+    "wrote: git runs core.fsmonitor (a hook path in the workspace) inside the grader, after the "
+    "purge. The hook starts a double-forked setsid daemon whose leader thread then exits with "
+    "SYS_exit while a thread lives (/proc/<pid>/stat: Z). kill_agent() misses it (not a "
+    "descendant, another session) and guard.purge() skips kill(-1) because its /proc scan finds "
+    "nothing 'alive': the shell and the Python session were ended by this grade's _clear and are "
+    "not restarted. The daemon outlives the grade, waits for the host's restore_tests(), appends "
+    "code making each test function pass, and the second grade (pytest) runs that file. "
+    "Fix: purge() must send kill(-1, SIGKILL) unconditionally and treat a process as alive while "
+    "any /proc/<pid>/task/* is not Z/X; and run git with -c core.fsmonitor= (and "
+    "GIT_CONFIG_NOSYSTEM, --no-textconv, safe.directory) or read the diff from the host"))
+def test_swe_a_daemon_started_by_the_diff_grader_cannot_outlive_it(bwrap_rt):
+    handler, ctx, h, c, task = _swe(bwrap_rt)
+    rel = task["test_files"][0]
+    (Path(h.workspace) / ".git" / "d.py").write_text(FSMONITOR_DAEMON)  # as the agent's editor would
+    from rolloutd.handlers.tasks import give_to_sandbox
+    give_to_sandbox(h.to_dict(), [Path(h.workspace) / ".git" / "d.py"])
+    r = c.call("bash", {"command": "printf '#!/bin/sh\\npython3 /workspace/.git/d.py %s\\nexit 1\\n' > .git/fsm.sh "
+                                   "&& chmod +x .git/fsm.sh && git config core.fsmonitor /workspace/.git/fsm.sh "
+                                   "&& echo ok" % rel, "timeout": 20})
+    assert "ok" in r.output, r
+    reward, details = asyncio.run(handler.evaluate(ctx))
+    assert details["counts"]["parsed"], details
+    assert reward == 0.0 and details["FAIL_TO_PASS_failed"], details
+    assert "PASSED-BY-DAEMON" not in (Path(h.workspace) / rel).read_text()
