@@ -278,3 +278,23 @@ def test_the_agent_cannot_mount_an_unbounded_tmpfs(short_root):
     finally:
         t.cleanup()
     assert r.output.strip() != str(64 << 20), r
+
+
+@pytest.mark.xfail(strict=True, raises=OSError, reason=(
+    "GRADING TURNED INTO AN INFRASTRUCTURE FAILURE: the agent fills its workspace to disk_mb "
+    "(`head -c 20M /dev/zero > fill` in an 8 MB loop image: ENOSPC, as designed); the code "
+    "eval then writes its check file into the workspace from the host (root: the image has no "
+    "reserved blocks) -> OSError ENOSPC out of CodeHandler.evaluate -> the job fails with no "
+    "reward instead of reward 0. swe's restore_tests() has the same shape (the agent deletes a "
+    "test file, then fills the disk). Fix: give graders' files a place the agent cannot fill (a "
+    "read-only bind or a tmpfs mounted for the grade, or pass the check on the grader's stdin: the "
+    "grade tool has `stdin`), or reserve blocks for root in the image (mkfs -m) and write as root"))
+def test_a_full_workspace_is_graded_not_an_error(bwrap_rt):
+    from rolloutd.handlers.code import CodeHandler
+
+    h = bwrap_rt.create("full", SandboxSpec(limits=Limits(disk_mb=8), workspace_files={"solution.py": WRONG}))
+    c = bwrap_rt.client(h, timeout=30)
+    r = c.call("bash", {"command": "head -c 20M /dev/zero > fill; df -k . | tail -1", "timeout": 20})
+    assert "No space left" in r.output, r  # the control: the bound holds
+    reward, details = asyncio.run(CodeHandler().evaluate(_ctx(h, bwrap_rt.rt, task_id="HumanEval/0")))
+    assert reward == 0.0 and details["passed"] is False, details
