@@ -298,3 +298,45 @@ def test_a_full_workspace_is_graded_not_an_error(bwrap_rt):
     assert "No space left" in r.output, r  # the control: the bound holds
     reward, details = asyncio.run(CodeHandler().evaluate(_ctx(h, bwrap_rt.rt, task_id="HumanEval/0")))
     assert reward == 0.0 and details["passed"] is False, details
+
+
+# The candidate runs in the checker's own process: it finds the marker in the check file
+# (sys.argv[0]) and prints it, then leaves before the tests run.
+MARKER_THIEF = r'''
+import os, re, sys
+src = open(sys.argv[0]).read()
+m = re.search(r"ROLLOUTD-CHECK-\" \+ '([0-9a-f]{32})'", src)
+sys.stdout.write("\nROLLOUTD-CHECK-%s\n" % m.group(1))
+sys.stdout.flush()
+os._exit(0)
+'''
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "REWARD HACK (documented in code.py and SANDBOX.md as HumanEval's design, recorded here with "
+    "its cost): solution.py runs in the checker's process before the tests, reads the marker "
+    "from the check file (sys.argv[0]), prints it and calls os._exit(0): reward 1.0 without a "
+    "function. Fix: run the candidate in a child process and the tests' assertions in the "
+    "checker, which alone knows the marker (given on its stdin by the grade tool, never in a "
+    "file), calling the candidate over a pipe; or at least pass the marker on stdin and read it "
+    "before the candidate is imported, deleting it from memory (a process can still read its own "
+    "memory: the child split is the real fix)"))
+def test_a_humaneval_candidate_cannot_print_the_checkers_marker(bwrap_rt):
+    from rolloutd.handlers.code import CodeHandler
+
+    h = bwrap_rt.create("thief", SandboxSpec(limits=Limits(disk_mb=64), workspace_files={"solution.py": MARKER_THIEF}))
+    reward, details = asyncio.run(CodeHandler().evaluate(_ctx(h, bwrap_rt.rt, task_id="HumanEval/0")))
+    assert reward == 0.0, details
+
+
+def test_the_tool_servers_root_cwd_and_environ_are_out_of_reach(bwrap_rt):
+    """/proc/1/root, /proc/1/cwd (a path walk through the tool server's view), environ, the
+    children list and a hard link out of the workspace to another mount."""
+    h = bwrap_rt.create("proc", SandboxSpec())
+    c = bwrap_rt.client(h, timeout=30)
+    probe = ("for p in /proc/1/root/etc/ /proc/1/cwd/ /proc/1/fd/ /proc/1/map_files/; do "
+             "ls $p >/dev/null 2>&1 && echo OPEN:$p || echo DENIED:$p; done; "
+             "head -c 1 /proc/1/environ >/dev/null 2>&1 && echo OPEN:environ || echo DENIED:environ; "
+             "ln /run/rolloutd/config.json /workspace/cfg 2>&1 | grep -q 'Invalid cross-device' && echo EXDEV")
+    r = c.call("bash", {"command": probe, "timeout": 20})
+    assert "OPEN:" not in r.output and r.output.count("DENIED:") == 5 and "EXDEV" in r.output, r
