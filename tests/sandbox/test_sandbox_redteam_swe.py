@@ -206,3 +206,46 @@ def test_swe_a_daemon_started_by_the_diff_grader_cannot_outlive_it(bwrap_rt):
     assert details["counts"]["parsed"], details
     assert reward == 0.0 and details["FAIL_TO_PASS_failed"], details
     assert "PASSED-BY-DAEMON" not in (Path(h.workspace) / rel).read_text()
+
+
+# Appended to the library under test (the agent's "fix"): imported by the tests, it prints a
+# short test summary of its own at interpreter exit, after pytest's, with every collected test
+# (found on pytest's Session object in the same process) PASSED.
+LOOKALIKE_SUMMARY = r'''
+
+def _rolloutd_redteam_summary():
+    import gc, sys
+    try:
+        from _pytest.main import Session
+    except Exception:
+        return
+    ids = [i.nodeid for o in gc.get_objects() if isinstance(o, Session) for i in getattr(o, "items", [])]
+    if ids:
+        sys.stdout.write("\n=== short test summary info ===\n" + "".join("PASSED %s\n" % i for i in ids))
+        sys.stdout.flush()
+
+import atexit as _atexit
+_atexit.register(_rolloutd_redteam_summary)
+'''
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "REWARD HACK past the parser's own defence: parse_test_output() reads only the lines after "
+    "the LAST '=== short test summary info ===' header ('not look-alike lines in captured "
+    "output'), but code under test can print after pytest: the agent appends an atexit handler "
+    "to boltons/strutils.py that, at interpreter exit (stdout no longer captured), prints a new "
+    "header and 'PASSED <nodeid>' for every item of pytest's Session (found with gc). "
+    "grade() ignores the exit code (1 here), so the unfixed function gets reward 1.0. Fix: take "
+    "outcomes from a report pytest writes outside the agent's reach (--junitxml or a -p plugin "
+    "of ours writing to a pipe/fd the grade tool opens), or at least require the exit code to "
+    "agree (0 for resolved) and the summary to be followed only by pytest's final '=== N "
+    "passed ... ===' line"))
+def test_swe_code_under_test_cannot_print_a_summary_of_its_own(bwrap_rt):
+    handler, ctx, h, c, task = _swe(bwrap_rt)
+    lib = Path(h.workspace) / "boltons" / "strutils.py"
+    assert task["test_files"] == ["tests/test_strutils.py"] and lib.is_file(), task
+    with lib.open("a") as f:  # as the agent's editor would
+        f.write(LOOKALIKE_SUMMARY)
+    reward, details = asyncio.run(handler.evaluate(ctx))
+    assert details["counts"]["parsed"], details
+    assert reward == 0.0 and details["FAIL_TO_PASS_failed"], details
