@@ -26,9 +26,10 @@ WRONG = "def has_close_elements(numbers, threshold):\n    return True\n"
 # kernel hands to non-initial devpts instances (kernel.pty.max - kernel.pty.reserve, node-wide),
 # so the tool server cannot start a fresh shell after the agent's `exit`. The live thread
 # rewrites any HumanEval check file into a pass (the marker is in the file) and beats a file.
+# "unlock": no pty is taken; the thread gives /workspace its mode back after a second instead.
 ZOMBIE_LEADER = r"""
 import ctypes, glob, os, re, resource, sys, threading, time
-hog, seconds = sys.argv[1] == "hog", float(sys.argv[2])
+hog, unlock, seconds = sys.argv[1] == "hog", sys.argv[1] == "unlock", float(sys.argv[2])
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 if os.fork():
@@ -49,6 +50,9 @@ def beat(n):  # atomically: a reader never sees an empty file
     os.replace("/workspace/.beat.tmp", "/workspace/beat")
 
 def live():
+    if unlock:  # the agent's last command locked /workspace so no fresh shell could start there
+        time.sleep(1.0)
+        os.chmod("/workspace", 0o755)
     n, end = 0, time.time() + seconds
     while time.time() < end:
         n += 1
@@ -340,3 +344,26 @@ def test_the_tool_servers_root_cwd_and_environ_are_out_of_reach(bwrap_rt):
              "ln /run/rolloutd/config.json /workspace/cfg 2>&1 | grep -q 'Invalid cross-device' && echo EXDEV")
     r = c.call("bash", {"command": probe, "timeout": 20})
     assert "OPEN:" not in r.output and r.output.count("DENIED:") == 5 and "EXDEV" in r.output, r
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "PURGE DEFEATED INSIDE ONE SANDBOX -> reward 1.0 for a wrong HumanEval solution, no node-wide "
+    "effect: the zombie-leader daemon (see above), then `chmod 000 /workspace; exit`: the tool "
+    "server's fresh shell cannot start in its workdir ('ShellStartError: bash did not answer its "
+    "first line'), the Python session was never started, so guard.purge()'s leader-only /proc "
+    "scan finds nothing alive and no kill(-1) is sent (killed=0). The daemon's thread gives "
+    "/workspace its mode back a second later and rewrites the check file the host writes after "
+    "ctx.purge(). Fix: as above (kill(-1) always, scan every task), and the shell's restart must "
+    "not depend on a mode the agent controls"))
+def test_a_zombie_leader_with_a_locked_workspace_cannot_reach_the_code_grader(bwrap_rt):
+    from rolloutd.handlers.code import CodeHandler
+    from tests.conftest import wait_for
+
+    h = bwrap_rt.create("zl-lock", SandboxSpec(limits=Limits(disk_mb=64),
+                                               workspace_files={"solution.py": WRONG, "zl.py": ZOMBIE_LEADER}))
+    c = bwrap_rt.client(h, timeout=30)
+    _start_zombie_leader(c, "unlock", 25)
+    r = c.call("bash", {"command": "chmod 000 /workspace; exit", "timeout": 10})
+    wait_for(lambda: Path(h.workspace).stat().st_mode & 0o777 == 0o755, timeout_s=20, what="the daemon unlocking /workspace")
+    reward, details = asyncio.run(CodeHandler().evaluate(_ctx(h, bwrap_rt.rt, task_id="HumanEval/0")))
+    assert reward == 0.0, (reward, details, r)
