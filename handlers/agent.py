@@ -134,7 +134,8 @@ class ToolAgentHandler(AgentHandler):
         traj = ctx.trajectory
         traj.update(res.arrays)
         traj["turns"] = res.turns
-        traj["metrics"].update(res.metrics, stop_reason=res.stop_reason)
+        # the tokenizer that decodes these ids (`rolloutd view` reads it; a path on the node)
+        traj["metrics"].update(res.metrics, stop_reason=res.stop_reason, tokenizer=tokenizer_path(self.config, ctx.instance))
         traj["policy_version"] = res.turns[0]["policy_version"] if res.turns else None
         ctx.state["final_text"] = res.final_text
 

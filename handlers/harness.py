@@ -460,6 +460,7 @@ class HarnessHandler(AgentHandler):
                  "error": res.error}
         ctx.trajectory["eval_details"]["agent"] = agent
         ctx.trajectory["metrics"]["agent_exit_code"] = res.exit_code
+        ctx.trajectory["metrics"]["tokenizer"] = self.tokenizer_path(ctx)  # what decodes the ids (rolloutd view)
         if session.fatal is not None:  # e.g. StaleLease: the run daemon's staleness policy decides
             raise session.fatal
         if res.timed_out:

@@ -232,9 +232,26 @@ def test_ten_thousand_trajectories_open_and_page(results_file, tok_dir, tmp_path
     assert not console_errors(browser)
 
 
-def test_without_a_tokenizer_ids_are_shown(results_file, tmp_path):
-    out = tmp_path / "ids.html"
+def test_the_tokenizer_named_in_the_results_decodes_them(results_file, tok_dir, tmp_path):
+    """Domain handlers name their tokenizer in metrics.tokenizer; without --tokenizer the viewer
+    decodes with it."""
+    results = results_of(results_file)
+    assert {r["metrics"].get("tokenizer") for r in results if r["handler"] == "math" and r["status"] == "ok"} == {tok_dir}
+    out = tmp_path / "named.html"
     p = view(str(results_file), "--out", str(out))
+    assert f"tokenizer {tok_dir}" in p.stderr
+    b = blocks(out.read_text())
+    assert b["meta"]["tokenizer"] == tok_dir and b["vocab"]
+
+
+def test_without_a_tokenizer_ids_are_shown(results_file, tmp_path):
+    rows = [json.loads(line) for line in results_file.read_text().splitlines()]
+    for r in rows:
+        r.get("metrics", {}).pop("tokenizer", None)
+    src = tmp_path / "anon.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "ids.html"
+    p = view(str(src), "--out", str(out))
     assert "token ids are shown as numbers" in p.stderr
     b = blocks(out.read_text())
     assert b["vocab"] == {} and b["meta"]["tokenizer"] == ""
