@@ -71,14 +71,32 @@ class sealed:
         _SEALED.clear()
 
 
+def _task_alive(pid: int) -> bool:
+    """A process is dead only when every one of its threads is Z/X: /proc/<pid>/stat is the
+    leader thread's, which says Z after the leader's SYS_exit while another thread runs on."""
+    try:
+        tids = os.listdir("/proc/%d/task" % pid)
+    except OSError:
+        return False  # gone
+    for tid in tids:
+        try:
+            with open("/proc/%d/task/%s/stat" % (pid, tid), "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X"):
+            return True
+    return False
+
+
 def _alive_others() -> List[int]:
     me = os.getpid()
     if me == 1:
-        return [pid for pid, rest in _stat_rows() if pid != me and rest[0] not in (b"Z", b"X")]
+        return [pid for pid, _ in _stat_rows() if pid != me and _task_alive(pid)]
     # Not a pid-namespace init (the local runtime): our subtree only. We are a subreaper, so
     # double-forked and setsid'd processes are still our descendants.
     alive = set(descendants(me))
-    return [pid for pid, rest in _stat_rows() if pid in alive and rest[0] not in (b"Z", b"X")]
+    return [pid for pid, _ in _stat_rows() if pid in alive and _task_alive(pid)]
 
 
 def _reap_unmanaged() -> None:
@@ -98,18 +116,22 @@ def purge(timeout: float = 10.0) -> Tuple[int, List[int]]:
     Survivors is empty once a scan of /proc finds no live process but ours."""
     killed = set()
     deadline = time.monotonic() + timeout
+    first = True
     while True:
         with SPAWN_LOCK:
             _reap_unmanaged()  # zombies of earlier rounds too: none is left in /proc
         alive = _alive_others()
-        if not alive:
+        if not alive and not (first and os.getpid() == 1):
             return len(killed), []
         killed.update(alive)
         if os.getpid() == 1:
+            # Every process of the namespace but pid 1, atomically; sent at least once whatever the
+            # scan saw, so a process the scan misjudges cannot be what keeps kill(-1) from going out.
             try:
-                os.kill(-1, signal.SIGKILL)  # every process of the namespace but pid 1, atomically
+                os.kill(-1, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        first = False
         for pid in alive:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -497,7 +497,7 @@ class ToolServer:
             import shutil
             import tempfile
 
-            env["HOME"] = tempfile.mkdtemp(prefix=".rolloutd-grade-", dir="/tmp" if os.path.isdir("/tmp") else None)
+            env["HOME"] = tempfile.mkdtemp(prefix=".rolloutd-grade-", dir=_grade_home_parent())
             env.setdefault("PYTHONNOUSERSITE", "1")
             # Bytecode only from a cache no agent process wrote: a planted __pycache__/*.pyc whose
             # header matches a restored source's mtime and size would otherwise run instead of it.
@@ -521,6 +521,22 @@ class ToolServer:
         finally:
             lock.release()
         return result(output=output, exit_code=0, duration=time.monotonic() - t0, truncated=truncated)
+
+
+def _grade_home_parent() -> Optional[str]:
+    """Where the grader's fresh HOME is made: /tmp, given back its mode first. The agent (our uid)
+    owns /tmp and may have made it read-only (`chmod 555 /tmp`); after the purge no agent process
+    is left to change it again. A /tmp we cannot fix (not ours: the local runtime) is left alone."""
+    if not os.path.isdir("/tmp"):
+        return None
+    try:
+        st = os.stat("/tmp")
+        if st.st_uid == os.geteuid() and st.st_mode & 0o7777 != 0o1777:
+            os.chmod("/tmp", 0o1777)
+            log("grade_tmp_mode_restored", mode=oct(st.st_mode & 0o7777))
+    except OSError:
+        pass
+    return "/tmp"
 
 
 def main(argv=None) -> int:

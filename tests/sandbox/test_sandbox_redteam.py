@@ -120,17 +120,6 @@ def test_a_zombie_thread_group_leader_dies_in_the_purge(bwrap_rt):
     assert r.error is None and not _beats_during(r.output), r
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "PURGE DEFEATED -> reward 1 for a wrong HumanEval solution. guard._alive_others() reads only "
-    "/proc/<tgid>/stat, whose state is the leader thread's: a process whose leader ended with "
-    "SYS_exit while another thread runs shows 'Z' and is skipped, and purge() sends kill(-1) only "
-    "when the scan found something alive. The agent makes the shell absent too: it holds every "
-    "pty of the node (3045 of kernel.pty.max 4096 - reserve 1024; RLIMIT_NOFILE raised to its "
-    "hard limit) in the zombie-leader process, then runs `exit`: the tool server cannot start a "
-    "fresh shell ('out of pty devices') and the Python session was never started. purge() then "
-    "reports killed=0, and the live thread rewrites the check file the host writes after "
-    "ctx.purge() before the grader reads it. Fix: in purge() always send kill(-1, SIGKILL) at "
-    "least once, and count a process alive unless every /proc/<pid>/task/*/stat is Z/X"))
 def test_a_zombie_leader_with_no_shell_left_cannot_reach_the_code_grader(bwrap_rt):
     h = bwrap_rt.create("zl-code", SandboxSpec(limits=Limits(disk_mb=64),
                                                workspace_files={"solution.py": WRONG, "zl.py": ZOMBIE_LEADER}))
@@ -165,15 +154,6 @@ def test_one_sandbox_cannot_take_every_pty_of_the_node(bwrap_rt):
     assert r.error is None and r.output.strip() == "hello", r
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "GRADING TURNED INTO AN INFRASTRUCTURE FAILURE: bwrap's /tmp tmpfs is owned by the sandbox uid, "
-    "so `chmod 555 /tmp` is allowed; t_grade then makes the grader's HOME with "
-    "tempfile.mkdtemp(dir='/tmp') as the same uid -> PermissionError -> 'internal error in tool "
-    "grade' without 'purged' -> JobContext.grade raises -> the job fails (no reward) instead of "
-    "reward 0: a policy can turn each episode it expects to lose into a dropped sample. Fix: make "
-    "the grader's HOME where the agent cannot change permissions (a dir the tool server makes "
-    "at start-up outside /tmp, or restore /tmp's mode in the purge), and never let an error before "
-    "the grader starts pass for a failure of the infrastructure"))
 def test_a_read_only_tmp_does_not_stop_grading(bwrap_rt):
     from rolloutd.handlers.code import CodeHandler
 
@@ -346,15 +326,6 @@ def test_the_tool_servers_root_cwd_and_environ_are_out_of_reach(bwrap_rt):
     assert "OPEN:" not in r.output and r.output.count("DENIED:") == 5 and "EXDEV" in r.output, r
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "PURGE DEFEATED INSIDE ONE SANDBOX -> reward 1.0 for a wrong HumanEval solution, no node-wide "
-    "effect: the zombie-leader daemon (see above), then `chmod 000 /workspace; exit`: the tool "
-    "server's fresh shell cannot start in its workdir ('ShellStartError: bash did not answer its "
-    "first line'), the Python session was never started, so guard.purge()'s leader-only /proc "
-    "scan finds nothing alive and no kill(-1) is sent (killed=0). The daemon's thread gives "
-    "/workspace its mode back a second later and rewrites the check file the host writes after "
-    "ctx.purge(). Fix: as above (kill(-1) always, scan every task), and the shell's restart must "
-    "not depend on a mode the agent controls"))
 def test_a_zombie_leader_with_a_locked_workspace_cannot_reach_the_code_grader(bwrap_rt):
     from rolloutd.handlers.code import CodeHandler
     from tests.conftest import wait_for
