@@ -31,7 +31,7 @@ RUN_DIR_BYTES = 1 << 20   # tool.sock, config.json (~2 KB), llm.sock
 MIN_IMAGE_BYTES = 4 << 20  # below this a workspace gets a tmpfs (ext4 needs room for its metadata)
 RUN_DIR_INODES = 64
 
-MS_NOSUID, MS_NODEV, MNT_DETACH = 0x2, 0x4, 0x2
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MNT_DETACH = 0x2, 0x4, 0x8, 0x2
 LOOP_CTL_GET_FREE, LOOP_CONFIGURE = 0x4C82, 0x4C0A
 LO_FLAGS_AUTOCLEAR = 4
 
@@ -76,6 +76,14 @@ def mount_tmpfs(target: os.PathLike, size_bytes: int, uid: int, gid: int, nr_ino
     if nr_inodes:
         data += ",nr_inodes=%d" % nr_inodes
     _mount("tmpfs", str(target), "tmpfs", MS_NOSUID | MS_NODEV, data)
+
+
+def mount_devpts(target: os.PathLike, max_ptys: int) -> None:
+    """A devpts instance of its own with at most max_ptys ptys (the kernel's kernel.pty.max is
+    node-wide: without max= one sandbox could take every pty of the node). ptmx is 0666 so the
+    sandbox's uid can open it; each pty belongs to the uid that opened it."""
+    _mount("devpts", str(target), "devpts", MS_NOSUID | MS_NOEXEC,
+           "newinstance,ptmxmode=0666,mode=0620,max=%d" % int(max_ptys))
 
 
 def make_ext4_image(image: os.PathLike, size_bytes: int, uid: int, gid: int,

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from . import procs
+from . import bounds, procs
 from .cgroups import CgroupV2
 from .errors import RuntimeUnavailable, SandboxSpecError, SandboxStartError
 from .log import log
@@ -107,9 +107,13 @@ def build_argv(
     tmp_size_mb: Optional[int] = 512,
     shm_size_mb: Optional[int] = 64,
     hostname: str = "sandbox",
+    devpts: Optional[str] = None,
+    disable_userns: bool = True,
 ) -> List[str]:
     """The exact bwrap command line (pure: no filesystem access, golden-testable)."""
-    argv = [bwrap, "--unshare-all"]
+    # --disable-userns (needs a user namespace of its own, hence --unshare-user, not --unshare-all's
+    # "-try"): no nested user namespace, so the agent cannot mount anything (an unbounded tmpfs).
+    argv = [bwrap, "--unshare-all"] + (["--unshare-user", "--disable-userns"] if disable_userns else [])
     if network:
         argv.append("--share-net")
     # setsid: the sandbox cannot push keystrokes into a terminal of ours (TIOCSTI).
@@ -125,6 +129,8 @@ def build_argv(
     # a fixed size (without --size, /dev/shm would be a dir on /dev's tmpfs: half the host's RAM);
     # /run/rolloutd is read-only (the host binds tool.sock and hands the tool server its fd).
     argv += ["--proc", "/proc", "--dev", "/dev"]
+    if devpts:  # a host-made devpts instance with max= over bwrap's unbounded one (ptmx -> pts/ptmx)
+        argv += ["--dev-bind", devpts, "/dev/pts"]  # --bind would add nodev: ptmx could not open
     for size_mb, path in ((shm_size_mb, "/dev/shm"), (tmp_size_mb, "/tmp")):
         if size_mb:
             argv += ["--size", str(int(size_mb) * 1024 * 1024)]
@@ -195,7 +201,7 @@ class BwrapRuntime(Runtime):
 
     def __init__(self, root_dir=None, *, bwrap: str = "bwrap", run_as: Any = "auto",
                  tmp_size_mb: Optional[int] = 512, shm_size_mb: Optional[int] = 64, cgroup: Any = "auto",
-                 **kw: Any) -> None:
+                 max_ptys: Optional[int] = 64, **kw: Any) -> None:
         super().__init__(root_dir, **kw)
         path = shutil.which(bwrap)
         if path is None:
@@ -206,10 +212,14 @@ class BwrapRuntime(Runtime):
         if version < (0, 5):  # --size: bubblewrap >= 0.5 (Debian 12 has 0.8)
             raise RuntimeUnavailable("bubblewrap %s is too old: /tmp and /dev/shm could not be bounded "
                                      "(--size needs >= 0.5)" % ".".join(map(str, version)))
+        self.disable_userns = version >= (0, 8)  # --disable-userns: bubblewrap >= 0.8 (SANDBOX.md)
         for name, v in (("tmp_size_mb", tmp_size_mb), ("shm_size_mb", shm_size_mb)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise SandboxSpecError("%s must be a positive number of MB, got %r" % (name, v))
         self.tmp_size_mb, self.shm_size_mb = tmp_size_mb, shm_size_mb
+        if max_ptys is not None and (isinstance(max_ptys, bool) or not isinstance(max_ptys, int) or max_ptys <= 0):
+            raise SandboxSpecError("max_ptys must be a positive number or None, got %r" % (max_ptys,))
+        self.max_ptys = max_ptys  # per sandbox, as root (a devpts instance with max=); see SANDBOX.md
         self.cgroup = None
         if cgroup == "auto":
             self.cgroup = CgroupV2.detect()
@@ -234,6 +244,11 @@ class BwrapRuntime(Runtime):
         _bind_listen(fd, str(ctx.run_dir / "tool.sock"))  # no sandbox sees the dir yet
         os.chmod(ctx.run_dir / "tool.sock", 0o600)  # not os.umask: process-wide, and create() runs in threads
         ctx.extra["socket_fd"] = fd
+        if self.max_ptys and self.disk_quota != "measured":  # root, in the host's mount namespace
+            pts = ctx.dir / "pts"
+            pts.mkdir(mode=0o755)
+            bounds.mount_devpts(pts, self.max_ptys)  # unmounted with the sandbox dir (mount table)
+            ctx.extra["devpts"] = str(pts)
 
     def _prepare_dirs(self, ctx: LaunchContext) -> None:
         if self.run_as is None or os.geteuid() != 0:
@@ -271,7 +286,7 @@ class BwrapRuntime(Runtime):
             bwrap=self.bwrap, fs_ops=fs_ops, workspace=str(ctx.workspace), run_dir=str(ctx.run_dir),
             lib_dir=str(ctx.lib_dir), binds=spec.binds, network=spec.network, workdir=spec.workdir,
             env=server_env, python=self.python, info_fd=info_w, seccomp_fd=seccomp_r, tmp_size_mb=self.tmp_size_mb,
-            shm_size_mb=self.shm_size_mb,
+            shm_size_mb=self.shm_size_mb, devpts=ctx.extra.get("devpts"), disable_userns=self.disable_userns,
         )
         pass_fds = [info_w, ctx.extra["socket_fd"]] + [fd for fd in (ctx.ready_fd, seccomp_r) if fd is not None]
         kw: Dict[str, Any] = {}

@@ -129,6 +129,12 @@ class ToolServer:
             signal.signal(signal.SIGTERM, lambda *_: self.shutdown("sigterm"))
         threading.Thread(target=self._start_tools, name="tools-start", daemon=True).start()
         threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
+        # Orphans re-parent to us: reap them as they exit, not only once a second (a fork chain
+        # would otherwise pile zombies up to nproc). The handler only wakes the reaper thread.
+        self._chld = threading.Event()
+        signal.signal(signal.SIGCHLD, lambda *_: self._chld.set())
+        signal.siginterrupt(signal.SIGCHLD, False)  # SA_RESTART: other threads' syscalls go on
+        threading.Thread(target=self._reaper, name="reaper", daemon=True).start()
         ready_fd = self.cfg.get("ready_fd")
         if ready_fd is not None:
             try:
@@ -264,6 +270,14 @@ class ToolServer:
         except OSError:
             pass
         os._exit(0 if reason == "sigterm" else 137)
+
+    def _reaper(self) -> None:
+        while True:
+            self._chld.wait()
+            self._chld.clear()
+            if self._tools_ready.is_set() and not self._tools_error:
+                self._reap_orphans()
+            time.sleep(0.005)  # one /proc scan per 5 ms at most under a storm of exits
 
     def _watchdog(self) -> None:
         deadline = self.cfg.get("deadline")

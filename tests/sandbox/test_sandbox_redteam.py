@@ -134,14 +134,6 @@ def test_a_zombie_leader_with_no_shell_left_cannot_reach_the_code_grader(bwrap_r
     assert reward == 0.0, (reward, details, r)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "NODE-WIDE DoS: bwrap's /dev/pts is a devpts instance without max=, so one sandbox can take "
-    "every pty non-initial devpts instances may have (kernel.pty.max - kernel.pty.reserve = 3072 "
-    "here; one process, RLIMIT_NOFILE raised to its hard limit 20000). Every other sandbox of the "
-    "node then gets 'internal error in tool bash: OSError('out of pty devices')' on its first bash "
-    "call, for as long as the hog lives (its wall clock). Fix: a host-made devpts instance with "
-    "max=<small> bound into the sandbox (or a hard RLIMIT_NOFILE x nproc budget), and the shell's "
-    "pty opened before any agent process exists"))
 def test_one_sandbox_cannot_take_every_pty_of_the_node(bwrap_rt):
     hog = bwrap_rt.create("hog", SandboxSpec(workspace_files={"zl.py": ZOMBIE_LEADER}))
     c = bwrap_rt.client(hog, timeout=30)
@@ -240,16 +232,6 @@ def test_a_tracee_held_in_exit_stop_by_its_tracer_dies_in_the_purge(bwrap_rt):
     assert time.monotonic() - t0 < 15, "the purge waited for a held tracee"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "UNBOUNDED WRITABLE PATH: the agent makes its own: `unshare -Urm` (a nested user+mount "
-    "namespace, allowed) and `mount -t tmpfs none /tmp/m` give a tmpfs sized at half the host's "
-    "RAM (12G here); 64 MB written into it (600 MB by hand) in a sandbox whose /tmp, /dev/shm and workspace are "
-    "16 MB each. The bounds test walks only the sandbox's own mount table. Same class as memfds "
-    "(documented as memory bounded only by a cgroup), but SANDBOX.md's 'every writable path is "
-    "bounded' does not hold for paths the agent mounts. Fix: a memory cgroup per sandbox, or "
-    "deny unshare(CLONE_NEWUSER) in the seccomp filter (also removes the nested-namespace "
-    "surface), or cap user.max_user_namespaces for the sandbox's user namespace (bwrap --userns-block-fd / "
-    "a sysctl in the sandbox's userns)"))
 def test_the_agent_cannot_mount_an_unbounded_tmpfs(short_root):
     from tests.sandbox.conftest import Tracker, _make, require_bwrap
 
@@ -264,15 +246,6 @@ def test_the_agent_cannot_mount_an_unbounded_tmpfs(short_root):
     assert r.output.strip() != str(64 << 20), r
 
 
-@pytest.mark.xfail(strict=True, raises=OSError, reason=(
-    "GRADING TURNED INTO AN INFRASTRUCTURE FAILURE: the agent fills its workspace to disk_mb "
-    "(`head -c 20M /dev/zero > fill` in an 8 MB loop image: ENOSPC, as designed); the code "
-    "eval then writes its check file into the workspace from the host (root: the image has no "
-    "reserved blocks) -> OSError ENOSPC out of CodeHandler.evaluate -> the job fails with no "
-    "reward instead of reward 0. swe's restore_tests() has the same shape (the agent deletes a "
-    "test file, then fills the disk). Fix: give graders' files a place the agent cannot fill (a "
-    "read-only bind or a tmpfs mounted for the grade, or pass the check on the grader's stdin: the "
-    "grade tool has `stdin`), or reserve blocks for root in the image (mkfs -m) and write as root"))
 def test_a_full_workspace_is_graded_not_an_error(bwrap_rt):
     from rolloutd.handlers.code import CodeHandler
 
@@ -296,15 +269,6 @@ os._exit(0)
 '''
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "REWARD HACK (documented in code.py and SANDBOX.md as HumanEval's design, recorded here with "
-    "its cost): solution.py runs in the checker's process before the tests, reads the marker "
-    "from the check file (sys.argv[0]), prints it and calls os._exit(0): reward 1.0 without a "
-    "function. Fix: run the candidate in a child process and the tests' assertions in the "
-    "checker, which alone knows the marker (given on its stdin by the grade tool, never in a "
-    "file), calling the candidate over a pipe; or at least pass the marker on stdin and read it "
-    "before the candidate is imported, deleting it from memory (a process can still read its own "
-    "memory: the child split is the real fix)"))
 def test_a_humaneval_candidate_cannot_print_the_checkers_marker(bwrap_rt):
     from rolloutd.handlers.code import CodeHandler
 

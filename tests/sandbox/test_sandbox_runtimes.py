@@ -18,7 +18,7 @@ def test_bwrap_argv_golden():
         env={"PATH": "/usr/bin", "PYTHONPATH": "/run/rolloutd-lib"}, python="python3", info_fd=5, tmp_size_mb=64,
     )
     assert argv == [
-        "/usr/bin/bwrap", "--unshare-all", "--new-session", "--hostname", "sandbox", "--clearenv", "--as-pid-1",
+        "/usr/bin/bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--new-session", "--hostname", "sandbox", "--clearenv", "--as-pid-1",
         "--setenv", "PATH", "/usr/bin", "--setenv", "PYTHONPATH", "/run/rolloutd-lib",
         "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--ro-bind", "/etc/passwd", "/etc/passwd",
         "--proc", "/proc", "--dev", "/dev", "--size", str(64 * 1024 * 1024), "--tmpfs", "/dev/shm",
@@ -32,7 +32,7 @@ def test_bwrap_argv_golden():
     assert "--die-with-parent" not in argv  # sandboxes outlive a daemon restart on purpose
     net = build_argv(bwrap="bwrap", fs_ops=[], workspace="/w", run_dir="/r", lib_dir="/l", network=True,
                      tmp_size_mb=None, shm_size_mb=None)
-    assert net[:3] == ["bwrap", "--unshare-all", "--share-net"] and "--size" not in net
+    assert net[:5] == ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--share-net"] and "--size" not in net
 
 
 def test_host_and_rootfs_ops(tmp_path):
