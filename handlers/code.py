@@ -4,14 +4,16 @@ Instance: ``{"task_id": "HumanEval/0"}``.
 
 The agent gets the function signature and docstring and writes the complete function to
 ``solution.py`` in its working directory (editor, python and bash tools). Eval runs the
-problem's hidden tests INSIDE the job's sandbox, in a fresh interpreter with a clean
-environment and a timeout: the problem's prompt (imports and helper functions some tests
-use), then ``solution.py``, then the tests are executed in one namespace and
-``check(<entry point>)`` is called, as HumanEval's own harness does. It runs through the
-``grade`` tool: nothing the agent started is alive by then, and the output is the checker's own. The reward is 1 only if
-every assertion passes (exit code 0 and a per-run random marker printed after ``check``).
-As in HumanEval, the candidate's code runs in the grading process, so a policy bent on it
-could still forge a pass; the tests are never visible to the agent (written after the run).
+problem's hidden tests INSIDE the job's sandbox, through the ``grade`` tool (nothing the agent
+started is alive by then; the output is the checker's own), with a clean environment and a
+timeout. The checker (``python3 -I``, its program in argv and the problem on stdin: no file is
+written into the workspace, so a full disk is just a failed grade) makes itself non-dumpable,
+reads a per-run random marker, and starts the candidate in a child process: the prompt
+(imports and helpers) and ``solution.py`` are executed there, while the tests run in the
+checker and call the candidate over a pipe with plain data (tuples, sets, dicts, bytes kept;
+never pickle). The reward is 1 only if ``check(<entry point>)`` returns (exit code 0 and the
+marker, printed only by the checker after ``check``): the candidate never sees the marker or
+the tests, so it cannot print the one or skip the other.
 
 ``[handlers.code]`` config (besides the common keys): ``test_timeout_s`` (20),
 ``solution_file`` ("solution.py").
@@ -21,24 +23,155 @@ from __future__ import annotations
 import secrets
 
 from rolloutd.handlers.base import JobContext
-from rolloutd.handlers.tasks import (DomainHandler, clean_env, eval_sandbox, give_to_sandbox, humaneval_problem,
-                            workspace_inside)
+from rolloutd.handlers.tasks import DomainHandler, clean_env, eval_sandbox, humaneval_problem, workspace_inside
 
-CHECK_TEMPLATE = '''\
-import sys
-PROMPT = {prompt!r}
-TESTS = {tests!r}
-ENTRY = {entry!r}
-ns = {{"__name__": "__candidate__", "__builtins__": __builtins__}}
-exec(compile(PROMPT, "<prompt>", "exec"), ns)
-with open({solution!r}, encoding="utf-8") as f:
-    src = f.read()
-exec(compile(src, {solution!r}, "exec"), ns)
-exec(compile(TESTS, "<tests>", "exec"), ns)
-ns["check"](ns[ENTRY])
-sys.stdout.write("\\nROLLOUTD-CHECK-" + {marker!r} + "\\n")
+# The checker: run as ``python3 -I -B -c CHECKER`` with the job (JSON) on its stdin, so no file
+# of it is in the workspace (nothing for a full disk to refuse, nothing to read or rewrite). It
+# makes itself non-dumpable (its memory and fds are then out of reach of any other process of
+# the sandbox's uid), reads the per-run marker, and runs the candidate in a CHILD process that
+# never sees the marker: the tests run here and call the candidate over a pipe, its arguments
+# and results passed as plain data (JSON with tags for tuples, sets, dicts, bytes; never
+# pickle, which would run the child's code here). Only this process prints the marker, after
+# check() returned.
+_CODEC = r"""
+import json, os, sys
+
+
+def enc(o):
+    if o is None or type(o) in (bool, int, float, str):
+        return o
+    if isinstance(o, list):
+        return [enc(x) for x in o]
+    if isinstance(o, tuple):
+        return {"t": [enc(x) for x in o]}
+    if isinstance(o, dict):
+        return {"d": [[enc(k), enc(v)] for k, v in o.items()]}
+    if isinstance(o, (set, frozenset)):
+        return {"fs" if isinstance(o, frozenset) else "s": [enc(x) for x in o]}
+    if isinstance(o, bytes):
+        return {"b": o.hex()}
+    if isinstance(o, complex):
+        return {"c": [o.real, o.imag]}
+    for t in (bool, int, float, str):
+        if isinstance(o, t):
+            return t(o)
+    raise TypeError("cannot pass a %s to or from the candidate" % type(o).__name__)
+
+
+def dec(o):
+    if isinstance(o, list):
+        return [dec(x) for x in o]
+    if not isinstance(o, dict):
+        return o
+    (k, v), = o.items()
+    if k == "t":
+        return tuple(dec(x) for x in v)
+    if k == "d":
+        return {dec(a): dec(b) for a, b in v}
+    if k in ("s", "fs"):
+        return (frozenset if k == "fs" else set)(dec(x) for x in v)
+    if k == "b":
+        return bytes.fromhex(v)
+    if k == "c":
+        return complex(*v)
+    raise ValueError("unknown tag %r" % k)
+"""
+
+# The candidate's process: prompt + solution in one namespace, then one call per line.
+_CHILD = _CODEC + r"""
+rf = os.fdopen(int(sys.argv[1]), "r", encoding="utf-8")
+wf = os.fdopen(int(sys.argv[2]), "w", encoding="utf-8")
+sys.path.insert(0, os.getcwd())  # the candidate may import its own modules
+job = json.loads(rf.readline())
+ns = {"__name__": "__candidate__", "__builtins__": __builtins__}
+try:
+    exec(compile(job["prompt"], "<prompt>", "exec"), ns)
+    with open(job["solution"], encoding="utf-8") as f:
+        src = f.read()
+    exec(compile(src, job["solution"], "exec"), ns)
+    fn = ns[job["entry"]]
+    reply = {"ok": True}
+except BaseException as e:
+    reply = {"error": "%s: %s" % (type(e).__name__, e)}
+wf.write(json.dumps(reply) + "\n")
+wf.flush()
+if "error" in reply:
+    sys.exit(1)
+for line in rf:
+    call = json.loads(line)
+    try:
+        out = {"value": enc(fn(*dec(call["args"]), **{k: dec(v) for k, v in call["kwargs"].items()}))}
+    except BaseException as e:
+        out = {"error": "%s: %s" % (type(e).__name__, e)}
+    wf.write(json.dumps(out) + "\n")
+    wf.flush()
+"""
+
+CHECKER = _CODEC + r"""
+import ctypes, subprocess
+if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0, before the marker is read
+    sys.exit("checker: prctl(PR_SET_DUMPABLE) failed")
+job = json.loads(sys.stdin.read())
+marker = job.pop("marker")
+
+
+class CandidateError(Exception):
+    pass
+
+
+r1, w1 = os.pipe()
+r2, w2 = os.pipe()
+child = subprocess.Popen([sys.executable, "-B", "-c", job["child"], str(r1), str(w2)], pass_fds=(r1, w2),
+                         stdin=subprocess.DEVNULL, stdout=2, stderr=2)
+os.close(r1)
+os.close(w2)
+to = os.fdopen(w1, "w", encoding="utf-8")
+frm = os.fdopen(r2, "r", encoding="utf-8")
+
+
+def talk(msg):
+    to.write(json.dumps(msg) + "\n")
+    to.flush()
+    line = frm.readline()
+    if not line:
+        raise CandidateError("the candidate's process ended")
+    reply = json.loads(line)
+    if "error" in reply:
+        raise CandidateError(reply["error"])
+    return reply
+
+
+talk({"prompt": job["prompt"], "solution": job["solution"], "entry": job["entry"]})
+
+
+def candidate(*args, **kwargs):
+    return dec(talk({"args": enc(list(args)), "kwargs": {k: enc(v) for k, v in kwargs.items()}})["value"])
+
+
+candidate.__name__ = job["entry"]
+ns = {"__name__": "__check__"}
+exec(compile(job["prompt"], "<prompt>", "exec"), ns)
+ns[job["entry"]] = candidate  # tests may call it by name (HumanEval/33), as after the solution's exec
+exec(compile(job["tests"], "<tests>", "exec"), ns)
+ns["check"](candidate)
+to.close()
+child.kill()
+sys.stdout.write("\nROLLOUTD-CHECK-" + marker + "\n")
 sys.stdout.flush()
-'''
+"""
+
+
+def check_argv(python: str = "python3") -> list[str]:
+    """The checker's command line (isolated: nothing of the workspace is on its sys.path)."""
+    return [python, "-I", "-B", "-c", CHECKER]
+
+
+def check_input(problem: dict, solution: str, marker: str) -> str:
+    """The checker's stdin: the problem, the solution file's name and the run's marker."""
+    import json
+
+    return json.dumps({"prompt": problem["prompt"], "tests": problem["test"], "entry": problem["entry_point"],
+                       "solution": solution, "marker": marker, "child": _CHILD})
 
 
 class CodeHandler(DomainHandler):
@@ -80,8 +213,6 @@ class CodeHandler(DomainHandler):
                          prompt_fields={"prompt": p["prompt"], "solution_file": self.solution_file})
 
     async def evaluate(self, ctx: JobContext) -> tuple[float, dict]:
-        import asyncio
-
         p = humaneval_problem(ctx.state["task_id"])
         sb, ws = eval_sandbox(ctx, "code")
         details: dict = {"task_id": p["task_id"], "entry_point": p["entry_point"]}
@@ -89,24 +220,10 @@ class CodeHandler(DomainHandler):
             details["reason"] = f"no {self.solution_file} in the workspace"
             return 0.0, details
         marker = secrets.token_hex(16)
-        check = ws / f".rolloutd_check_{secrets.token_hex(6)}.py"
-
-        def write():
-            check.write_text(CHECK_TEMPLATE.format(prompt=p["prompt"], tests=p["test"], entry=p["entry_point"],
-                                                   solution=self.solution_file, marker=marker), encoding="utf-8")
-            give_to_sandbox(sb, [check])
-
-        # First no agent process may be alive: one could read the marker from the check file or
-        # rewrite the file before grade's own purge (issue 24).
-        await ctx.purge()
-        await asyncio.to_thread(write)
-        try:
-            # The grade tool: every process the agent left is killed first; the output is the
-            # grading process's own, on fresh pipes (issue 24).
-            r = await ctx.grade(["python3", "-B", check.name], cwd=workspace_inside(sb), env=clean_env(),
-                                timeout=self.test_timeout_s)
-        finally:
-            check.unlink(missing_ok=True)
+        # The grade tool: every process the agent left is killed first; the output is the
+        # grading process's own, on fresh pipes (issue 24). The checker comes as argv + stdin.
+        r = await ctx.grade(check_argv(), cwd=workspace_inside(sb), env=clean_env(), timeout=self.test_timeout_s,
+                            stdin=check_input(p, self.solution_file, marker))
         passed = (r.exit_code == 0 and not r.timed_out and r.error is None
                   and f"ROLLOUTD-CHECK-{marker}" in (r.output or ""))
         out = (r.output or "").replace(f"ROLLOUTD-CHECK-{marker}", "").strip()

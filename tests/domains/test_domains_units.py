@@ -174,16 +174,15 @@ def test_wrong_answers_differ():
 
 # -- code: the check harness on the host --------------------------------------------------------------
 def _run_check(task_id: str, body: str, tmp_path) -> bool:
-    from rolloutd.handlers.code import CHECK_TEMPLATE
+    from rolloutd.handlers.code import check_argv, check_input
     from rolloutd.handlers.tasks import humaneval_problem
 
     p = humaneval_problem(task_id)
     d = tmp_path / task_id.replace("/", "_") / str(abs(hash(body)))
     d.mkdir(parents=True)
     (d / "solution.py").write_text(p["prompt"] + body)
-    (d / "check.py").write_text(CHECK_TEMPLATE.format(prompt=p["prompt"], tests=p["test"], entry=p["entry_point"],
-                                                      solution="solution.py", marker="M"))
-    r = subprocess.run([sys.executable, "-B", "check.py"], cwd=d, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(check_argv(sys.executable), cwd=d, input=check_input(p, "solution.py", "M"),
+                       capture_output=True, text=True, timeout=60)
     return r.returncode == 0 and "ROLLOUTD-CHECK-M" in r.stdout
 
 
@@ -192,7 +191,7 @@ def test_humaneval_harness_canonical_passes_and_none_fails(tmp_path):
 
     probs = humaneval_problems()
     assert len(probs) == 164
-    ids = [f"HumanEval/{i}" for i in sorted(set(range(0, 164, 9)) | {32, 38, 50})]  # 32/38/50 use prompt helpers
+    ids = [f"HumanEval/{i}" for i in sorted(set(range(0, 164, 9)) | {32, 33, 38, 50})]  # prompt helpers; 33 calls it by name
     with ThreadPoolExecutor(8) as ex:
         right = list(ex.map(lambda t: _run_check(t, probs[t]["canonical_solution"], tmp_path), ids))
         wrong = list(ex.map(lambda t: _run_check(t, "    return None\n", tmp_path), ids))
