@@ -5,6 +5,7 @@ ipc file is left behind.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -301,3 +302,31 @@ def backends(tokenizer):
         b.stop()
 
 
+@contextlib.contextmanager
+def handler_entry_point(source: Path, name: str, cls: str):
+    """Register the handler class ``cls`` of the file ``source`` as ``name`` through a throwaway
+    entry-point dist on PYTHONPATH (the daemons a test starts inherit it, so they load it too);
+    yields the dist's directory and undoes everything afterwards."""
+    from rolloutd.handlers import registry
+
+    module = f"rd_{name}_handler"
+    d = Path(tempfile.mkdtemp(prefix=f"rd-{name}-"))
+    shutil.copy(source, d / f"{module}.py")
+    info = d / f"rd_{name}-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: rd-{name}\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(f"[rolloutd.handlers]\n{name} = {module}:{cls}\n")
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(d) + (os.pathsep + old if old else "")
+    sys.path.insert(0, str(d))
+    registry._entry_points.cache_clear()
+    try:
+        yield str(d)
+    finally:
+        sys.path.remove(str(d))
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+        registry._entry_points.cache_clear()
+        shutil.rmtree(d, ignore_errors=True)
