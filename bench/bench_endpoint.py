@@ -50,6 +50,16 @@ from rolloutd.llm.toolparse import get_parser
 
 SYSTEM = "You are a software engineering agent working in a sandbox."
 
+# Both drivers end the same way: READY, wait for a line on stdin, run every rollout at once, DONE.
+_GO = r"""
+async def main():
+    print("READY", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    print("DONE " + json.dumps(await asyncio.gather(*[one(i, s) for i, s in enumerate(socks)])), flush=True)
+
+asyncio.run(main())
+"""
+
 # The agent: an openai-SDK tool loop, one rollout per socket, all at once. READY, then waits for a
 # line on stdin, runs, prints DONE and the number of calls per rollout.
 DRIVER = r"""
@@ -77,12 +87,6 @@ async def one(i, sock):
         await c.close()
     return n
 
-async def main():
-    print("READY", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    print("DONE " + json.dumps(await asyncio.gather(*[one(i, s) for i, s in enumerate(socks)])), flush=True)
-
-asyncio.run(main())
 """
 
 
@@ -156,13 +160,9 @@ async def one(i, sock):
         await c.aclose()
     return n
 
-async def main():
-    print("READY", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    print("DONE " + json.dumps(await asyncio.gather(*[one(i, s) for i, s in enumerate(socks)])), flush=True)
-
-asyncio.run(main())
 """
+DRIVER += _GO
+SHAPE_DRIVER += _GO
 SHAPES = ("chat", "anthropic", "responses", "gemini")
 
 
