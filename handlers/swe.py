@@ -21,6 +21,12 @@ test passes.
 from __future__ import annotations
 
 import asyncio
+import errno
+import functools
+import os
+import secrets
+import shutil
+import stat
 from pathlib import Path
 
 from rolloutd.handlers.base import JobContext
@@ -28,6 +34,73 @@ from rolloutd.handlers.tasks import (PYTEST_MOUNT, DomainHandler, clean_env, eva
                             pytest_link_dir, workspace_inside)
 
 MAX_PATCH_CHARS = 20000
+
+# `git diff` of the agent's work. The workspace's .git/config is the agent's: every key that makes
+# git run a program in a diff is overridden (fsmonitor hook, hooks, pager, external diff,
+# textconv), and no system/global config or attributes file is read. A filter driver named in
+# the repository's own config and .gitattributes can still run (its name is the agent's); the
+# grade's purge ends whatever it starts (docs/SANDBOX.md).
+GIT_DIFF = ["git", "--no-pager", "-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null",
+            "-c", "core.pager=cat", "-c", "diff.external=", "-c", "core.attributesFile=/dev/null",
+            "-c", "core.untrackedCache=false", "diff", "--no-color", "--no-ext-diff", "--no-textconv"]
+GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_ATTR_NOSYSTEM": "1",
+           "GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0"}
+
+# pytest as the grader runs it: `python3 -B -P -c PYTEST_BOOT <args>`. -P keeps the workspace off
+# sys.path until pytest is imported (a pytest.py of the agent's is not the grader), then the
+# workspace goes first, as `-m pytest` would put it. Our plugin runs last: after pytest's own
+# summary it prints an end line (a per-run token from the environment, removed before any
+# workspace code runs) with the session's exit status and leaves with os._exit, so nothing the
+# code under test registered (atexit) prints after it. Outcomes are read only before that line.
+PYTEST_BOOT = r"""
+import os, sys
+import pytest
+END = os.environ.pop("ROLLOUTD_PYTEST_END", "")
+
+
+class RolloutdEnd:
+    status = None
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session, exitstatus):
+        self.status = int(exitstatus)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_unconfigure(self, config):
+        if self.status is None or not END:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(1, ("\n%s %d\n" % (END, self.status)).encode())
+        os._exit(self.status)
+
+
+sys.path.insert(0, os.getcwd())
+sys.exit(pytest.main(sys.argv[1:], plugins=[RolloutdEnd()]))
+"""
+
+
+def grader_argv(task: dict) -> list[str]:
+    """The task's ``test_cmd`` (``python3 -B -m pytest <args>``) as the grader runs it."""
+    argv = list(task["test_cmd"])
+    if argv[:4] != ["python3", "-B", "-m", "pytest"]:
+        raise ValueError(f"{task['task_id']}: test_cmd must start with python3 -B -m pytest, not {argv[:4]}")
+    return ["python3", "-B", "-P", "-c", PYTEST_BOOT] + argv[4:]
+
+
+def split_at_end(output: str, end: str) -> tuple[str, int | None]:
+    """The output before the LAST end line of our plugin, and the status on it (None: no end
+    line, or text after it: then nothing of the output counts)."""
+    i = output.rfind("\n" + end + " ")
+    if i < 0:
+        return "", None
+    line, _, rest = output[i + 1:].partition("\n")
+    if rest.strip():
+        return "", None
+    try:
+        return output[:i], int(line.split()[-1])
+    except ValueError:
+        return "", None
 
 
 class SWEHandler(DomainHandler):
@@ -81,30 +154,61 @@ class SWEHandler(DomainHandler):
         copy_repo(ctx.state["task_id"], ws, self.cache_dir)
         give_to_sandbox(ctx.sandbox, [ws])
 
+    def _restore(self, task: dict, ws: Path) -> list[str]:
+        """Put the task's tests and the repository's own conftest.py files back (whatever the
+        agent left in their place: a symlink, a FIFO, a directory), delete every other
+        conftest.py, and return the restored paths. No agent process is alive (the diff's grade
+        purged)."""
+        from rolloutd.handlers.swe_tasks import build_task
+
+        src_root = build_task(task["task_id"], self.cache_dir)
+        own = _conftests(str(src_root))
+        rels = list(task["test_files"]) + [c for c in own if not any(
+            c == t or c.startswith(t.rstrip("/") + "/") for t in task["test_files"])]
+        _unlink_symlinks(ws, rels)
+        _sweep_conftests(ws, set(own))
+        for rel in rels:
+            _restore_path(src_root / rel, ws / rel)
+        return rels
+
     # -- eval ----------------------------------------------------------------------------------
     def _pythonpath(self, sb: dict) -> str:
         return pytest_link_dir() if sb.get("runtime") == "local" else PYTEST_MOUNT
 
     async def evaluate(self, ctx: JobContext) -> tuple[float, dict]:
-        from rolloutd.handlers.swe_tasks import get_task, grade, restore_tests
+        from rolloutd.handlers.swe_tasks import get_task, grade
 
         task = get_task(ctx.state["task_id"])
         sb, ws = eval_sandbox(ctx, "swe")
         inside = workspace_inside(sb)
         # The grade tool: every process the agent left is killed first and the output is the
         # grading process's own, on fresh pipes (issue 24); the tests' whole output (1 MiB tail).
-        patch = await ctx.grade(["git", "-c", "core.pager=cat", "diff", "--no-color", "--no-ext-diff"],
-                                cwd=inside, env=clean_env(), timeout=30)
+        # git reads the workspace's .git/config: the keys that run a program are overridden.
+        patch = await ctx.grade(GIT_DIFF, cwd=inside, env=clean_env(GIT_ENV), timeout=30)
         # The host (root) writes the tests back into a tree the agent shaped: no symlink on the
-        # way may send that write elsewhere on the host (tests -> /etc, say).
-        await asyncio.to_thread(_unlink_symlinks, ws, task["test_files"])
-        restored = await asyncio.to_thread(restore_tests, task["task_id"], ws, self.cache_dir)
+        # way may send that write elsewhere on the host (tests -> /etc, say); no conftest.py but
+        # the repository's own may load (it could report every test passed).
+        try:
+            restored = await asyncio.to_thread(self._restore, task, ws)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            # The agent filled its disk: a failed grade, not a failed job.
+            return 0.0, {"task_id": task["task_id"], "resolved": False, "exit_code": None, "timed_out": False,
+                         "counts": {"parsed": 0}, "error": f"the tests could not be restored: {e.strerror}",
+                         "FAIL_TO_PASS_failed": list(task["FAIL_TO_PASS"])[:20], "PASS_TO_PASS_failed": []}
         await asyncio.to_thread(give_to_sandbox, sb, [ws / r for r in restored])
-        env = clean_env({"PYTHONPATH": self._pythonpath(sb), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
-        r = await ctx.grade(list(task["test_cmd"]), cwd=inside, env=env, timeout=float(task["timeout_s"]))
-        output = r.output or ""
+        end = f"ROLLOUTD-PYTEST-END-{secrets.token_hex(16)}"
+        env = clean_env({"PYTHONPATH": self._pythonpath(sb), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+                         "ROLLOUTD_PYTEST_END": end})
+        r = await ctx.grade(grader_argv(task), cwd=inside, env=env, timeout=float(task["timeout_s"]))
         exit_code = 124 if r.timed_out else r.exit_code
+        output, status = split_at_end(r.output or "", end)
         result = grade(task, output, exit_code)
+        if result["resolved"] and (status != exit_code or status not in (0, 1)):
+            # pytest's own end (our plugin's last line, then os._exit) must agree with the exit code.
+            result.update(resolved=False, reward=0.0, error=f"pytest's end status {status} does not agree with the "
+                                                               f"exit code {exit_code}")
         details = {
             "task_id": task["task_id"], "resolved": result["resolved"], "exit_code": exit_code,
             "timed_out": r.timed_out, "counts": result["counts"], "error": result["error"],
@@ -143,3 +247,53 @@ def _unlink_symlinks(root: Path, rels: list[str]) -> None:
         elif target.exists() and target.is_dir():
             shutil.rmtree(target)
 
+
+@functools.lru_cache(maxsize=64)
+def _conftests(src_root: str) -> tuple[str, ...]:
+    """Every conftest.py of the built repository (relative paths)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(src_root):
+        dirnames[:] = [d for d in dirnames if d != ".git"]
+        if "conftest.py" in filenames:
+            out.append(os.path.relpath(os.path.join(dirpath, "conftest.py"), src_root))
+    return tuple(sorted(out))
+
+
+def _sweep_conftests(ws: Path, keep: set[str]) -> None:
+    """Delete every conftest.py (of any type) under ``ws`` but those in ``keep``; by directory fd,
+    never following a symlink."""
+    for dirpath, dirnames, filenames, dirfd in os.fwalk(ws):
+        rel_dir = os.path.relpath(dirpath, ws)
+        if rel_dir == ".":
+            dirnames[:] = [d for d in dirnames if d != ".git"]
+        if "conftest.py" not in dirnames and "conftest.py" not in filenames:
+            continue
+        st = os.stat("conftest.py", dir_fd=dirfd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree("conftest.py", dir_fd=dirfd)
+            dirnames.remove("conftest.py")
+        elif not stat.S_ISREG(st.st_mode) or os.path.normpath(os.path.join(rel_dir, "conftest.py")) not in keep:
+            os.unlink("conftest.py", dir_fd=dirfd)
+            if "conftest.py" in dirnames:  # a symlink to a directory
+                dirnames.remove("conftest.py")
+
+
+def _restore_path(src: Path, dst: Path) -> None:
+    """Make ``dst`` a copy of ``src`` (a file, a directory tree or a symlink), replacing whatever
+    is there with a fresh inode (never writing through a FIFO, a symlink or a hard link)."""
+    if src.is_dir() and not src.is_symlink():
+        if dst.is_symlink() or (os.path.lexists(dst) and not dst.is_dir()):
+            dst.unlink()
+        dst.mkdir(parents=True, exist_ok=True)
+        for child in src.iterdir():
+            _restore_path(child, dst / child.name)
+        return
+    if dst.is_dir() and not dst.is_symlink():
+        shutil.rmtree(dst)
+    elif os.path.lexists(dst):
+        dst.unlink()
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    else:
+        shutil.copy2(src, dst)

@@ -60,16 +60,6 @@ sys.exit(pytest.main(sys.argv[1:], plugins=[ForcePass()]))
 '''
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "REWARD HACK (documented in SANDBOX.md as 'the task's grading design', here with its cost): "
-    "a conftest.py the agent adds at the repository root (rootdir conftests load even with "
-    "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 and -o addopts=) with a pytest_runtest_makereport "
-    "hookwrapper setting every report to 'passed' turns the unfixed repository into reward 1.0: "
-    "every FAIL_TO_PASS test is printed PASSED in the -rp summary the grader parses. The agent "
-    "needs no knowledge of the tests. Fix: run the tests with --noconftest plus the repository's "
-    "own conftest files restored from the built task (restore_tests for every conftest.py of "
-    "the original tree, delete any other), or confirm outcomes from a report written by a plugin "
-    "of ours (-p with a file outside the workspace, e.g. --junitxml to a path the agent never saw)"))
 def test_swe_an_agents_conftest_cannot_pass_the_unfixed_repository(bwrap_rt):
     handler, ctx, h, c, task = _swe(bwrap_rt)
     r = c.call("bash", {"command": "cat >> conftest.py <<'EOF'\n" + FORCE_PASS + "EOF\necho ok", "timeout": 20})
@@ -79,14 +69,6 @@ def test_swe_an_agents_conftest_cannot_pass_the_unfixed_repository(bwrap_rt):
     assert reward == 0.0 and details["FAIL_TO_PASS_failed"], details
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "REWARD HACK: the swe test_cmd is `python3 -B -m pytest ...` with cwd=/workspace, so the "
-    "workspace is sys.path[0] and a pytest.py the agent leaves there IS the module `-m pytest` "
-    "runs (PYTHONPATH=/run/rolloutd-pytest comes after it). This one removes the cwd from sys.path, "
-    "imports the real pytest and runs it with a plugin that reports every test passed: reward 1.0 "
-    "for the unfixed repository, with no conftest.py at all. Fix: run pytest by path from the "
-    "read-only mount (python3 -P / -I with the mount on PYTHONPATH, or `python3 /run/rolloutd-"
-    "pytest/pytest/__main__.py`), and the conftest fix above"))
 def test_swe_a_pytest_module_in_the_workspace_is_not_the_grader(bwrap_rt):
     handler, ctx, h, c, task = _swe(bwrap_rt)
     assert task["test_cmd"][:4] == ["python3", "-B", "-m", "pytest"], task["test_cmd"]
@@ -98,15 +80,6 @@ def test_swe_a_pytest_module_in_the_workspace_is_not_the_grader(bwrap_rt):
     assert reward == 0.0 and details["FAIL_TO_PASS_failed"], details
 
 
-@pytest.mark.xfail(strict=True, raises=shutil.SpecialFileError, reason=(
-    "GRADING TURNED INTO AN INFRASTRUCTURE FAILURE: the agent replaces a test file of the task "
-    "(tests/test_strutils.py) with a FIFO (mkfifo); the host's restore_tests() then calls "
-    "shutil.copy2 onto it, which raises shutil.SpecialFileError ('is a named pipe'), so "
-    "SWEHandler.evaluate raises and the job fails with no reward instead of reward 0. The "
-    "pending _unlink_symlinks (handlers/swe.py, uncommitted) removes symlinks and files on the "
-    "path, not a FIFO, socket or directory at the target itself. Fix: unlink whatever is at each "
-    "restored path (any type but a regular file or, for a dir entry, a real dir) before copying, "
-    "and copy with O_NOFOLLOW|O_CREAT|O_TRUNC onto a regular file only"))
 def test_swe_a_fifo_in_place_of_a_test_file_is_graded_not_an_error(bwrap_rt):
     handler, ctx, h, c, task = _swe(bwrap_rt)
     rel = task["test_files"][0]
@@ -179,19 +152,6 @@ ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: the leader only
 '''
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "PURGE DEFEATED WITHOUT ANY DoS -> reward 1.0 for the unfixed repository, the restored tests "
-    "rewritten. The first swe grade runs `git diff` in /workspace, whose .git/config the agent "
-    "wrote: git runs core.fsmonitor (a hook path in the workspace) inside the grader, after the "
-    "purge. The hook starts a double-forked setsid daemon whose leader thread then exits with "
-    "SYS_exit while a thread lives (/proc/<pid>/stat: Z). kill_agent() misses it (not a "
-    "descendant, another session) and guard.purge() skips kill(-1) because its /proc scan finds "
-    "nothing 'alive': the shell and the Python session were ended by this grade's _clear and are "
-    "not restarted. The daemon outlives the grade, waits for the host's restore_tests(), appends "
-    "code making each test function pass, and the second grade (pytest) runs that file. "
-    "Fix: purge() must send kill(-1, SIGKILL) unconditionally and treat a process as alive while "
-    "any /proc/<pid>/task/* is not Z/X; and run git with -c core.fsmonitor= (and "
-    "GIT_CONFIG_NOSYSTEM, --no-textconv, safe.directory) or read the diff from the host"))
 def test_swe_a_daemon_started_by_the_diff_grader_cannot_outlive_it(bwrap_rt):
     handler, ctx, h, c, task = _swe(bwrap_rt)
     rel = task["test_files"][0]
@@ -229,17 +189,6 @@ _atexit.register(_rolloutd_redteam_summary)
 '''
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "REWARD HACK past the parser's own defence: parse_test_output() reads only the lines after "
-    "the LAST '=== short test summary info ===' header ('not look-alike lines in captured "
-    "output'), but code under test can print after pytest: the agent appends an atexit handler "
-    "to boltons/strutils.py that, at interpreter exit (stdout no longer captured), prints a new "
-    "header and 'PASSED <nodeid>' for every item of pytest's Session (found with gc). "
-    "grade() ignores the exit code (1 here), so the unfixed function gets reward 1.0. Fix: take "
-    "outcomes from a report pytest writes outside the agent's reach (--junitxml or a -p plugin "
-    "of ours writing to a pipe/fd the grade tool opens), or at least require the exit code to "
-    "agree (0 for resolved) and the summary to be followed only by pytest's final '=== N "
-    "passed ... ===' line"))
 def test_swe_code_under_test_cannot_print_a_summary_of_its_own(bwrap_rt):
     handler, ctx, h, c, task = _swe(bwrap_rt)
     lib = Path(h.workspace) / "boltons" / "strutils.py"
