@@ -20,6 +20,8 @@
    knob), and the eval start-up of
    grading: the old path (bash `restart: true` + the command in the fresh shell) vs the grade
    tool (purge + fresh process), each after the agent left N background processes.
+5. Issue 24 red team (--pty-only runs just this), interleaved: sandbox ready and destroy with
+   a devpts instance of its own (max_ptys=64, as root) and --disable-userns vs neither.
 Medians are the headline (the machine is shared and noisy); p99 is reported too.
 """
 from __future__ import annotations
@@ -325,6 +327,38 @@ def bench_hardening(root: Path, n: int, n_start: int, leftovers: int = 5) -> Dic
     return res
 
 
+def bench_pty_userns(root: Path, n: int) -> Dict[str, object]:
+    """Section 5 (issue 24 red team): sandbox ready and destroy with the per-sandbox devpts
+    instance (max_ptys=64, root only) and --disable-userns vs neither, interleaved, same run."""
+    rts = {"bounded": get_runtime("bwrap", root_dir=root / "pty-b"),
+           "unbounded": get_runtime("bwrap", root_dir=root / "pty-u", max_ptys=None)}
+    rts["unbounded"].disable_userns = False
+    ready: Dict[str, List[float]] = {k: [] for k in rts}
+    destroy: Dict[str, List[float]] = {k: [] for k in rts}
+    for i in range(n + 2):
+        for k, rt in rts.items():
+            t0 = time.perf_counter()
+            h = rt.create("pty-%d" % i, SandboxSpec())
+            t1 = time.perf_counter()
+            rt.destroy(h)
+            if i >= 2:
+                ready[k].append(t1 - t0)
+                destroy[k].append(time.perf_counter() - t1)
+    return {"ready": {k: summarize(v) for k, v in ready.items()},
+            "destroy": {k: summarize(v) for k, v in destroy.items()},
+            "devpts": os.geteuid() == 0 and rts["bounded"].disk_quota != "measured"}
+
+
+def report_pty_userns(p: Dict[str, object]) -> None:
+    print("issue 24 red team, same run, interleaved (bounded = devpts max=64%s + --disable-userns; unbounded = neither):"
+          % ("" if p["devpts"] else " [not root: no devpts instance]"))
+    for what in ("ready", "destroy"):
+        r = p[what]
+        print("  %-7s median ms: bounded %.2f (p99 %.2f, n=%d) / unbounded %.2f (p99 %.2f): %.2fx" % (
+            what, r["bounded"]["median_ms"], r["bounded"]["p99_ms"], r["bounded"]["n"],
+            r["unbounded"]["median_ms"], r["unbounded"]["p99_ms"], r["bounded"]["median_ms"] / r["unbounded"]["median_ms"]))
+
+
 def report_hardening(h: Dict[str, object]) -> None:
     print("issue 24, same run, interleaved (hardened = non-dumpable tool server + seccomp filter on its children; "
           "dumpable = neither):")
@@ -350,6 +384,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="also time this tool server source dir (before/after), e.g. from "
                          "`git archive OLD sandbox/toolserver | tar -x -C /tmp/old`: DIR=/tmp/old/sandbox/toolserver")
     ap.add_argument("--hardening-only", action="store_true", help="only section 4 (issue 24 before/after)")
+    ap.add_argument("--pty-only", action="store_true", help="only section 5 (devpts max= and --disable-userns)")
     ns = ap.parse_args(argv)
     n_lat, n_start = (20, 5) if ns.quick else (150, 40)
     fleet = ns.fleet if ns.fleet is not None else (8 if ns.quick else 128)
@@ -359,17 +394,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     out: Dict[str, object] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
                                           "loadavg_at_start": os.getloadavg()}}
     try:
-        if not ns.hardening_only:
+        if ns.pty_only:
+            out["pty_userns"] = bench_pty_userns(root, n_start)
+        elif not ns.hardening_only:
             out.update(bench_latency(root, n_lat, out, ns.ref_toolserver))
             out["startup_bwrap"] = bench_startup(root, n_start)
             out["fleet"] = bench_fleet(root, fleet, ns.workers)
-        out["hardening"] = bench_hardening(root, n_lat * 2, n_start)
+        if not ns.pty_only:
+            out["hardening"] = bench_hardening(root, n_lat * 2, n_start)
+            out["pty_userns"] = bench_pty_userns(root, n_start)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     out["wall_s"] = time.perf_counter() - t_all
-    if not ns.hardening_only:
+    if not (ns.hardening_only or ns.pty_only):
         report(out)
-    report_hardening(out["hardening"])
+    if not ns.pty_only:
+        report_hardening(out["hardening"])
+    report_pty_userns(out["pty_userns"])
     if ns.json:
         ns.json.write_text(json.dumps(out, indent=1))
     return 0
