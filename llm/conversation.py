@@ -440,9 +440,11 @@ class Conversation:
         self._rule = reasoning_rule or (fam.reasoning if fam is not None else None)
         if reasoning == "drop" and self._rule is None:
             raise ValueError("reasoning='drop' needs a reasoning_rule (or a tokenizer of a known model family)")
+        self._start(self.renderer.render_prompt(messages))
+
+    def _start(self, prompt: Sequence[int]) -> None:
         self._hidden: list[tuple[int, int]] = []  # absolute [start, end) spans not sent to the model
         self._n_hidden = 0
-        prompt = self.renderer.render_prompt(messages)
         cap = max(256, 2 * len(prompt))
         self._ids = np.zeros(cap, dtype=np.int32)
         self._mask = np.zeros(cap, dtype=np.int8)
@@ -596,16 +598,18 @@ class Conversation:
         ended_eot = n > self._n_prompt and int(self._ids[n - 1]) in self.renderer.end_ids
         return self.renderer.render_continuation(msgs, ended_with_eot=ended_eot)
 
-    def _reasoning_span(self) -> tuple[int, int] | None:
-        """Absolute span of the reasoning of the assistant message that just ended."""
+    def _reasoning_span(self, last: int | None = None) -> tuple[int, int] | None:
+        """Absolute span of the reasoning of the assistant message that just ended (or that
+        ends with turn ``last``)."""
         rule = self._rule
         if rule is None:
             return None
-        first = len(self._turns) - 1
+        last = len(self._turns) - 1 if last is None else last
+        first = last
         while first > 0 and self._turns[first].continuation:
             first -= 1
         p = self._n_prompt
-        a, b = self._turns[first].start + p, self._turns[-1].end + p
+        a, b = self._turns[first].start + p, self._turns[last].end + p
         enc = self.renderer.enc
         ids = self._ids
         close = enc.tokenizer.convert_tokens_to_ids(rule.close)
@@ -663,6 +667,44 @@ class Conversation:
         self._open = True
         self._last_abort = False
         return k
+
+    def fork(self, turns: int, messages: Sequence[dict]) -> "Conversation":
+        """A new conversation at a shared prefix: its prompt is this one's context after the
+        assistant message that ends with turn ``turns - 1`` (the sampled ids verbatim; reasoning
+        hidden as :meth:`add_messages` would hide it) followed by ``messages`` rendered with the
+        template's delimiters and the next generation prompt: the ids this conversation would
+        have had, had it been extended by ``messages`` right after that message. Raises
+        :class:`TemplateError` when the template cannot render them incrementally and
+        :class:`ContextOverflow` when they do not fit; this conversation is never changed (it
+        may be extended concurrently: only ids before the cut are read)."""
+        if not messages:
+            raise ValueError("fork: no messages")
+        tlist = self._turns
+        if not 0 < turns <= len(tlist) or tlist[turns - 1].finish_reason == "abort":
+            raise ValueError(f"fork: turn {turns - 1} does not end an assistant message")
+        p = self._n_prompt
+        cut = p + tlist[turns - 1].end
+        buf = self._ids  # add_generation may swap in a larger buffer meanwhile: the prefix is in both
+        ended_eot = cut > p and int(buf[cut - 1]) in self.renderer.end_ids
+        hidden = [(a, b) for a, b in self._hidden if b <= cut]
+        if self.reasoning == "drop":
+            span = self._reasoning_span(turns - 1)
+            if span and span not in hidden:
+                hidden.append(span)
+        parts, pos = [], 0
+        for a, b in sorted(hidden):
+            parts.append(buf[pos:a])
+            pos = b
+        parts.append(buf[pos:cut])
+        rest = self.renderer.render_continuation(messages, ended_with_eot=ended_eot)
+        prompt = np.concatenate(parts + [np.asarray(rest, dtype=np.int32)])
+        if len(prompt) > self.max_context:
+            raise ContextOverflow(f"the fork's prompt of {len(prompt)} tokens does not fit {self.max_context}")
+        new = object.__new__(Conversation)
+        new.tokenizer, new.max_context, new.renderer = self.tokenizer, self.max_context, self.renderer
+        new.reasoning, new._rule = self.reasoning, self._rule
+        new._start(prompt)
+        return new
 
     def set_last_finish_reason(self, reason: str) -> None:
         if self._turns:

@@ -191,7 +191,7 @@ class _Gen:
 class _Segment:
     """A self-consistent token sequence: a Conversation (chat) or one raw completion."""
 
-    __slots__ = ("busy", "closed", "conv", "entries", "index", "last_call", "opened_call", "raw", "tools")
+    __slots__ = ("busy", "closed", "conv", "cuts", "entries", "index", "last_call", "opened_call", "raw", "tools")
 
     def __init__(self, index: int, conv: Conversation | None, tools: list | None, entries: list) -> None:
         self.index = index
@@ -202,6 +202,8 @@ class _Segment:
         self.busy = False  # a request is extending it now
         self.opened_call = self.last_call = 0  # the session's request counter when opened / last extended
         self.raw: dict | None = None  # /v1/completions: arrays and the one turn
+        # where a fork may start: (entries, conv turns) just after each reply sampled in it (append-only)
+        self.cuts: list[tuple[int, int]] = []
 
     @property
     def n_turns(self) -> int:
@@ -249,7 +251,7 @@ class EndpointSession:
         self.metrics: dict[str, Any] = {"requests": 0, "llm_calls": 0, "refused_calls": 0, "refused_by_status": {},
                                         "assistant_tokens_reused": 0,
                                           "assistant_tokens_reencoded": 0, "llm_s": 0.0, "aborts": 0,
-                                          "malformed_tool_calls": 0}
+                                          "malformed_tool_calls": 0, "forks": 0, "fork_fallbacks": 0}
         self._gens: list[_Gen] = []
         self._inflight: set[asyncio.Future] = set()  # backend calls in flight (a job's requests run concurrently)
         self._calls = 0  # requests placed so far: the clock of the segments' side-call accounting
@@ -407,6 +409,7 @@ class EndpointSession:
             seg.conv.set_last_finish_reason(finish)  # the turn records what the agent saw
         gen = _Gen(content=content or "", raw=text, calls=calls, n_tokens=len(ids))
         seg.entries.append(gen)
+        seg.cuts.append((len(seg.entries), seg.conv.num_turns))
         self._gens.append(gen)
         return Reply(id=f"chatcmpl-{uuid.uuid4().hex}", model=self.model, content=content or None,
                      tool_calls=tool_calls, reasoning=reasoning, finish_reason=finish,
@@ -438,6 +441,12 @@ class EndpointSession:
         marked busy until the request is done. Runs in an endpoint thread, one per job at a time."""
         self._calls += 1
         seg = self._continued(msgs, tools)
+        fork = self._fork_point(msgs, tools, len(seg.entries) if seg is not None else 0)
+        if fork is not None:
+            forked = self._fork(*fork, msgs, tools)
+            if forked is not None:
+                forked.busy, forked.opened_call = True, self._calls
+                return forked
         if seg is not None:
             entries = seg.entries
             tail = msgs[len(entries):]
@@ -479,12 +488,68 @@ class EndpointSession:
         seg = _Segment(len(self.segments), conv, tools, list(msgs))
         if seg.index:
             log.info("endpoint_segment_opened", segment=seg.index, messages=len(msgs), prompt_tokens=conv.num_tokens)
+        self._count_reencoded(msgs)
+        self.segments.append(seg)
+        return seg
+
+    def _count_reencoded(self, msgs: list[Msg]) -> None:
+        """Our replies among ``msgs``, rendered from their text into a new segment (once each)."""
         for m in msgs:
             if m.role == "assistant":
                 g = next((g for g in self._gens if g.matches(m)), None)
                 if g is not None and not g.reencoded:
                     g.reencoded = True
                     self.metrics["assistant_tokens_reencoded"] += g.n_tokens
+
+    def _fork_point(self, msgs: list[Msg], tools: list | None, beat: int) -> tuple[_Segment, int, int] | None:
+        """The open conversation sharing the longest prefix with ``msgs`` that ends just after
+        one of its sampled replies and is longer than ``beat`` messages (an extension's): that
+        conversation, the prefix's length in messages and its number of turns. Busy and closed
+        conversations count too: a prefix already sampled never changes."""
+        best: tuple[_Segment, int, int] | None = None
+        n = len(msgs)
+        for seg in list(self.segments):
+            cuts = list(seg.cuts)  # appended on the loop while this runs in an endpoint thread
+            if seg.conv is None or not cuts or tools != seg.tools:
+                continue
+            floor = best[1] if best is not None else beat
+            top = max(c for c, _ in cuts if c < n) if any(c < n for c, _ in cuts) else 0
+            if top <= floor:
+                continue
+            same = 0
+            for e, m in zip(seg.entries[:top], msgs):
+                if not (e.matches(m) if type(e) is _Gen else e.key == m.key):
+                    break
+                same += 1
+            cut = max(((c, t) for c, t in cuts if c <= same and c < n), default=None)
+            if cut is not None and cut[0] > floor:
+                best = (seg, cut[0], cut[1])
+        return best
+
+    def _fork(self, parent: _Segment, g: int, turns: int, msgs: list[Msg], tools: list | None) -> _Segment | None:
+        """A new segment whose prompt is ``parent``'s ids up to its reply that ends message ``g``
+        (sampled ids verbatim) plus the rest of ``msgs`` rendered with the template's delimiters;
+        None (counted in ``fork_fallbacks``) when the template cannot render it that way or it
+        does not fit: the request then gets today's segment rendered from its messages."""
+        tail = msgs[g:]
+        try:
+            conv = parent.conv.fork(turns, self.call_ids.prepare([m.template_dict() for m in tail]))
+            if conv.remaining_context <= 0:
+                raise ContextOverflow(f"the fork's prompt of {conv.num_tokens} tokens leaves no room")
+        except Exception as e:  # noqa: BLE001 - TemplateError, the template's raise_exception, ContextOverflow
+            self.metrics["fork_fallbacks"] += 1
+            log.info("endpoint_fork_fell_back", parent=parent.index, messages=g, error=f"{type(e).__name__}: {e}")
+            return None
+        self.segments = [s for s in self.segments if s.busy or s.n_turns > 0]
+        seg = _Segment(len(self.segments), conv, tools, parent.entries[:g] + list(tail))
+        self.metrics["forks"] += 1
+        for e in seg.entries[:g]:
+            if type(e) is _Gen and not e.reused:
+                e.reused = True
+                self.metrics["assistant_tokens_reused"] += e.n_tokens
+        self._count_reencoded(tail)
+        log.info("endpoint_segment_forked", segment=seg.index, parent=parent.index, messages=g,
+                 prompt_tokens=conv.num_tokens)
         self.segments.append(seg)
         return seg
 

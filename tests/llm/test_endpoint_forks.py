@@ -1,0 +1,203 @@
+"""Forks at a shared prefix (issue 25 item 2): a request that repeats an open conversation's
+messages up to one of our replies and then goes another way (the main loop after a compaction
+side call, a retry after our reply, subagents with a common opening) opens a segment whose prompt
+is that conversation's exact ids up to the reply, plus its own messages rendered with the
+template's delimiters: no sampled token is re-encoded. Real parts: the ``openai`` SDK as the
+agent, a real uvicorn socket, the real Qwen2.5 tokenizer and the tiny BPE tokenizer with their
+chat templates, the scripted vLLM-API backend. Before this change (checked) each test failed:
+every fork re-rendered the shared history from text (``assistant_tokens_reencoded`` > 0).
+"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai SDK is not installed (pip install rolloutd[harness])")
+
+from rolloutd.llm.client import LLMClient, simple_generate
+from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    from rolloutd.llm.tiny_model import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(params=["qwen", "tiny"])
+def tok(request):
+    return request.getfixturevalue("qwen_tokenizer" if request.param == "qwen" else "tiny_tokenizer")
+
+
+class Agent:
+    """An ``openai``-SDK agent on a served session; records every prompt the backend saw and
+    the messages of every call."""
+
+    def __init__(self, tok, url):
+        self.tok, self.url = tok, url
+        self.prompts: list[list[int]] = []
+        self.calls: list[list[dict]] = []
+        self.inflight = self.max_inflight = 0
+
+    async def __aenter__(self):
+        self.llm = LLMClient(self.url, timeout=60)
+        inner = simple_generate(self.llm, "b0", 0)
+
+        async def generate(ids, params):
+            self.prompts.append(np.asarray(ids).tolist())
+            self.inflight += 1
+            self.max_inflight = max(self.max_inflight, self.inflight)
+            try:
+                return await inner(ids, params)
+            finally:
+                self.inflight -= 1
+
+        self.session = EndpointSession(generate, self.tok, limits=EndpointLimits(max_context=4096, max_tokens=24))
+        self.server = await serve(make_app(self.session), host="127.0.0.1", port=0)
+        self.oa = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{self.server.port}/v1", api_key="k", max_retries=0)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.oa.close()
+        await self.server.stop()
+        await self.llm.aclose()
+
+    async def chat(self, msgs: list[dict]) -> dict:
+        self.calls.append([dict(m) for m in msgs])
+        r = await self.oa.chat.completions.create(model="m", messages=msgs, max_tokens=24)
+        return {"role": "assistant", "content": r.choices[0].message.content}
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def check_segments(traj: dict, agent: Agent, tok) -> list[dict]:
+    """Every backend prompt is some segment's context at one of its turns; each segment's
+    sampled spans (and only they) are loss-bearing; with sequential calls, every prompt decodes
+    to the chat template's rendering of that call's messages."""
+    segs = traj.get("segments") or [traj]
+    contexts = set()
+    for s in segs:
+        ids = np.concatenate([s["prompt_ids"], s["response_ids"]]).tolist()
+        p = len(s["prompt_ids"])
+        for t in s["turns"]:
+            contexts.add(tuple(ids[: p + t["start"]]))
+        mask = np.asarray(s["loss_mask"])
+        assert int(mask.sum()) == sum(t["end"] - t["start"] for t in s["turns"])
+    assert {tuple(x) for x in agent.prompts} == contexts
+    if len(agent.calls) == len(agent.prompts):
+        for msgs, ids in zip(agent.calls, agent.prompts):
+            want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            assert tok.decode(ids, skip_special_tokens=False) == want
+    return segs
+
+
+def shares_prefix(fork: dict, parent: dict, turn: int) -> None:
+    """``fork``'s prompt starts with ``parent``'s ids up to the end of its turn ``turn``, verbatim."""
+    end = parent["turns"][turn]["end"]
+    prefix = np.concatenate([parent["prompt_ids"], parent["response_ids"][:end]])
+    assert np.array_equal(fork["prompt_ids"][: len(prefix)], prefix)
+    assert len(fork["prompt_ids"]) > len(prefix)
+
+
+def test_compaction_side_calls_fork_the_main_conversation_without_reencoding(tok, scripted):
+    """Codex/OpenCode/Claude Code compaction twice: a side call sends the main history plus a
+    "summarize" message (it extends the main conversation), then the main loop continues from
+    before it (once right after our reply, once after a further message both calls repeat)."""
+    be = scripted(tok, "echo")
+
+    async def episode():
+        async with Agent(tok, be.url) as ag:
+            main = [{"role": "system", "content": "You are the main agent."}, user("fix the bug")]
+            main.append(await ag.chat(main))
+            main.append(user("look at foo.py"))
+            main.append(await ag.chat(main))
+            await ag.chat(main + [user("Summarize the conversation so far.")])  # compaction 1
+            main.append(user("now run the tests"))
+            main.append(await ag.chat(main))
+            main.append(user("tests fail in bar"))
+            main.append(await ag.chat(main))
+            obs = user("bar.py: line 3 is wrong")  # both calls repeat it: the fork re-renders it, not a reply
+            await ag.chat(main + [obs, user("Summarize the conversation so far.")])  # compaction 2
+            main += [obs, user("fix line 3")]
+            main.append(await ag.chat(main))
+            main.append(user("done?"))
+            await ag.chat(main)
+            return ag.session.trajectory(), ag
+
+    traj, ag = asyncio.run(episode())
+    m = traj["metrics"]
+    assert m["assistant_tokens_reencoded"] == 0 and m["assistant_tokens_reused"] > 0, m
+    assert m["llm_calls"] == 8, m
+    assert m["segments"] == 1 + 2 and m["forks"] == 2 and m["fork_fallbacks"] == 0, m  # main + one per compaction
+    segs = check_segments(traj, ag, tok)
+    # main+summary 1 | fork 1: two main turns, summary 2 | fork 2: the last two main turns
+    assert [len(s["turns"]) for s in segs] == [3, 3, 2]
+    shares_prefix(segs[1], segs[0], 1)
+    shares_prefix(segs[2], segs[1], 1)
+    # the shared replies are loss-bearing once: in the parent (in the fork they are prompt)
+    assert sum(int(np.asarray(s["loss_mask"]).sum()) for s in segs) == \
+        sum(sum(t["end"] - t["start"] for t in s["turns"]) for s in segs)
+
+
+def test_retry_after_reply_forks_before_the_dropped_reply(tok, scripted):
+    """The agent drops our last reply and asks again (same request, then an edited one): each
+    is a fork after the reply before it; the dropped replies stay valid samples where they were."""
+    be = scripted(tok, "echo")
+
+    async def episode():
+        async with Agent(tok, be.url) as ag:
+            main = [{"role": "system", "content": "Be brief."}, user("hello")]
+            main.append(await ag.chat(main))
+            main.append(user("what is 2+2?"))
+            await ag.chat(main)  # dropped by the agent
+            again = await ag.chat(main)  # the same request again
+            await ag.chat(main[:-1] + [user("what is 3+3?")])  # an edited retry
+            main.append(again)
+            main.append(user("thanks"))
+            await ag.chat(main)  # continues the first retry
+            return ag.session.trajectory(), ag
+
+    traj, ag = asyncio.run(episode())
+    m = traj["metrics"]
+    assert m["assistant_tokens_reencoded"] == 0 and m["assistant_tokens_reused"] > 0, m
+    assert m["llm_calls"] == 5 and m["segments"] == 3 and m["forks"] == 2, m
+    segs = check_segments(traj, ag, tok)
+    assert [len(s["turns"]) for s in segs] == [2, 2, 1]
+    shares_prefix(segs[1], segs[0], 0)
+    shares_prefix(segs[2], segs[0], 0)
+
+
+def test_subagents_with_a_shared_opening_fork_it(tok, scripted):
+    """Two subagents start from the same opening, one of our replies included, and run at the
+    same time: one extends the opening's conversation, the other forks it."""
+    be = scripted(tok, "echo", latency=0.3)
+
+    async def subagent(ag: Agent, opening: list[dict], i: int) -> None:
+        msgs = opening + [user(f"subtask {i}: look around")]
+        msgs.append(await ag.chat(msgs))
+        msgs.append(user("go on"))
+        await ag.chat(msgs)
+
+    async def episode():
+        async with Agent(tok, be.url) as ag:
+            opening = [{"role": "system", "content": "You are a subagent."}, user("the task: fix the bug")]
+            opening.append(await ag.chat(opening))
+            await asyncio.gather(subagent(ag, opening, 1), subagent(ag, opening, 2))
+            return ag.session.trajectory(), ag
+
+    traj, ag = asyncio.run(episode())
+    m = traj["metrics"]
+    assert m["assistant_tokens_reencoded"] == 0 and m["assistant_tokens_reused"] > 0, m
+    assert ag.max_inflight >= 2, "the subagents were served one at a time"
+    assert m["llm_calls"] == 5 and m["segments"] == 2 and m["forks"] == 1, m
+    segs = check_segments(traj, ag, tok)
+    assert sorted(len(s["turns"]) for s in segs) == [2, 3]
+    parent, fork = sorted(segs, key=lambda s: -len(s["turns"]))
+    shares_prefix(fork, parent, 0)
