@@ -46,14 +46,16 @@ GIT_DIFF = ["git", "--no-pager", "-c", "core.fsmonitor=false", "-c", "core.hooks
 GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_ATTR_NOSYSTEM": "1",
            "GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0"}
 
-# pytest as the grader runs it: `python3 -B -P -c PYTEST_BOOT <args>`. -P keeps the workspace off
-# sys.path until pytest is imported (a pytest.py of the agent's is not the grader), then the
+# pytest as the grader runs it: `python3 -B -c PYTEST_BOOT <args>`. The boot takes the workspace
+# (-c's '') off sys.path until pytest is imported (a pytest.py of the agent's is not the grader), then the
 # workspace goes first, as `-m pytest` would put it. Our plugin runs last: after pytest's own
 # summary it prints an end line (a per-run token from the environment, removed before any
 # workspace code runs) with the session's exit status and leaves with os._exit, so nothing the
 # code under test registered (atexit) prints after it. Outcomes are read only before that line.
 PYTEST_BOOT = r"""
-import os, sys
+import sys
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # what -P does, for Pythons before 3.11
+import os
 import pytest
 END = os.environ.pop("ROLLOUTD_PYTEST_END", "")
 
@@ -85,7 +87,7 @@ def grader_argv(task: dict) -> list[str]:
     argv = list(task["test_cmd"])
     if argv[:4] != ["python3", "-B", "-m", "pytest"]:
         raise ValueError(f"{task['task_id']}: test_cmd must start with python3 -B -m pytest, not {argv[:4]}")
-    return ["python3", "-B", "-P", "-c", PYTEST_BOOT] + argv[4:]
+    return ["python3", "-B", "-c", PYTEST_BOOT] + argv[4:]
 
 
 def split_at_end(output: str, end: str) -> tuple[str, int | None]:
