@@ -21,7 +21,7 @@
    grading: the old path (bash `restart: true` + the command in the fresh shell) vs the grade
    tool (purge + fresh process), each after the agent left N background processes.
 5. Issue 24 red team (--pty-only runs just this), interleaved: sandbox ready and destroy with
-   a devpts instance of its own (max_ptys=64, as root) and --disable-userns vs neither.
+   a devpts instance of its own (max_ptys, 16, as root) and --disable-userns vs neither.
 Medians are the headline (the machine is shared and noisy); p99 is reported too.
 """
 from __future__ import annotations
@@ -329,7 +329,7 @@ def bench_hardening(root: Path, n: int, n_start: int, leftovers: int = 5) -> Dic
 
 def bench_pty_userns(root: Path, n: int) -> Dict[str, object]:
     """Section 5 (issue 24 red team): sandbox ready and destroy with the per-sandbox devpts
-    instance (max_ptys=64, root only) and --disable-userns vs neither, interleaved, same run."""
+    instance (max_ptys, 16, root only) and --disable-userns vs neither, interleaved, same run."""
     rts = {"bounded": get_runtime("bwrap", root_dir=root / "pty-b"),
            "unbounded": get_runtime("bwrap", root_dir=root / "pty-u", max_ptys=None)}
     rts["unbounded"].disable_userns = False
@@ -350,7 +350,7 @@ def bench_pty_userns(root: Path, n: int) -> Dict[str, object]:
 
 
 def report_pty_userns(p: Dict[str, object]) -> None:
-    print("issue 24 red team, same run, interleaved (bounded = devpts max=64%s + --disable-userns; unbounded = neither):"
+    print("issue 24 red team, same run, interleaved (bounded = devpts max=16%s + --disable-userns; unbounded = neither):"
           % ("" if p["devpts"] else " [not root: no devpts instance]"))
     for what in ("ready", "destroy"):
         r = p[what]

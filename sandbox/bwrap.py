@@ -201,7 +201,7 @@ class BwrapRuntime(Runtime):
 
     def __init__(self, root_dir=None, *, bwrap: str = "bwrap", run_as: Any = "auto",
                  tmp_size_mb: Optional[int] = 512, shm_size_mb: Optional[int] = 64, cgroup: Any = "auto",
-                 max_ptys: Optional[int] = 64, **kw: Any) -> None:
+                 max_ptys: Optional[int] = 16, **kw: Any) -> None:
         super().__init__(root_dir, **kw)
         path = shutil.which(bwrap)
         if path is None:
