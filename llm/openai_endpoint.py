@@ -38,9 +38,13 @@ replies we sampled). A request whose ``messages`` start with exactly one segment
 (our replies sent back as text or as structured ``tool_calls``, the same tools; the longest
 such segment that no other request is extending) *extends* it: only the new messages are
 rendered (with the template's own delimiters, :meth:`Conversation.add_messages`) and the
-assistant turns stay the exact sampled ids. Any other request (an edited, dropped or
-summarized history, other tools, a retry after our reply) opens a new segment rendered from the
-request's messages. docs/HARNESS.md says what a trainer does with segments.
+assistant turns stay the exact sampled ids. A request that repeats a segment's messages up to
+one of its replies and then goes another way (the main loop after a compaction side call, a
+retry after our reply, a second subagent with the same opening) *forks* it: a new segment whose
+prompt is that segment's exact ids up to the reply plus the rest rendered with the template's
+delimiters (:meth:`Conversation.fork`). Any other request (an edited or summarized history,
+other tools) opens a new segment rendered from the request's messages. docs/HARNESS.md says
+what a trainer does with segments.
 """
 
 from __future__ import annotations
