@@ -10,11 +10,13 @@ daemon's own environment is bind-mounted read-only at ``/opt/rolloutd-pytest`` a
 ``PYTHONPATH``, so ``python3 -m pytest`` works inside the sandbox with no network (the local
 runtime, which has no mounts, gets a directory of symlinks instead).
 
-eval captures the agent's patch (``git diff``), restores the test files, runs the task's
-``test_cmd`` in the sandbox through the ``grade`` tool (every process the agent started is
-killed first; the output is the test run's own, on fresh pipes) with a clean environment and
-the task's timeout, and grades it: reward 1 only if every FAIL_TO_PASS and every PASS_TO_PASS
-test passes.
+eval captures the agent's patch (``git diff``, no program-running config of the agent's),
+restores the test files and the repository's own conftest.py files (deleting any other), runs
+the task's ``test_cmd`` in the sandbox through the ``grade`` tool (every process the agent
+started is killed first; the output is the test run's own, on fresh pipes) with a clean
+environment and the task's timeout, pytest imported before the workspace is on ``sys.path`` and
+ended by our plugin's end line, and grades the output before that line: reward 1 only if every
+FAIL_TO_PASS and every PASS_TO_PASS test passes and pytest's status agrees with the exit code.
 
 ``[handlers.swe]`` config (besides the common keys): ``cache_dir`` (the swe_tasks cache).
 """
