@@ -198,3 +198,21 @@ def test_swe_code_under_test_cannot_print_a_summary_of_its_own(bwrap_rt):
     reward, details = asyncio.run(handler.evaluate(ctx))
     assert details["counts"]["parsed"], details
     assert reward == 0.0 and details["FAIL_TO_PASS_failed"], details
+
+
+def test_swe_the_repositorys_own_conftest_is_restored_and_others_deleted(bwrap_rt):
+    """The agent's hook goes into the repository's own tests/conftest.py and into new conftest.py
+    files below the tests and the library: the grade restores the first and deletes the others.
+    On the old code (every conftest loaded, only test_files restored) this was reward 1.0."""
+    handler, ctx, h, c, task = _swe(bwrap_rt)
+    ws = Path(h.workspace)
+    assert (ws / "tests" / "conftest.py").is_file()
+    r = c.call("bash", {"command": "cat >> tests/conftest.py <<'EOF'\n" + FORCE_PASS + "EOF\nmkdir -p tests/sub && "
+                                   "cp tests/conftest.py tests/sub/conftest.py && cp tests/conftest.py boltons/conftest.py "
+                                   "&& echo ok", "timeout": 20})
+    assert "ok" in r.output, r
+    reward, details = asyncio.run(handler.evaluate(ctx))
+    assert details["counts"]["parsed"], details
+    assert reward == 0.0 and details["FAIL_TO_PASS_failed"], details
+    assert "hookwrapper" not in (ws / "tests" / "conftest.py").read_text()
+    assert not (ws / "tests" / "sub" / "conftest.py").exists() and not (ws / "boltons" / "conftest.py").exists()
