@@ -216,3 +216,23 @@ def test_swe_the_repositorys_own_conftest_is_restored_and_others_deleted(bwrap_r
     assert reward == 0.0 and details["FAIL_TO_PASS_failed"], details
     assert "hookwrapper" not in (ws / "tests" / "conftest.py").read_text()
     assert not (ws / "tests" / "sub" / "conftest.py").exists() and not (ws / "boltons" / "conftest.py").exists()
+
+
+def test_swe_the_diff_grader_runs_none_of_the_agents_git_programs(bwrap_rt):
+    """The agent's .git/config names programs for git to run in `git diff` (fsmonitor hook,
+    external diff, textconv, pager) and its .gitattributes selects the textconv driver: the diff
+    grade runs none of them (each would leave a file). On the old code the fsmonitor hook ran."""
+    handler, ctx, h, c, task = _swe(bwrap_rt)
+    ws = Path(h.workspace)
+    cmd = ("printf '#!/bin/sh\\ntouch /workspace/.git/ran-$1\\ncat \"$2\" 2>/dev/null\\nexit 1\\n' > .git/prog.sh && "
+           "chmod +x .git/prog.sh && git config core.fsmonitor '/workspace/.git/prog.sh fsmonitor' && "
+           "git config diff.external '/workspace/.git/prog.sh external' && "
+           "git config diff.tc.textconv '/workspace/.git/prog.sh textconv' && "
+           "git config core.pager '/workspace/.git/prog.sh pager' && echo '* diff=tc' > .git/info/attributes && "
+           "echo '# changed' >> %s && echo ok" % task["test_files"][0])
+    r = c.call("bash", {"command": cmd, "timeout": 20})
+    assert "ok" in r.output, r
+    reward, details = asyncio.run(handler.evaluate(ctx))
+    assert reward == 0.0 and details["counts"]["parsed"], details
+    assert sorted(p.name for p in (ws / ".git").glob("ran-*")) == []
+    assert "# changed" in (details["patch"] or ""), details  # the diff itself was taken
