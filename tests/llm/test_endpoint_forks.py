@@ -289,3 +289,38 @@ def test_conversation_fork_equals_the_extension_it_stands_for(reasoning):
             assert f.num_turns == 0 and f.awaiting_generation and f.prompt_length == len(ref.context_ids)
     with pytest.raises(ValueError):
         conv(1).fork(2, other)
+
+
+def test_a_fork_the_template_cannot_render_incrementally_falls_back_to_a_full_render(scripted):
+    """A template whose rendering of earlier turns depends on later messages (here: the system
+    prompt changes once a message says "urgent", as Qwen3's depends on where the last user query
+    is) cannot continue the shared prefix: the fork falls back to a segment rendered from the
+    request's messages, counted, and the prompt is still the template's rendering."""
+    from rolloutd.llm.tiny_model import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    plain = "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    assert tok.chat_template.count(plain) == 1
+    tok.chat_template = tok.chat_template.replace(plain, (
+        "{%- set ns = namespace(urgent=false) %}{%- for m in messages %}{%- if m.content is string and 'urgent'"
+        " in m.content %}{%- set ns.urgent = true %}{%- endif %}{%- endfor %}"
+        "{{- '<|im_start|>system\\n' + messages[0]['content'] + (' Hurry.' if ns.urgent else '') + '<|im_end|>\\n' }}"))
+    be = scripted(tok, "echo")
+
+    async def episode():
+        async with Agent(tok, be.url) as ag:
+            main = [{"role": "system", "content": "You are the main agent."}, user("fix the bug")]
+            main.append(await ag.chat(main))
+            main.append(user("look at foo.py"))
+            main.append(await ag.chat(main))
+            await ag.chat(main + [user("Summarize the conversation so far.")])
+            main.append(user("this is urgent: run the tests"))
+            await ag.chat(main)
+            return ag.session.trajectory(), ag
+
+    traj, ag = asyncio.run(episode())
+    m = traj["metrics"]
+    assert m["segments"] == 2 and m["forks"] == 0 and m["fork_fallbacks"] == 1, m
+    assert m["assistant_tokens_reencoded"] > 0, m
+    check_segments(traj, ag, tok)
+    assert "Hurry." in tok.decode(traj["prompt_ids"].tolist())
