@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_agent_loop import ROOT, tokenizer_dir  # noqa: E402
-from common import loadavg, percentile, revision  # noqa: E402
+from common import cpu_seconds, loadavg, median, percentile, pyspy_report, pyspy_start, revision  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from tests.harness.isolation_agents import ATTACKER  # noqa: E402
@@ -43,6 +43,7 @@ ATTACKS = ("big8", "big60", "nested", "conns", "slow", "noread")
 
 SERVER = r"""
 import asyncio, json, os, sys, time
+import rolloutd.llm.openai_endpoint
 from rolloutd.llm.client import LLMClient, simple_generate
 from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
 from rolloutd.llm.tokenizer_utils import load_tokenizer
@@ -57,7 +58,7 @@ async def main():
                             api_key="k")
         await s.max_body()
         servers.append(await serve(make_app(s), uds=f"{d}/job{i}.sock"))
-    print("READY", flush=True)
+    print("READY", rolloutd.llm.openai_endpoint.__file__, flush=True)
     lag = 0.0
     while True:  # the loop's lag: how late a 10 ms sleep wakes up; reported (max) every 0.25 s
         t_end = time.monotonic() + 0.25
@@ -132,21 +133,102 @@ def neighbour(sock: str, stop: threading.Event, out: list):
             time.sleep(0.05)
 
 
+def start_server(tok_dir, backend: str, d: Path, n: int, max_context: int, env: dict):
+    d.mkdir(parents=True, exist_ok=True)
+    srv = subprocess.Popen([sys.executable, "-c", SERVER, str(tok_dir), backend, str(d), str(n), str(max_context)],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=str(d))
+    sq = lines_of(srv)  # cwd: not the checkout, whose rolloutd/ would come before PYTHONPATH
+    print(f"# {d.name}: {wait_line(sq, 'READY', srv).split()[1]}")
+    stats: list[tuple[float, dict]] = []
+
+    def collect():
+        while srv.poll() is None:
+            try:
+                ln = sq.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if ln.startswith("STAT {"):
+                try:
+                    stats.append((time.monotonic(), json.loads(ln[5:])))
+                except ValueError:  # a log line interleaved
+                    pass
+
+    threading.Thread(target=collect, daemon=True).start()
+    return srv, stats
+
+
+def run_phase(a, d: Path, n: int, phase: str, stats: list, env: dict, prof: Path | None) -> dict:
+    """Neighbours on jobs 0..n-2 of the server in ``d`` (started for this phase), the attacker
+    (if any) on job n-1; the neighbours run 1 s before the phase's window opens."""
+    stop = threading.Event()
+    lat: list = []
+    ths = [threading.Thread(target=neighbour, args=(str(d / f"job{i}.sock"), stop, lat), daemon=True)
+           for i in range(a.neighbours)]
+    for t in ths:
+        t.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    cpu0 = cpu_seconds(a.server_pid[d.name])
+    atk = spy = None
+    if phase != "quiet":
+        atk = subprocess.Popen([sys.executable, "-c", RELAYED_ATTACKER, str(d / f"job{n - 1}.sock"), phase],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=dict(env, ATTACK_FILE=str(d.parent / "attack.py")))
+    if prof is not None:
+        spy = pyspy_start({f"{d.name}-{phase}": a.server_pid[d.name]}, a.phase_s - 0.5, prof)
+    time.sleep(a.phase_s)
+    t1 = time.monotonic()
+    cpu = cpu_seconds(a.server_pid[d.name]) - cpu0
+    out = ""
+    atk_cpu = float("nan")  # the attacker's own CPU (with its relay threads), if it still runs
+    if atk is not None:
+        if atk.poll() is None:
+            atk_cpu = cpu_seconds(atk.pid)
+            atk.send_signal(signal.SIGKILL)
+        out = atk.communicate(timeout=30)[0]
+    stop.set()
+    for t in ths:
+        t.join(30)
+    if spy:
+        for name, r in pyspy_report(spy, top=25).items():
+            print(f"## py-spy {name}: {r['samples']} samples; self:")
+            for share, f in r["self"]:
+                print(f"  {share:6.1%} {f}")
+    xs = [x for t, x in lat if t0 <= t <= t1]
+    st = [s for t, s in stats if t0 <= t <= t1 + 0.3]
+    ans = [ln for ln in out.splitlines() if ln.startswith(("ANSWER", "OPENED", "CLOSED"))]
+    return {"calls": len(xs), "p50_ms": percentile(xs, 50) * 1000, "p99_ms": percentile(xs, 99) * 1000,
+            "max_ms": max(xs) * 1000 if xs else float("nan"),
+            "loop_lag_ms": max((s["lag"] for s in st), default=float("nan")) * 1000,
+            "rss_mb": max((s["rss"] for s in st), default=float("nan")),
+            "hwm_mb": max((s["hwm"] for s in st), default=float("nan")), "attacker": ans[:6],
+            "server_cpu": cpu / (t1 - t0), "attacker_cpu_s": atk_cpu}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--neighbours", type=int, default=4)
     ap.add_argument("--phase-s", type=float, default=15.0)
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of (quiet, each attack); medians reported")
     ap.add_argument("--attacks", default=",".join(ATTACKS))
+    ap.add_argument("--baseline-rev", default=None,
+                    help="also serve with this git revision's code (git archive, first on PYTHONPATH); every "
+                         "phase runs on both servers in turn (before/after in one run)")
+    ap.add_argument("--profile", default=None, help="py-spy the server through phases of these names (comma list)")
     ap.add_argument("--tokenizer", default="auto", help="auto | qwen | tiny")
     ap.add_argument("--max-context", type=int, default=16384)
-    ap.add_argument("--quick", action="store_true", help="6 s phases")
+    ap.add_argument("--quick", action="store_true", help="6 s phases, one repeat")
     a = ap.parse_args()
     if a.quick:
-        a.phase_s = 6.0
+        a.phase_s, a.repeats = 6.0, 1
     tok_dir, tok_name = tokenizer_dir(a.tokenizer)
     d = Path(tempfile.mkdtemp(prefix="bei-", dir="/tmp"))
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = []
+    variants: dict[str, tuple[Path, list]] = {}
+    a.server_pid = {}
+    attacks = a.attacks.split(",")
+    profiled = set((a.profile or "").split(","))
     try:
         be = subprocess.Popen([sys.executable, "-m", "rolloutd.llm.scripted", "--port", "0", "--tokenizer",
                                str(tok_dir), "--policy", "echo", "--latency", "constant:0"],
@@ -154,62 +236,37 @@ def main() -> int:
         procs.append(be)
         port = int(wait_line(lines_of(be), "READY", be).split()[1])
         n = a.neighbours + 1
-        srv = subprocess.Popen([sys.executable, "-c", SERVER, str(tok_dir), f"http://127.0.0.1:{port}", str(d),
-                                str(n), str(a.max_context)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               text=True, env=env)
+        if a.baseline_rev:
+            base = d / "code"
+            base.mkdir()
+            tar = subprocess.run(["git", "-C", str(ROOT), "archive", "--prefix=rolloutd/", a.baseline_rev],
+                                 check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(base)], input=tar, check=True)
+            # base/rolloutd is that revision's checkout (no __init__.py at its top): without the
+            # checkout on the path it imports as a namespace package, its subfolders as rolloutd.*
+            benv = dict(env, PYTHONPATH=str(base))
+            srv, stats = start_server(tok_dir, f"http://127.0.0.1:{port}", d / "before", n, a.max_context, benv)
+            procs.append(srv)
+            variants["before"] = (d / "before", stats)
+            a.server_pid["before"] = srv.pid
+        name = "after" if a.baseline_rev else "now"
+        srv, stats = start_server(tok_dir, f"http://127.0.0.1:{port}", d / name, n, a.max_context, env)
         procs.append(srv)
-        sq = lines_of(srv)
-        wait_line(sq, "READY", srv)
-        stats: list[tuple[float, dict]] = []
-
-        def collect():
-            while srv.poll() is None:
-                try:
-                    ln = sq.get(timeout=1.0)
-                except queue.Empty:
-                    continue
-                if ln.startswith("STAT {"):
-                    try:
-                        stats.append((time.monotonic(), json.loads(ln[5:])))
-                    except ValueError:  # a log line interleaved
-                        pass
-
-        threading.Thread(target=collect, daemon=True).start()
+        variants[name] = (d / name, stats)
+        a.server_pid[name] = srv.pid
         (d / "attack.py").write_text(ATTACKER)
-        stop = threading.Event()
-        lat: list = []
-        ths = [threading.Thread(target=neighbour, args=(str(d / f"job{i}.sock"), stop, lat), daemon=True)
-               for i in range(a.neighbours)]
-        for t in ths:
-            t.start()
-        time.sleep(4.0)  # warm-up (first renders, imports on first use)
-        rows = []
-        for phase in ["quiet"] + a.attacks.split(",") + ["quiet"]:
-            t0 = time.monotonic()
-            atk = None
-            if phase != "quiet":
-                atk = subprocess.Popen([sys.executable, "-c", RELAYED_ATTACKER, str(d / f"job{n - 1}.sock"), phase],
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                       env=dict(env, ATTACK_FILE=str(d / "attack.py")))
-            time.sleep(a.phase_s)
-            t1 = time.monotonic()
-            out = ""
-            if atk is not None:
-                if atk.poll() is None:
-                    atk.send_signal(signal.SIGKILL)
-                out = atk.communicate(timeout=30)[0]
-            xs = [x for t, x in lat if t0 <= t <= t1]
-            st = [s for t, s in stats if t0 <= t <= t1 + 0.3]
-            ans = [ln for ln in out.splitlines() if ln.startswith(("ANSWER", "OPENED", "CLOSED"))]
-            rows.append({"phase": phase, "calls": len(xs), "p50_ms": percentile(xs, 50) * 1000,
-                         "p99_ms": percentile(xs, 99) * 1000, "max_ms": max(xs) * 1000 if xs else float("nan"),
-                         "loop_lag_ms": max((s["lag"] for s in st), default=float("nan")) * 1000,
-                         "rss_mb": max((s["rss"] for s in st), default=float("nan")),
-                         "hwm_mb": max((s["hwm"] for s in st), default=float("nan")), "attacker": ans[:6]})
-            time.sleep(1.0)
-        stop.set()
-        for t in ths:
-            t.join(30)
+        for vd, st in variants.values():  # warm-up (first renders, imports on first use)
+            w = argparse.Namespace(**{**vars(a), "phase_s": 3.0})
+            run_phase(w, vd, n, "quiet", st, env, None)
+        rows: dict[tuple[str, str], list[dict]] = {}
+        order = list(variants)
+        plan = [(r, ph) for r in range(a.repeats) for ph in ["quiet"] + attacks] + [(a.repeats, "quiet")]
+        for k, (rep, phase) in enumerate(plan):
+            for v in (order if k % 2 == 0 else order[::-1]):  # alternate which variant goes first
+                vd, st = variants[v]
+                prof = d / "prof" if phase in profiled and rep == 0 else None
+                rows.setdefault((v, phase), []).append(run_phase(a, vd, n, phase, st, env, prof))
+                time.sleep(1.0)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -219,16 +276,29 @@ def main() -> int:
                 except subprocess.TimeoutExpired:
                     p.kill()
         subprocess.run(["rm", "-rf", str(d)], check=False)
-    q = rows[0]["p99_ms"]
-    print(f"# bench_endpoint_isolation: {a.neighbours} neighbours, {a.phase_s:g} s per phase, {tok_name}, "
-          f"max_context {a.max_context}; rev {revision(ROOT)}; load {loadavg()}")
-    print("| phase | calls | p50 ms | p99 ms | p99 / quiet | max ms | server loop lag max ms | server RSS MB (peak) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['phase']} | {r['calls']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['p99_ms'] / q:.2f} | "
-              f"{r['max_ms']:.0f} | {r['loop_lag_ms']:.0f} | {r['rss_mb']:.0f} ({r['hwm_mb']:.0f}) |")
-    for r in rows[1:-1]:
-        print(f"  {r['phase']}: {'; '.join(r['attacker'])}")
+    print(f"# bench_endpoint_isolation: {a.neighbours} neighbours, {a.phase_s:g} s per phase, {a.repeats} repeats, "
+          f"{tok_name}, max_context {a.max_context}; rev {revision(ROOT)}"
+          + (f", before = {a.baseline_rev}" if a.baseline_rev else "") + f"; load {loadavg()}")
+    print("p99 and p50: median over the repeats [min-max]; p99 / quiet: against the median p99 of all that "
+          "server's quiet phases; lag, RSS: max over the repeats")
+    print("| server | phase | calls (median) | p50 ms | p99 ms [min-max] | p99 / quiet | max ms | "
+          "loop lag max ms | server CPU (cores) | attacker CPU s | RSS MB (peak) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for v in order:
+        q = median(r["p99_ms"] for r in rows[(v, "quiet")])
+        for phase in ["quiet"] + attacks:
+            rs = rows[(v, phase)]
+            p99s = [r["p99_ms"] for r in rs]
+            print(f"| {v} | {phase} | {median(r['calls'] for r in rs):.0f} | {median(r['p50_ms'] for r in rs):.1f} | "
+                  f"{median(p99s):.1f} [{min(p99s):.0f}-{max(p99s):.0f}] | {median(p99s) / q:.2f} | "
+                  f"{max(r['max_ms'] for r in rs):.0f} | {max(r['loop_lag_ms'] for r in rs):.0f} | "
+                  f"{median(r['server_cpu'] for r in rs):.2f} | {median(r['attacker_cpu_s'] for r in rs):.1f} | "
+                  f"{max(r['rss_mb'] for r in rs):.0f} ({max(r['hwm_mb'] for r in rs):.0f}) |")
+        qs = [r["p99_ms"] for r in rows[(v, "quiet")]]
+        print(f"  {v}: quiet p99 over {len(qs)} phases: {', '.join(f'{x:.0f}' for x in qs)} ms "
+              f"(max/min {max(qs) / min(qs):.2f})")
+        for phase in attacks:
+            print(f"  {v} {phase}: {'; '.join(rows[(v, phase)][0]['attacker'])}")
     return 0
 
 
