@@ -125,7 +125,9 @@ def test_no_attack_on_one_endpoint_fails_or_slows_the_neighbours(iso_up):
     for big in ("atk-big8", "atk-big60"):  # refused from its Content-Length; the client may see the reset first
         assert re.search(r"ANSWER (HTTP/1.1 413|closed)", tails[big]), tails[big]
     assert re.search(r"ANSWER HTTP/1.1 400", tails["atk-nested"]), tails["atk-nested"]
-    for what, answer in (("headers", "408"), ("body", "408|413"), ("http09", "400|408"), ("bigheader", "400|431"),
+    # HTTP/0.9 is answered at its first line (it got 408 after 30 s before); the 1 GB Content-Length
+    # is refused from the header, before a byte of the body.
+    for what, answer in (("headers", "408"), ("body", "413"), ("http09", "400"), ("bigheader", "400|431"),
                          ("version", "505")):
         assert re.search(rf"ANSWER {what} (HTTP/1.1 ({answer})|closed)", tails["atk-slow"]), tails["atk-slow"]
     growth = peak_rss_mb(iso_up.daemon_pid("run")) - rss0
