@@ -16,7 +16,7 @@ Phases: quiet, each attack, quiet again (the machine's own drift). Per phase: ne
 event-loop lag (a 10 ms ticker in the server) and its peak RSS. Example::
 
     python bench/bench_endpoint_isolation.py --quick
-    python bench/bench_endpoint_isolation.py --phase-s 20 --tokenizer qwen
+    python bench/bench_endpoint_isolation.py --phase-s 10 --repeats 3 --baseline-rev 7ca5d4b
 """
 from __future__ import annotations
 
