@@ -24,7 +24,7 @@ import time
 from typing import Callable, List, Optional, Tuple
 
 from .errors import ToolError
-from .procs import MANAGED, SPAWN_LOCK, _children_map, _stat_rows, descendants
+from .procs import SPAWN_LOCK, _stat_rows, descendants, reap_orphans
 
 PR_SET_DUMPABLE = 4
 _SEALED = threading.Event()
@@ -99,17 +99,6 @@ def _alive_others() -> List[int]:
     return [pid for pid, _ in _stat_rows() if pid in alive and _task_alive(pid)]
 
 
-def _reap_unmanaged() -> None:
-    me = os.getpid()
-    for pid in _children_map().get(me, []):
-        if pid in MANAGED:
-            continue
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-
-
 def purge(timeout: float = 10.0) -> Tuple[int, List[int]]:
     """Kill every process of the sandbox but this one; (how many were killed, survivors).
 
@@ -118,8 +107,7 @@ def purge(timeout: float = 10.0) -> Tuple[int, List[int]]:
     deadline = time.monotonic() + timeout
     first = True
     while True:
-        with SPAWN_LOCK:
-            _reap_unmanaged()  # zombies of earlier rounds too: none is left in /proc
+        reap_orphans()  # zombies of earlier rounds too: none is left in /proc
         alive = _alive_others()
         if not alive and not (first and os.getpid() == 1):
             return len(killed), []
