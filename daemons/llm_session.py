@@ -31,6 +31,7 @@ import numpy as np
 from rolloutd.bus import codec
 from rolloutd.bus.messages import BackendFailed, Lease, Release
 from rolloutd.bus.sockets import recv, recv_now
+from rolloutd.llm.client import with_timeout
 
 MAX_FAILOVERS = 3
 
@@ -113,7 +114,7 @@ class RouterClient:
         self._waiting[msg.req_id] = (fut, frames)
         await self.sock.send_multipart(frames, copy=False)
         try:
-            header = await asyncio.wait_for(fut, timeout_s or self.timeout_s)
+            header = await with_timeout(fut, timeout_s or self.timeout_s)  # not wait_for: see llm.client
         except asyncio.TimeoutError:
             raise RouterError("unavailable", "the router did not answer in time") from None
         finally:

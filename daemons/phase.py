@@ -253,8 +253,12 @@ class PhaseDaemon(Daemon):
             raise PhaseTimeout(self.phase, 0.0)
         try:
             if _timeout is not None:  # in this task: wait_for wraps every phase in a second task
-                async with _timeout(limit):
+                async with _timeout(limit) as cm:
                     await coro
+                # The limit's cancellation can be swallowed inside the handler (3.11's wait_for
+                # returns a result that is done at that moment): the phase ran out all the same.
+                if cm.expired():
+                    raise PhaseTimeout(self.phase, limit)
             else:
                 await asyncio.wait_for(coro, limit)
         except asyncio.TimeoutError:

@@ -38,7 +38,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 import structlog
 
-from .client import BackendError, ContextOverflow, Generation, SamplingParams
+from .client import BackendError, ContextOverflow, Generation, SamplingParams, with_timeout
 from .conversation import Conversation
 from .toolparse import ToolCall, ToolParser, parse_ids
 
@@ -150,8 +150,8 @@ async def run_agent_loop(
             if kind == "call":
                 t1 = perf()
                 try:
-                    if tool_timeout is not None:
-                        obs = await asyncio.wait_for(execute_tool(item), tool_timeout)
+                    if tool_timeout is not None:  # not wait_for: on 3.11 it can swallow the job's cancel
+                        obs = await with_timeout(execute_tool(item), tool_timeout)
                     else:
                         obs = await execute_tool(item)
                 except asyncio.TimeoutError:

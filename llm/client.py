@@ -167,15 +167,17 @@ def _as_float32(values: Sequence[Any]) -> np.ndarray:
         return np.asarray([float("nan") if v is None else float(v) for v in values], dtype=np.float32)
 
 
+# A timeout that never swallows the caller's cancellation: Python 3.11's asyncio.wait_for returns
+# the inner result when it is done at the moment the outer task is cancelled (fixed in 3.12).
 if sys.version_info >= (3, 11):
 
-    async def _with_timeout(coro: Awaitable[Any], timeout: float | None) -> Any:
+    async def with_timeout(coro: Awaitable[Any], timeout: float | None) -> Any:
         async with asyncio.timeout(timeout):
             return await coro
 
 else:  # pragma: no cover - Python 3.10
 
-    async def _with_timeout(coro: Awaitable[Any], timeout: float | None) -> Any:
+    async def with_timeout(coro: Awaitable[Any], timeout: float | None) -> Any:
         return await asyncio.wait_for(coro, timeout)
 
 
@@ -314,7 +316,7 @@ class LLMClient:
         body = self._body(_ids_to_json(prompt_ids), params, model, rid if self.api == "sglang" else None)
         budget = self.timeout if timeout is None else timeout
         try:
-            resp = await _with_timeout(
+            resp = await with_timeout(
                 self._http.post(self._url, content=body, headers=_JSON_HEADERS), budget
             )
         except (asyncio.TimeoutError, httpx.TimeoutException) as e:
@@ -434,7 +436,7 @@ class LLMClient:
         if self.api != "sglang":
             return False
         try:
-            r = await _with_timeout(self._http.post("/abort_request", json={"rid": rid}), min(timeout, self.timeout))
+            r = await with_timeout(self._http.post("/abort_request", json={"rid": rid}), min(timeout, self.timeout))
         except (asyncio.TimeoutError, httpx.HTTPError) as e:
             log.warning("llm_abort_failed", backend=self.base_url, error=f"{type(e).__name__}: {e}")
             return False
@@ -443,14 +445,14 @@ class LLMClient:
     # -- control plane ---------------------------------------------------------------
     async def health(self, timeout: float = 5.0) -> bool:
         try:
-            r = await _with_timeout(self._http.get("/health"), min(timeout, self.timeout))
+            r = await with_timeout(self._http.get("/health"), min(timeout, self.timeout))
         except (asyncio.TimeoutError, httpx.HTTPError):
             return False
         return r.status_code == 200
 
     async def models(self, timeout: float = 10.0) -> list[str]:
         try:
-            r = await _with_timeout(self._http.get("/v1/models"), min(timeout, self.timeout))
+            r = await with_timeout(self._http.get("/v1/models"), min(timeout, self.timeout))
         except (asyncio.TimeoutError, httpx.HTTPError) as e:
             raise BackendError(f"/v1/models: {type(e).__name__}: {e}", backend=self.base_url) from e
         if r.status_code != 200:
@@ -464,7 +466,7 @@ class LLMClient:
         """Load gauges from ``/metrics``: ``num_requests_running``, ``num_requests_waiting``
         (and ``kv_cache_usage`` when exported), from the ``vllm:`` or ``sglang:`` names."""
         try:
-            r = await _with_timeout(self._http.get("/metrics"), min(timeout, self.timeout))
+            r = await with_timeout(self._http.get("/metrics"), min(timeout, self.timeout))
         except (asyncio.TimeoutError, httpx.HTTPError) as e:
             raise BackendError(f"/metrics: {type(e).__name__}: {e}", backend=self.base_url) from e
         if r.status_code != 200:
