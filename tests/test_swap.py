@@ -194,8 +194,9 @@ def test_rolling_swap_server_by_server(up_factory, servers, policy):
             wait_for(lambda: c.list_backends()["backends"][s.index(b)]["healthy"], what="reloaded server admitted")
             later += c.submit([job(100 + len(later) + i, calls=1, max_tokens=4) for i in range(2)])
         results = {r["job_id"]: r for r in c.gather(first + later, timeout_s=120)}
-    assert all(r["status"] == "ok" and r["attempts"] == 1 for r in results.values()), [
-        (r["status"], r["error"]) for r in results.values()]
+    assert all(r["status"] == "ok" and r["attempts"] == 1 for r in results.values()), (
+        [(r["instance_id"], r["status"], r["attempts"], r["error"]) for r in results.values()],
+        [e for e in up.logged("job_redispatched")])
     for j in later:  # submitted after a reload: only ever on v1
         assert set(versions(results[j])) == {1}, versions(results[j])
     for j in first:
