@@ -657,7 +657,7 @@ class ScriptedBackend:
                 self._waiting -= 1
         self._running += 1
         started = time.perf_counter()
-        n, per = len(ids), self.latency.per_token
+        n, per = len(ids), getattr(self.latency, "per_token", 0.0)  # a custom latency may have only sample()
 
         def sampled() -> int:  # tokens whose time has passed (the rest were never sampled)
             spent = time.perf_counter() - started

@@ -491,3 +491,20 @@ def test_vllm_without_prompt_echo(qwen_tokenizer, scripted, arun):
 
     g1, g2 = arun(main())
     assert g1.token_ids.tolist() == g2.token_ids.tolist() and np.array_equal(g1.logprobs, g2.logprobs)
+
+
+def test_a_latency_object_with_only_sample_is_served(qwen_tokenizer, scripted):
+    """Benchmarks plug their own latency models in (bench_scale's grows with requests in flight):
+    an object with only ``sample(rng, n_tokens)`` must work; the abortable path read a
+    ``per_token`` it does not have and every request crashed (bench-smoke, silently)."""
+
+    class OnlySample:
+        def sample(self, rng, n_tokens):
+            return 0.01
+
+    be = scripted(qwen_tokenizer, "constant:text=\"ok\"")
+    be.latency = OnlySample()
+    body = {"model": "scripted", "prompt": [1, 2], "max_tokens": 4, "logprobs": 0, "return_token_ids": True}
+    r = httpx.post(be.url + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"]
