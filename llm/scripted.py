@@ -640,7 +640,9 @@ class ScriptedBackend:
 
     async def _delayed(self, api, req, prompt, ids, lps, finish, stop_reason, delay, t0) -> bytes:
         rid = req.get("rid") if api == "sglang" and isinstance(req.get("rid"), str) else None
-        abort = self._aborts[rid] = asyncio.Event() if rid else None
+        abort = asyncio.Event() if rid else None
+        if rid:  # a request without a rid cannot be aborted by id (and must not sit in the table as None)
+            self._aborts[rid] = abort
         try:
             return await self._delayed_abortable(api, req, prompt, ids, lps, finish, stop_reason, delay, t0, abort)
         finally:

@@ -508,3 +508,21 @@ def test_a_latency_object_with_only_sample_is_served(qwen_tokenizer, scripted):
     r = httpx.post(be.url + "/v1/completions", json=body, timeout=10)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"]
+
+
+def test_abort_all_while_a_request_without_rid_is_in_flight(qwen_tokenizer, scripted):
+    """SGLang's /abort_request {"abort_all": true} beside a delayed request that named no rid (every
+    vLLM-API request): the backend answers 200 and the request completes; before, the request left
+    an entry None in the abort table and abort_all raised AttributeError on it."""
+    import threading
+
+    be = scripted(qwen_tokenizer, "constant:text=\"ok\"", latency=0.5)
+    body = {"model": "scripted", "prompt": [1, 2], "max_tokens": 4, "logprobs": 0, "return_token_ids": True}
+    got = {}
+    t = threading.Thread(target=lambda: got.update(r=httpx.post(be.url + "/v1/completions", json=body, timeout=10)))
+    t.start()
+    assert be.wait_for(lambda b: b.num_running >= 1, timeout=10)
+    a = httpx.post(be.url + "/abort_request", json={"abort_all": True}, timeout=10)
+    t.join(15)
+    assert a.status_code == 200, a.text
+    assert got["r"].status_code == 200
