@@ -52,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import itertools
 import json
 import os
 import re
@@ -255,18 +254,17 @@ class EndpointSession:
         self.metrics: dict[str, Any] = {"requests": 0, "llm_calls": 0, "refused_calls": 0, "refused_by_status": {},
                                         "assistant_tokens_reused": 0,
                                           "assistant_tokens_reencoded": 0, "llm_s": 0.0, "aborts": 0,
-                                          "malformed_tool_calls": 0, "forks": 0, "fork_fallbacks": 0}
+                                          "malformed_tool_calls": 0, "forks": 0, "fork_fallbacks": 0,
+                                          "endpoint_cpu_s": 0.0}
         self._gens: list[_Gen] = []
         self._inflight: set[asyncio.Future] = set()  # backend calls in flight (a job's requests run concurrently)
         self._calls = 0  # requests placed so far: the clock of the segments' side-call accounting
         self._cancelled: str | None = None
-        self._call_ids = itertools.count()
         self._decode_cache: dict[int, str] = {}
         self._prev_msgs: tuple[list, list[Msg]] | None = None
         self.bounds = EndpointBounds()
         self._work = asyncio.Semaphore(1)  # this job's share of the endpoint threads: one at a time
         self._mbpt: int | None = None
-        self.metrics["endpoint_cpu_s"] = 0.0
 
     # -- bounds ----------------------------------------------------------------------------
     async def _offload(self, fn, *args):
@@ -389,21 +387,23 @@ class EndpointSession:
             self._admit()
             n_turns, n_ctx = seg.conv.num_turns, seg.conv.num_tokens
             try:
-                ids, lps, finish, text = await self._sample(seg.conv, samp)
+                ids, lps, finish, stop_hit = await self._sample(seg.conv, samp)
             except BaseException:
                 if seg.conv.num_turns > n_turns:  # a partial (aborted) reply is in it: never extend it again
                     seg.closed = True
                 raise
-            return self._chat_reply(seg, n_ctx, ids, lps, finish, text, parse_calls, want_lp)
+            return self._chat_reply(seg, n_ctx, ids, lps, finish, stop_hit, parse_calls, want_lp)
         finally:
             seg.busy = False
 
-    def _chat_reply(self, seg: _Segment, n_ctx: int, ids: list[int], lps: list[float], finish: str, text: str,
-                    parse_calls: bool, want_lp: bool) -> Reply:
+    def _chat_reply(self, seg: _Segment, n_ctx: int, ids: list[int], lps: list[float], finish: str,
+                    stop_hit: str | None, parse_calls: bool, want_lp: bool) -> Reply:
         # from the sampled ids with this tokenizer, never the backend's text (llm/toolparse.py)
         res, tool_calls = parse_reply(ids, self.tokenizer, self.parser, seg.tools, call_ids=self.call_ids,
                                       parse_calls=parse_calls)
         text, content, reasoning, calls = res.text or "", res.content, res.reasoning, ()
+        if stop_hit and content and (cut := content.find(stop_hit)) >= 0:
+            content = content[:cut]  # the returned text ends before the stop string (OpenAI's stop)
         if parse_calls and res.errors:  # a malformed call is not returned as a call (vLLM does the same)
             self.metrics["malformed_tool_calls"] += len(res.errors)
         if tool_calls:
@@ -416,7 +416,7 @@ class EndpointSession:
         seg.cuts.append((len(seg.entries), seg.conv.num_turns))
         self._gens.append(gen)
         return Reply(id=f"chatcmpl-{uuid.uuid4().hex}", model=self.model, content=content or None,
-                     tool_calls=tool_calls, reasoning=reasoning, finish_reason=finish,
+                     tool_calls=tool_calls, reasoning=reasoning, finish_reason=finish, stop_sequence=stop_hit,
                      prompt_tokens=n_ctx, completion_tokens=len(ids), token_ids=ids,
                      logprobs=lps, token_strs=self._token_strs(ids) if want_lp else None)
 
@@ -558,15 +558,17 @@ class EndpointSession:
         return seg
 
     # -- sampling --------------------------------------------------------------------------
-    async def _sample(self, conv: Conversation, samp: Sampling) -> tuple[list[int], list[float], str, str]:
-        """Generate one assistant message into ``conv`` (continuing it after server-side aborts)."""
+    async def _sample(self, conv: Conversation, samp: Sampling) -> tuple[list[int], list[float], str, str | None]:
+        """Generate one assistant message into ``conv`` (continuing it after server-side aborts);
+        (ids, logprobs, finish reason, the request's stop string that ended it or None)."""
         want = samp.max_tokens if samp.max_tokens is not None else self.limits.max_tokens
         if conv.remaining_context <= 0:
             raise bad(f"no room left to generate: {conv.num_tokens} tokens of this job's context window of "
                       f"{self.limits.max_context} are used", "messages", "context_length_exceeded")
         ids: list[int] = []
         lps: list[float] = []
-        texts: list[str] = []
+        texts: list[str] = []  # decoded parts, only to find stop strings (replies are parsed from ids)
+        stop_hit = None
         aborts = 0
         self.metrics["llm_calls"] += 1  # past every refusal: this request reaches the backend
         while True:
@@ -575,16 +577,15 @@ class EndpointSession:
                 finish = "length"
                 break
             g, backend, pv = await self._call(conv.context_ids, samp.params(max_new))
-            text = self._decode(g.token_ids)  # from the ids, never the backend's text
-            if samp.stop:
-                text = self._apply_stop(g, text, samp.stop, "".join(texts))
+            if samp.stop:  # the text decoded from the ids, never the backend's text
+                text, stop_hit = self._apply_stop(g, self._decode(g.token_ids), samp.stop, "".join(texts))
+                texts.append(text)
             capped = max_new < want - len(ids) and g.finish_reason == "length" and len(g.token_ids) >= max_new
             conv.add_generation(g, backend, pv)
             if capped:  # cut by the context window, not by max_tokens (as the built-in loop records it)
                 conv.set_last_finish_reason("context_overflow")
             ids += np.asarray(g.token_ids).tolist()
             lps += np.asarray(g.logprobs, dtype=np.float64).tolist()
-            texts.append(text)
             finish = g.finish_reason
             if finish != "abort":
                 break
@@ -594,16 +595,17 @@ class EndpointSession:
             if aborts > self.limits.max_aborts:
                 raise EndpointError(503, f"generation aborted {aborts} times in a row", type="service_unavailable",
                                     code="backend_aborted")
-        return ids, lps, finish, "".join(texts)
+        return ids, lps, finish, stop_hit
 
-    def _apply_stop(self, g: Generation, text: str, stops: list[str], before: str) -> str:
+    def _apply_stop(self, g: Generation, text: str, stops: list[str], before: str) -> tuple[str, str | None]:
         """Cut the generation after the token that completes the first stop string (OpenAI's
         ``stop``; the tokens after it are dropped, so the trajectory holds what the agent saw);
-        the returned text ends before the stop string. ``before``: this message's earlier parts."""
+        returns the text before the stop string and the stop string (None when none occurs).
+        ``before``: this message's earlier parts."""
         full = before + text
         hits = [(i, s) for s in stops if (i := full.find(s, max(0, len(before) - len(s) + 1))) >= 0]
         if not hits:
-            return text
+            return text, None
         cut, stop = min(hits)
         ids = np.asarray(g.token_ids).tolist()
         lo, hi = 1, len(ids)  # the shortest prefix whose text contains the stop string
@@ -616,7 +618,7 @@ class EndpointSession:
         g.token_ids = np.asarray(ids[:lo], dtype=np.int32)
         g.logprobs = np.asarray(g.logprobs)[:lo]
         g.finish_reason = "stop"
-        return full[len(before):cut] if cut >= len(before) else ""
+        return (full[len(before):cut] if cut >= len(before) else ""), stop
 
     async def _call(self, ids: Any, params: SamplingParams) -> tuple[Generation, str, int]:
         """The backend call, cancellable by :meth:`cancel` and bounded by the deadline."""
@@ -766,7 +768,7 @@ class EndpointSession:
         g, backend, pv = await self._call(np.asarray(ids, dtype=np.int32), samp.params(min(want, room)))
         text = self._decode(g.token_ids)  # from the ids, never the backend's text
         if samp.stop:
-            text = self._apply_stop(g, text, samp.stop, "")
+            text, _ = self._apply_stop(g, text, samp.stop, "")
         out = np.asarray(g.token_ids, dtype=np.int32).reshape(-1)
         lp = np.asarray(g.logprobs, dtype=np.float32).reshape(-1)
         seg = _Segment(0, None, None, [])
@@ -844,14 +846,15 @@ async def _read_body(receive, limit: int, gate: _Gate, budget: int) -> bytes:
     """The body, refused (413) past ``limit``, or when this job's bodies in flight would pass
     ``budget``; the bytes stay counted in ``gate.bytes`` until the caller releases them."""
     chunks: list[bytes] = []
+    size = 0
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
             raise ConnectionResetError("client went away")
         chunk = msg.get("body", b"")
         gate.bytes += len(chunk)
+        size += len(chunk)
         chunks.append(chunk)
-        size = sum(map(len, chunks))
         if size > limit:
             raise EndpointError(413, f"request body larger than {limit} bytes, more than any content that fits "
                                      "this job's context window", code="request_too_large", retry=False)
@@ -872,10 +875,10 @@ def _content_length(scope) -> int | None:
     return None
 
 
-def make_app(session: EndpointSession, *, max_body: int = MAX_BODY, bounds: EndpointBounds | None = None):
+def make_app(session: EndpointSession, *, max_body: int = MAX_BODY):
     """A raw ASGI 3 app serving ``session`` (no framework: a few routes). Request bodies are
     bounded by ``session.max_body()`` (and ``max_body``), parsed off the loop by the session."""
-    b = session.bounds = bounds or session.bounds
+    b = session.bounds
     gate = _Gate()
 
     async def timed_send(send, msg) -> None:
