@@ -200,8 +200,8 @@ def measure_gateway(nodes: int, active: int, rounds: int, job_s: float, listings
 async def _turns(gw, turns: int) -> dict:
     """One loop turn's receive work as ``Gateway.serve`` does it (drain 5 sockets) with one heartbeat
     waiting on the events socket and the other four empty, as at a few thousand heartbeats/s spread
-    over the second. Before: ``recv_now`` until it comes back empty (each empty one a raised
-    zmq.Again); now: ``Gateway._drain`` asks ``readable()`` first. Alternated turn by turn."""
+    over the second. Before: receive until it comes back empty (each empty one a raised
+    zmq.Again); now: ``Gateway._drain``, whose ``recv_now`` asks the socket first. Alternated turn by turn."""
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
@@ -222,9 +222,11 @@ async def _turns(gw, turns: int) -> dict:
             before = k % 2
             c0 = cpu()
             for s in socks:
-                if before:
+                if before:  # the old recv_now: receive until zmq.Again says the socket is empty
                     for _ in range(512):
-                        if recv_now(s) is None:
+                        try:
+                            s.recv_multipart(zmq.NOBLOCK, copy=False).result()
+                        except zmq.Again:
                             break
                 else:
                     gw._drain(s, lambda f: None)

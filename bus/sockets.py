@@ -161,7 +161,11 @@ async def recv(sock: zmq.asyncio.Socket, timeout_s: float) -> list | None:
 
 
 def recv_now(sock) -> list | None:
-    """A message already queued, without waiting (to drain a socket in batches)."""
+    """A message already queued, without waiting (to drain a socket in batches). Asks the socket
+    first: an empty receive on a zmq.asyncio socket raises zmq.Again (~7 us), asking costs ~2 us,
+    and a drain ends on an empty socket every time (bench/bench_head_cpu.py, docs/SCALING.md)."""
+    if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        return None
     try:
         r = sock.recv_multipart(zmq.NOBLOCK, copy=False)
     except zmq.Again:
@@ -187,10 +191,6 @@ def send_now(sock, frames) -> bool:
 
 def writable(sock) -> bool:
     return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
-
-
-def readable(sock) -> bool:
-    return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
 
 Again = zmq.Again

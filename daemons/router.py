@@ -19,7 +19,7 @@ import httpx
 
 from rolloutd.bus import codec, events
 from rolloutd.bus.messages import Error, MessageError, Reply, from_wire
-from rolloutd.bus.sockets import POLLIN, poller, readable, recv_now
+from rolloutd.bus.sockets import POLLIN, poller, recv_now
 from rolloutd.bus.daemon import Daemon
 from rolloutd.daemons.routing import NoBackend, Pool
 
@@ -58,13 +58,13 @@ class Router(Daemon):
         try:
             while not self.stopping:
                 await p.poll(100)
-                for _ in range(512):  # readable() first: an empty recv costs ~7 us (docs/SCALING.md)
-                    frames = recv_now(self.front) if readable(self.front) else None
+                for _ in range(512):
+                    frames = recv_now(self.front)
                     if frames is None:
                         break
                     self._on_request(frames)
                 for _ in range(512):
-                    frames = recv_now(self.watch) if readable(self.watch) else None
+                    frames = recv_now(self.watch)
                     if frames is None:
                         break
                     event = events.parse(frames)

@@ -17,7 +17,7 @@ from rolloutd.bus.messages import (CLIENT_REQUESTS, PROTOCOL_VERSION, Error, Job
                                    empty_trajectory, from_wire)
 from rolloutd.bus import events
 from rolloutd.bus.credit import CreditSender
-from rolloutd.bus.sockets import POLLIN, poller, readable, recv_now, send_now
+from rolloutd.bus.sockets import POLLIN, poller, recv_now, send_now
 from rolloutd.bus.daemon import Daemon
 from rolloutd.gateway.jobs import JobRecord, JobTable
 from rolloutd.gateway.journal import Journal
@@ -123,10 +123,6 @@ class Gateway(Daemon):
 
     def _drain(self, sock, fn):
         for _ in range(DRAIN_BATCH):
-            # An empty recv on a zmq.asyncio socket raises zmq.Again (~7 us); asking first costs ~2 us,
-            # and a loop turn asks 5 sockets (bench/bench_head_cpu.py, docs/SCALING.md).
-            if not readable(sock):
-                return
             frames = recv_now(sock)
             if frames is None:
                 return
