@@ -53,8 +53,6 @@ TOP_KEYS = {"preset", "command", "env", "task_via", "task", "setup", "limits", "
 SETUP_KEYS = {"domain", "instance", "files", "repository", "image"}
 LIMIT_KEYS = {"max_llm_calls": int, "max_context": int, "max_tokens": int, "wall_s": float, "memory_mb": int,
               "address_space_mb": int}
-# Placeholders of env values and home files, filled in run (the endpoint's in-sandbox address).
-ENDPOINT_VARS = ("{base_url}", "{base_root}", "{api_key}", "{model}")
 EVAL_KEYS = {"command", "timeout_s", "reward", "scorer"}
 DOMAINS = ("swe", "math", "code")
 TASK_VIA = ("arg", "file", "stdin")

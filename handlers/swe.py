@@ -230,9 +230,6 @@ class SWEHandler(DomainHandler):
 def _unlink_symlinks(root: Path, rels: list[str]) -> None:
     """Remove every symlink on the path to, and under, each ``root/rel`` (no agent process is
     alive by now: the first grade purged, so nothing can put one back)."""
-    import os
-    import shutil
-
     for rel in rels:
         p = root
         for part in Path(rel).parts:
@@ -248,8 +245,6 @@ def _unlink_symlinks(root: Path, rels: list[str]) -> None:
                     q = Path(dirpath) / n
                     if q.is_symlink():
                         q.unlink()
-        elif target.exists() and target.is_dir():
-            shutil.rmtree(target)
 
 
 @functools.lru_cache(maxsize=64)

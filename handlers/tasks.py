@@ -282,16 +282,6 @@ def clean_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return e
 
 
-def clean_command(argv: list[str], *, cwd: str, env: dict[str, str] | None = None) -> str:
-    """A shell command running ``argv`` in ``cwd`` in a clean environment (``env -i``), so
-    what an agent did to its shell (functions, aliases, exports) cannot change grading."""
-    import shlex
-
-    e = clean_env(env)
-    assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(e.items()))
-    return f"cd {shlex.quote(cwd)} && command env -i {assigns} {' '.join(shlex.quote(a) for a in argv)}"
-
-
 # -- registration before the lead's pyproject lands ------------------------------------------
 ENTRY_POINTS = {
     "rolloutd.handlers": {

@@ -91,12 +91,12 @@ def _task_alive(pid: int) -> bool:
 
 def _alive_others() -> List[int]:
     me = os.getpid()
-    if me == 1:
-        return [pid for pid, _ in _stat_rows() if pid != me and _task_alive(pid)]
+    if me == 1:  # a live leader thread is a live process; only a Z/X leader needs its threads read
+        return [pid for pid, rest in _stat_rows()
+                if pid != me and (rest[0] not in (b"Z", b"X") or _task_alive(pid))]
     # Not a pid-namespace init (the local runtime): our subtree only. We are a subreaper, so
     # double-forked and setsid'd processes are still our descendants.
-    alive = set(descendants(me))
-    return [pid for pid, _ in _stat_rows() if pid in alive and _task_alive(pid)]
+    return [pid for pid in descendants(me) if _task_alive(pid)]
 
 
 def purge(timeout: float = 10.0) -> Tuple[int, List[int]]:

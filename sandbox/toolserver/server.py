@@ -496,7 +496,7 @@ class ToolServer:
         pipes created for it. Arguments as for the agent tool; env is exactly ``env`` (+ PATH), with
         HOME a fresh empty directory, PYTHONNOUSERSITE=1 and PYTHONPYCACHEPREFIX under that HOME
         unless given."""
-        from .agentproc import _check_args, kill_agent, run_agent  # noqa: F401
+        from .agentproc import _check_args, run_agent
         from .guard import purge, sealed
 
         a = _check_args(args, self.max_timeout)
