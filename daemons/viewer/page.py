@@ -40,7 +40,7 @@ def write(results_path: str, out: IO[str], tok: Any = None, *, title: str = "", 
         d = report.detail(r, canon)
         ids |= report.used_ids(d)
         _block(out, f"d-{i}", d)
-        rows.append(report.row(i, r))
+        rows.append(report.row(i, r, d))
     summary = report.summarize(rows)
     _block(out, "rows", [r.to_json() for r in rows])
     _block(out, "summary", summary)

@@ -18,7 +18,7 @@ import difflib
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +107,6 @@ class Row:
 class Canon:
     """Finds non-canonical splits: sampled ids that differ from the encoding of their text."""
     tok: Any
-    cache: dict = field(default_factory=dict)
 
     def positions(self, ids: list[int]) -> list[int]:
         if not ids:
@@ -141,8 +140,7 @@ def detail(r: dict, canon: Canon | None) -> dict:
                     continue
                 nc.extend(a + p for p in canon.positions(resp[a:b]))
         segs.append({"prompt_ids": _ints(s.get("prompt_ids")), "response_ids": resp, "loss_mask": mask,
-                     "logprobs": _floats(s.get("logprobs")), "turns": _clip(turns), "noncanonical": nc,
-                     "policy_versions": _ints(s.get("policy_versions")) or None})
+                     "logprobs": _floats(s.get("logprobs")), "turns": _clip(turns), "noncanonical": nc})
     keep = ("job_id", "instance_id", "sample_index", "handler", "status", "failed_phase", "error", "reward",
             "eval_details", "timing", "metrics", "attempts", "policy_version", "stale", "node")
     out = {k: _clip(r.get(k)) for k in keep}
@@ -150,11 +148,10 @@ def detail(r: dict, canon: Canon | None) -> dict:
     return out
 
 
-def row(i: int, r: dict) -> Row:
+def row(i: int, r: dict, d: dict) -> Row:
+    """The overview row of result ``r`` whose detail record is ``d``."""
     segs = _segments(r)
-    sampled = 0
-    for s in segs:
-        sampled += sum(1 for m in _ints(s.get("loss_mask")) if m == 1)
+    sampled = sum(s["loss_mask"].count(1) for s in d["segments"])
     err = r.get("error") if isinstance(r.get("error"), dict) else None
     reward = r.get("reward")
     timing = r.get("timing") if isinstance(r.get("timing"), dict) else {}

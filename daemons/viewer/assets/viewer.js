@@ -146,7 +146,6 @@
     };
     if (showPrompt) for (const id of seg.prompt_ids) box.append(mk(id, "p", "prompt · id " + id));
     else box.append(el("span", { class: "muted", text: "[" + seg.prompt_ids.length + " prompt tokens hidden] " }));
-    const pv = seg.policy_versions;
     let turnV = null;
     seg.response_ids.forEach((id, j) => {
       if (starts.has(j)) {
@@ -155,8 +154,7 @@
         box.append(el("span", { class: "turnmark" + (t.continuation ? " cont" : ""), text: "turn " + k + " · v" + fmt(t.policy_version) + (t.continuation ? " · cont" : "") }));
       }
       const m = seg.loss_mask[j], lp = seg.logprobs[j];
-      const v = pv ? pv[j] : turnV;
-      const title = "id " + id + " · mask " + m + (m ? " · logprob " + fmt(lp, 4) + " · policy v" + fmt(v) : "") + (nc.has(j) ? " · non-canonical split" : "");
+      const title = "id " + id + " · mask " + m + (m ? " · logprob " + fmt(lp, 4) + " · policy v" + fmt(turnV) : "") + (nc.has(j) ? " · non-canonical split" : "");
       box.append(mk(id, (m ? "s" : "o") + (nc.has(j) ? " nc" : ""), title, m ? lpColor(lp) : null, j));
     });
     return box;
