@@ -329,7 +329,7 @@ class Runtime(abc.ABC):
                 continue  # hard bounds: the kernel says ENOSPC, there is nothing to measure
             measured = [d / "workspace"] + ([d / "run"] if b.get("run", "measured") == "measured" else [])
             limit = int(float(state["disk_mb"]) * 1024 * 1024)
-            used = self._held_unlinked(state)
+            held = used = self._held_unlinked(state)  # deleted files still open: gone with the processes
             for p in measured:
                 if used > limit:
                     break
@@ -338,7 +338,6 @@ class Runtime(abc.ABC):
                 continue
             state.update(status=DISK_QUOTA_STATUS, disk_used_bytes=used, stopped_at=time.time())
             self._write_state(d, state)
-            held = self._held_unlinked(state)  # gone with the processes: counted before the kill
             try:
                 self._kill(state)
             finally:
@@ -496,9 +495,9 @@ def resolve_disk_quota(mode: str) -> Tuple[str, str]:
     where this process can mount (root), else the measured fallback."""
     if mode not in DISK_QUOTAS:
         raise SandboxSpecError("disk_quota must be one of %s, got %r" % (", ".join(DISK_QUOTAS), mode))
-    why_not = bounds.why_no_mounts()
     if mode == "measured":
         return mode, "chosen"
+    why_not = bounds.why_no_mounts()
     if why_not is not None:
         if mode != "auto":
             raise SandboxSpecError("disk_quota=%r needs mounts: %s" % (mode, why_not))
