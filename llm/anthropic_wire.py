@@ -38,6 +38,7 @@ from .openai_wire import (
     Reply,
     Sampling,
     WireRequest,
+    args_object,
     bad,
     canon_args,
     dumps,
@@ -366,14 +367,6 @@ def _signature(text: str) -> str:
     return "rolloutd-" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _input(arguments: str) -> dict:
-    try:
-        v = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
-        v = arguments
-    return v if isinstance(v, dict) else {"input": v}  # tool_use.input must be an object
-
-
 def _show_thinking(r: Reply, req: WireRequest | None) -> bool:
     t = req.extras.get("thinking") if req is not None else None
     return bool(r.reasoning) and not (isinstance(t, dict) and t.get("type") == "disabled")
@@ -396,7 +389,7 @@ def _blocks(r: Reply, req: WireRequest | None) -> list[dict]:
         blocks.append({"type": "text", "text": r.content})
     for tc in r.tool_calls:
         blocks.append({"type": "tool_use", "id": tool_use_id(tc["id"]), "name": tc["function"]["name"],
-                       "input": _input(tc["function"]["arguments"])})
+                       "input": args_object(tc["function"]["arguments"])})
     return blocks
 
 

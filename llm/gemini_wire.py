@@ -36,6 +36,7 @@ from .openai_wire import (
     Reply,
     Sampling,
     WireRequest,
+    args_object,
     bad,
     canon_args,
     dumps,
@@ -345,12 +346,8 @@ def _parts(r: Reply, req: WireRequest | None) -> list[list[dict]]:
         groups.append([{"text": r.content}])
     calls = []
     for tc in r.tool_calls:
-        try:
-            args = json.loads(tc["function"]["arguments"] or "{}")
-        except json.JSONDecodeError:
-            args = tc["function"]["arguments"]
         calls.append({"functionCall": {"id": tc["id"], "name": tc["function"]["name"],
-                                       "args": args if isinstance(args, dict) else {"input": args}}})
+                                       "args": args_object(tc["function"]["arguments"])}})
     if calls:
         groups.append(calls)
     if not groups:  # an empty reply still has one (empty) text part, as Gemini sends

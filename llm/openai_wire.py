@@ -83,6 +83,13 @@ def call_arguments(raw: Any, where: str) -> Any:
     return raw
 
 
+def args_object(arguments: str) -> dict:
+    """A reply's tool-call arguments as the object Anthropic's ``input`` and Gemini's ``args``
+    must be (a non-object value wrapped as ``{"input": value}``)."""
+    v = call_arguments(arguments, "arguments")
+    return v if isinstance(v, dict) else {"input": v}
+
+
 @dataclass(slots=True)
 class Msg:
     """One request message, normalized. ``key`` compares messages across requests."""

@@ -36,7 +36,6 @@ response (``history``: its items, from :func:`conversation_items`) and puts it b
 from __future__ import annotations
 
 import base64
-import json
 import math
 import time
 from typing import Any
@@ -48,6 +47,7 @@ from .openai_wire import (
     Sampling,
     WireRequest,
     bad,
+    call_arguments,
     canon_args,
     dumps,
     memo_items,
@@ -247,11 +247,7 @@ def _item(it: Any, where: str) -> tuple:
         args = it.get("arguments")
         if not isinstance(args, str):
             raise bad(f"{where}: 'arguments' must be a JSON string", "input")
-        try:
-            val = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            val = args
-        return _call(it.get("name"), val, it.get("call_id"), where)
+        return _call(it.get("name"), call_arguments(args, where), it.get("call_id"), where)
     if t == "custom_tool_call":
         if not isinstance(it.get("input"), str):
             raise bad(f"{where}: 'input' must be a string", "input")
@@ -395,13 +391,6 @@ def response_id(r: Reply) -> str:
     return r.id if r.id.startswith("resp_") else "resp_" + r.id.rsplit("-", 1)[-1]
 
 
-def _args(arguments: str) -> Any:
-    try:
-        return json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
-        return arguments
-
-
 def output_items(r: Reply, req: WireRequest | None = None) -> list[dict]:
     """The reply's ``output`` items: reasoning, message, then one call item per tool call."""
     kinds = req.extras.get("tool_kinds", {}) if req is not None else {}
@@ -422,12 +411,12 @@ def output_items(r: Reply, req: WireRequest | None = None) -> list[dict]:
         info = kinds.get(name, {})
         kind = info.get("kind", "function")
         if kind == "custom":
-            a = _args(arguments)
+            a = call_arguments(arguments, "arguments")
             text = a.get("input") if isinstance(a, dict) and isinstance(a.get("input"), str) else \
                 (a if isinstance(a, str) else arguments)
             items.append({"id": f"ctc_{hexid}_{k}", "type": "custom_tool_call", "status": "completed",
                           "call_id": tc["id"], "name": name, "input": text})
-        elif kind == "local_shell" and isinstance(a := _args(arguments), dict) \
+        elif kind == "local_shell" and isinstance(a := call_arguments(arguments, "arguments"), dict) \
                 and isinstance(a.get("command"), list) and all(isinstance(c, str) for c in a["command"]):
             items.append({"id": f"lsh_{hexid}_{k}", "type": "local_shell_call", "status": "completed",
                           "call_id": tc["id"], "action": {
