@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from rolloutd.bus import logs
 from rolloutd.bus.config import Config, dump_toml

@@ -7,7 +7,6 @@ drains every ready socket, commits the journal once, then sends the replies.
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import time
 
