@@ -31,7 +31,7 @@ import numpy as np
 from rolloutd.bus import codec
 from rolloutd.bus.messages import BackendFailed, Lease, Release
 from rolloutd.bus.sockets import recv, recv_now
-from rolloutd.llm.client import with_timeout
+from rolloutd.llm.client import BackendError, Generation, LLMClient, with_timeout
 
 MAX_FAILOVERS = 3
 
@@ -139,8 +139,6 @@ class ClientCache:
         key = (address, api)
         c = self.clients.get(key)
         if c is None:
-            from rolloutd.llm.client import LLMClient
-
             c = self.clients[key] = LLMClient(address, api=api, timeout=self.timeout_s)
         return c
 
@@ -171,7 +169,6 @@ class LLMSession:
         self.is_stale = is_stale or (lambda version: False)
         self.continue_stale = continue_stale
         self._call: tuple | None = None  # (task, rid, client) of the generation in flight
-        self.interrupted = 0  # calls aborted by interrupt()
 
     @property
     def policy_version(self) -> int | None:
@@ -210,8 +207,6 @@ class LLMSession:
         raise StaleLease(-1)
 
     async def __call__(self, prompt_ids, params):
-        from rolloutd.llm.client import BackendError
-
         for _ in range(MAX_FAILOVERS + 1):
             lease = await self.acquire()
             client = self.clients.get(lease["address"], lease["api"])
@@ -228,8 +223,6 @@ class LLMSession:
                 self._call = None
             try:
                 if task.cancelled():  # interrupt() closed the connection (vLLM's abort): no tokens come back
-                    from rolloutd.llm.client import Generation
-
                     g = Generation(token_ids=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
                                    finish_reason="abort")
                 else:
@@ -255,7 +248,6 @@ class LLMSession:
         if call is None:
             return False
         task, rid, client = call
-        self.interrupted += 1
         if rid is None:
             task.cancel()
         else:
