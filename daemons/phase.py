@@ -20,11 +20,12 @@ import os
 import time
 
 from rolloutd.bus import codec
-from rolloutd.bus.messages import Job, MessageError, Result, empty_trajectory, from_wire
 from rolloutd.bus.credit import CreditReceiver, CreditSender
-from rolloutd.bus.sockets import SUBSCRIBE as _SUBSCRIBE, recv, recv_now
 from rolloutd.bus.daemon import Daemon
 from rolloutd.bus.events import HeldJobs, pack_listing
+from rolloutd.bus.messages import Job, MessageError, Result, empty_trajectory, from_wire
+from rolloutd.bus.sockets import SUBSCRIBE as _SUBSCRIBE
+from rolloutd.bus.sockets import recv, recv_now
 from rolloutd.daemons.llm_session import StaleLease
 from rolloutd.handlers.base import JobContext, PhaseTimeout, Services
 from rolloutd.handlers.registry import UnknownHandler, get_handler
@@ -530,7 +531,8 @@ class RunDaemon(PhaseDaemon):
 
     async def setup(self):
         await super().setup()
-        from rolloutd.daemons.llm_session import ClientCache, RouterClient
+        from rolloutd.daemons.llm_session import ClientCache
+        from rolloutd.daemons.router_client import RouterClient
 
         rcfg = self.cfg.section("router")
         self.router = RouterClient(self.sockets, requester=f"run@{self.node}", node=self.node)
