@@ -163,16 +163,12 @@ class SWEHandler(DomainHandler):
         agent left in their place: a symlink, a FIFO, a directory), delete every other
         conftest.py, and return the restored paths. No agent process is alive (the diff's grade
         purged)."""
-        from rolloutd.handlers.swe_tasks import build_task
+        from rolloutd.handlers.swe_tasks import build_task, restore_tests
 
-        src_root = build_task(task["task_id"], self.cache_dir)
-        own = _conftests(str(src_root))
-        rels = list(task["test_files"]) + [c for c in own if not any(
-            c == t or c.startswith(t.rstrip("/") + "/") for t in task["test_files"])]
-        _unlink_symlinks(ws, rels)
+        own = _conftests(str(build_task(task["task_id"], self.cache_dir)))
+        extra = [c for c in own if not any(c == t or c.startswith(t.rstrip("/") + "/") for t in task["test_files"])]
+        rels = restore_tests(task["task_id"], ws, self.cache_dir, also=extra)
         _sweep_conftests(ws, set(own))
-        for rel in rels:
-            _restore_path(src_root / rel, ws / rel)
         return rels
 
     # -- eval ----------------------------------------------------------------------------------
@@ -227,26 +223,6 @@ class SWEHandler(DomainHandler):
         return result["reward"], details
 
 
-def _unlink_symlinks(root: Path, rels: list[str]) -> None:
-    """Remove every symlink on the path to, and under, each ``root/rel`` (no agent process is
-    alive by now: the first grade purged, so nothing can put one back)."""
-    for rel in rels:
-        p = root
-        for part in Path(rel).parts:
-            p = p / part
-            if p.is_symlink():
-                p.unlink()
-            elif p.exists() and not p.is_dir() and p != root / rel:
-                p.unlink()  # a file where a directory of the path should be
-        target = root / rel
-        if target.is_dir() and not target.is_symlink():
-            for dirpath, dirnames, filenames in os.walk(target):
-                for n in dirnames + filenames:
-                    q = Path(dirpath) / n
-                    if q.is_symlink():
-                        q.unlink()
-
-
 @functools.lru_cache(maxsize=64)
 def _conftests(src_root: str) -> tuple[str, ...]:
     """Every conftest.py of the built repository (relative paths)."""
@@ -275,24 +251,3 @@ def _sweep_conftests(ws: Path, keep: set[str]) -> None:
             os.unlink("conftest.py", dir_fd=dirfd)
             if "conftest.py" in dirnames:  # a symlink to a directory
                 dirnames.remove("conftest.py")
-
-
-def _restore_path(src: Path, dst: Path) -> None:
-    """Make ``dst`` a copy of ``src`` (a file, a directory tree or a symlink), replacing whatever
-    is there with a fresh inode (never writing through a FIFO, a symlink or a hard link)."""
-    if src.is_dir() and not src.is_symlink():
-        if dst.is_symlink() or (os.path.lexists(dst) and not dst.is_dir()):
-            dst.unlink()
-        dst.mkdir(parents=True, exist_ok=True)
-        for child in src.iterdir():
-            _restore_path(child, dst / child.name)
-        return
-    if dst.is_dir() and not dst.is_symlink():
-        shutil.rmtree(dst)
-    elif os.path.lexists(dst):
-        dst.unlink()
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if src.is_symlink():
-        os.symlink(os.readlink(src), dst)
-    else:
-        shutil.copy2(src, dst)

@@ -16,7 +16,8 @@ import importlib
 
 _EXPORTS = {
     "rolloutd.handlers.swe_tasks.build": ["BuildError", "DownloadError", "build_all", "build_task", "copy_repo",
-                                 "default_cache_dir", "pristine_tree", "repo_path", "restore_tests"],
+                                 "default_cache_dir", "pristine_tree", "repo_path"],
+    "rolloutd.handlers.swe_tasks.restore": ["restore_tests"],
     "rolloutd.handlers.swe_tasks.grading": ["EditError", "apply_edits", "grade", "parse_test_output", "run_tests",
                                    "task_argv"],
     "rolloutd.handlers.swe_tasks.patching": ["PatchError", "apply_unified_diff"],

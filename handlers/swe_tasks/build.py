@@ -360,25 +360,3 @@ def copy_repo(task_id: str, dest: str | os.PathLike, cache_dir: str | os.PathLik
     dest.mkdir(parents=True, exist_ok=True)
     _copy_tree(src, dest)
     return dest
-
-
-def restore_tests(task_id: str, repo_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> list[str]:
-    """Put the task's test files (``test_files``) back to their original content in
-    ``repo_dir`` before grading, as SWE-bench does, so an agent cannot pass by editing tests.
-    Files an agent added under a test directory are left alone. Returns the restored paths."""
-    task = get_task(task_id)
-    src_root = build_task(task_id, cache_dir)
-    repo_dir = Path(repo_dir)
-    restored = []
-    for rel in task["test_files"]:
-        src = src_root / rel
-        dst = repo_dir / rel
-        if src.is_dir():
-            _copy_tree(src, dst)
-        elif src.is_file():
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst)
-        else:
-            raise BuildError(f"{task_id}: test path {rel!r} is not in the built repository")
-        restored.append(rel)
-    return restored

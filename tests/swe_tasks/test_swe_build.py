@@ -94,6 +94,26 @@ def test_copy_repo_and_restore_tests(swe_cache, tmp_path):
     assert (swe_cache / "repos" / SMALL / "test_inflection.py").read_text() == original
 
 
+def test_restore_tests_never_writes_through_an_agents_symlink(swe_cache, tmp_path):
+    """restore_tests runs on the host (as root in production) over a tree the agent shaped: a test
+    file replaced by a symlink to a host file must not send the restore's write to that file, and
+    a FIFO in its place must not hang it (both did before restore_tests shared the eval's safe copy)."""
+    ws = copy_repo(SMALL, tmp_path / "ws", swe_cache)
+    outside = tmp_path / "host-file"
+    outside.write_text("host data\n")
+    test_file = ws / "test_inflection.py"
+    test_file.unlink()
+    test_file.symlink_to(outside)
+    restore_tests(SMALL, ws, swe_cache)
+    assert outside.read_text() == "host data\n"
+    assert not test_file.is_symlink()
+    assert test_file.read_text() == (swe_cache / "repos" / SMALL / "test_inflection.py").read_text()
+    test_file.unlink()
+    os.mkfifo(test_file)
+    restore_tests(SMALL, ws, swe_cache)
+    assert test_file.is_file() and not test_file.is_fifo()
+
+
 def test_hash_mismatch_is_a_download_error(tmp_path, swe_sdist_mirror, monkeypatch):
     monkeypatch.setenv("ROLLOUTD_SWE_SDISTS", str(tmp_path / "empty-mirror"))
     task = get_task(SMALL)
