@@ -97,7 +97,8 @@ def test_copy_repo_and_restore_tests(swe_cache, tmp_path):
 def test_restore_tests_never_writes_through_an_agents_symlink(swe_cache, tmp_path):
     """restore_tests runs on the host (as root in production) over a tree the agent shaped: a test
     file replaced by a symlink to a host file must not send the restore's write to that file, and
-    a FIFO in its place must not hang it (both did before restore_tests shared the eval's safe copy)."""
+    a FIFO in its place must not fail it (shutil refuses to copy onto one; the first part failed
+    before restore_tests shared the eval's safe copy)."""
     ws = copy_repo(SMALL, tmp_path / "ws", swe_cache)
     outside = tmp_path / "host-file"
     outside.write_text("host data\n")
