@@ -434,6 +434,19 @@ class Release(Message):
     req_id: int = 0
 
 
+@message("lease_batch")
+class LeaseBatch(Message):
+    """A run daemon's lease requests and releases of one tick in one message (docs/PROTOCOL.md,
+    router requests). Each ``leases`` entry is a ``lease`` message's fields; its ``req_id`` names
+    the member in the batch reply and in a later reply of its own if it had to wait."""
+
+    requester: str = ""
+    node: str = ""
+    leases: list[dict] = dataclasses.field(default_factory=list)
+    releases: list[str] = dataclasses.field(default_factory=list)
+    req_id: int = 0
+
+
 @message("backend_failed")
 class BackendFailed(Message):
     lease_id: str

@@ -18,12 +18,12 @@ import time
 import httpx
 
 from rolloutd.bus import codec, events
-from rolloutd.bus.messages import Error, MessageError, Reply, from_wire
+from rolloutd.bus.messages import Error, Lease, MessageError, Reply, check_fields, from_wire
 from rolloutd.bus.sockets import POLLIN, poller, recv_now
 from rolloutd.bus.daemon import Daemon
 from rolloutd.daemons.routing import NoBackend, Pool
 
-KINDS = ("lease", "release", "backend_failed", "add_llm_server", "clear_llm_server", "list_llm_servers")
+KINDS = ("lease", "lease_batch", "release", "backend_failed", "add_llm_server", "clear_llm_server", "list_llm_servers")
 
 
 class Router(Daemon):
@@ -37,6 +37,9 @@ class Router(Daemon):
         self.waiters: list[tuple[float, list, object]] = []
         self.out: list = []
         self.checks: set[asyncio.Task] = set()  # first checks of newly registered backends
+        # Lease traffic counters (heartbeat and list_llm_servers): messages vs operations in them.
+        self.stats = {"lease_msgs": 0, "batches": 0, "batched_leases": 0, "batched_releases": 0,
+                      "max_batch": 0, "granted_later": 0}
 
     async def setup(self):
         self.front = self.sockets.bind("ROUTER", "router", hwm=10000)
@@ -46,7 +49,7 @@ class Router(Daemon):
     def heartbeat(self):
         return {"policy": self.pool.policy, "backends": [b.public() for b in self.pool.backends.values()],
                 "leases": len(self.pool.leases), "waiting": len(self.waiters),
-                "current_version": self.pool.current_version()}
+                "current_version": self.pool.current_version(), "lease_traffic": dict(self.stats)}
 
     async def serve(self):
         health = asyncio.create_task(self._health_loop())
@@ -107,23 +110,81 @@ class Router(Daemon):
             self.log.error("request_failed", error=f"{type(e).__name__}: {e}")
             self._error(route, codec.peek_req_id(rest), "internal", f"{type(e).__name__}: {e}")
 
-    def _grant(self, route, msg) -> bool:
+    def _pick(self, msg):
+        """A lease for ``msg`` (a ``Lease``) now, or None when it must wait."""
         try:
-            rec = self.pool.lease(msg.job_id, msg.requester, msg.node, msg.exclude)
+            return self.pool.lease(msg.job_id, msg.requester, msg.node, msg.exclude)
         except NoBackend:
-            return False  # held: backends may be registered any moment (after a router restart)
-        if rec is None:
-            return False
+            return None  # held: backends may be registered any moment (after a router restart)
+
+    def _grant_body(self, rec) -> dict:
         b = self.pool.backends[rec.backend_id]
-        self._reply(route, msg.req_id, lease_id=rec.lease_id, backend_id=b.id, address=b.address, api=b.api,
-                    policy_version=b.policy_version)
+        return {"lease_id": rec.lease_id, "backend_id": b.id, "address": b.address, "api": b.api,
+                "policy_version": b.policy_version}
+
+    def _load(self, b):
         self.events.publish("backend.load", backend=b.id, inflight=b.inflight, capacity=b.capacity,
                             healthy=b.healthy, policy_version=b.policy_version)
+
+    def _grant(self, route, msg) -> bool:
+        rec = self._pick(msg)
+        if rec is None:
+            return False
+        self._reply(route, msg.req_id, **self._grant_body(rec))
+        self._load(self.pool.backends[rec.backend_id])
         return True
 
     def _op_lease(self, route, msg):
+        self.stats["lease_msgs"] += 1
         if not self._grant(route, msg):
             self.waiters.append((time.monotonic() + msg.wait_s, route, msg))
+
+    def _op_lease_batch(self, route, msg):
+        """A run daemon's releases and lease requests of one tick (docs/PROTOCOL.md, router requests):
+        releases first (a slot freed in the batch serves its leases), each lease picked as a single
+        ``lease`` is (least in flight, updated grant by grant), one reply for the batch and one
+        ``backend.load`` per backend touched. A lease that must wait is answered later on its own,
+        with its member ``req_id``, exactly as a single ``lease`` that waited."""
+        st = self.stats
+        st["lease_msgs"] += 1
+        st["batches"] += 1
+        st["batched_leases"] += len(msg.leases)
+        st["batched_releases"] += len(msg.releases)
+        st["max_batch"] = max(st["max_batch"], len(msg.leases) + len(msg.releases))
+        touched = {}
+        released = 0
+        leases, backends = self.pool.leases, self.pool.backends
+        for lid in msg.releases:
+            rec = leases.get(lid)
+            if self.pool.release(lid):
+                released += 1
+                b = backends.get(rec.backend_id)
+                if b is not None:
+                    touched[b.id] = b
+        granted, waiting, errors = [], [], []
+        now = time.monotonic()
+        for i, d in enumerate(msg.leases):
+            try:
+                lm = Lease(**check_fields(Lease, d, f"lease_batch.leases[{i}]"))
+                lm.validate()
+            except MessageError as e:
+                rid = d.get("req_id")
+                errors.append([rid if rid.__class__ is int else 0, e.code, e.message])
+                continue
+            lm.requester = lm.requester or msg.requester
+            lm.node = lm.node or msg.node
+            rec = self._pick(lm)
+            if rec is None:
+                self.waiters.append((now + lm.wait_s, route, lm))
+                waiting.append(lm.req_id)
+                continue
+            body = self._grant_body(rec)
+            body["req_id"] = lm.req_id
+            granted.append(body)
+            touched[rec.backend_id] = backends[rec.backend_id]
+        self._reply(route, msg.req_id, granted=granted, waiting=waiting, errors=errors, released=released)
+        for b in touched.values():
+            self._load(b)
 
     def _serve_waiters(self):
         if not self.waiters:
@@ -132,6 +193,7 @@ class Router(Daemon):
         keep = []
         for deadline, route, msg in self.waiters:
             if self._grant(route, msg):
+                self.stats["granted_later"] += 1
                 continue
             if now >= deadline:
                 why = ("no LLM backend is registered" if not self.pool.backends
@@ -142,12 +204,11 @@ class Router(Daemon):
         self.waiters = keep
 
     def _op_release(self, route, msg):
+        self.stats["lease_msgs"] += 1
         rec = self.pool.leases.get(msg.lease_id)
         ok = self.pool.release(msg.lease_id)
         if rec is not None and rec.backend_id in self.pool.backends:
-            b = self.pool.backends[rec.backend_id]
-            self.events.publish("backend.load", backend=b.id, inflight=b.inflight, capacity=b.capacity,
-                                healthy=b.healthy, policy_version=b.policy_version)
+            self._load(self.pool.backends[rec.backend_id])
         self._reply(route, msg.req_id, released=ok)
 
     def _op_backend_failed(self, route, msg):
@@ -183,7 +244,7 @@ class Router(Daemon):
 
     def _op_list_llm_servers(self, route, msg):
         self._reply(route, msg.req_id, backends=[b.public() for b in self.pool.backends.values()],
-                    policy=self.pool.policy, leases=len(self.pool.leases))
+                    policy=self.pool.policy, leases=len(self.pool.leases), lease_traffic=dict(self.stats))
 
     def _on_heartbeat(self, hb: dict):
         leases = hb.get("leases")

@@ -1,15 +1,23 @@
 """The run daemon's requests to the router: one DEALER socket, replies matched by request id.
 
-Lease requests wait at the router up to their ``wait_s``; a router that died with requests in hand
-is detected by its new incarnation and every unanswered request is sent again (``router_seen``).
+Lease requests and releases are not one message each: what the daemon's jobs queue during one
+event-loop tick goes out as one ``lease_batch`` (docs/PROTOCOL.md, router requests), answered by
+one reply. While a batch is unanswered (up to ``hold_max_s``) new operations keep queueing, so a
+router that falls behind gets fewer, larger batches instead of a growing backlog of messages
+(docs/SCALING.md). A lease the router cannot grant at once waits there up to its ``wait_s`` and
+is answered on its own when granted, as a single ``lease`` would be.
+
+A router that died with requests in hand is detected by its new incarnation and every
+unanswered request is sent again (``router_seen``).
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 from rolloutd.bus import codec
-from rolloutd.bus.messages import Release
+from rolloutd.bus.messages import Lease, LeaseBatch, Release
 from rolloutd.bus.sockets import recv, recv_now
 from rolloutd.llm.client import with_timeout
 
@@ -20,20 +28,41 @@ class RouterError(RuntimeError):
         self.code = code
 
 
+def lease_member(msg: Lease, requester: str, node: str) -> dict:
+    """A ``lease`` message as a ``lease_batch`` member: the batch carries requester and node."""
+    d = {"job_id": msg.job_id, "wait_s": msg.wait_s, "req_id": msg.req_id}
+    if msg.exclude:
+        d["exclude"] = list(msg.exclude)
+    if msg.requester and msg.requester != requester:
+        d["requester"] = msg.requester
+    if msg.node and msg.node != node:
+        d["node"] = msg.node
+    return d
+
+
 class RouterClient:
     """Async requests to the router over one DEALER socket, matched by request id."""
 
-    def __init__(self, sockets, requester: str, node: str, timeout_s: float = 5.0):
+    def __init__(self, sockets, requester: str, node: str, timeout_s: float = 5.0, hold_max_s: float = 1.0):
         self.sock = sockets.connect("DEALER", "router", hwm=10000)
         self.requester = requester
         self.node = node
         self.timeout_s = timeout_s
+        self.hold_max_s = hold_max_s  # longest a queued operation waits behind an unanswered batch
         self._ids = itertools.count(1)
-        self._waiting: dict[int, tuple[asyncio.Future, list]] = {}  # req id -> (reply, request frames)
+        # req id -> (reply, request frames) or, for a lease that travels in a batch, (reply, member)
+        self._waiting: dict[int, tuple[asyncio.Future, object]] = {}
         self._reader: asyncio.Task | None = None
         self.orphans_released = 0
         self.router_incarnation: str | None = None
         self.resent = 0
+        self._leases: list[dict] = []      # queued for the next batch
+        self._releases: list[str] = []
+        self._flush_at: asyncio.Handle | None = None
+        self._batch_out: tuple[int, float] | None = None  # (req id, sent at) of the batch unanswered
+        self._members: dict[int, list[int]] = {}          # batch req id -> its leases' req ids
+        self.batches = 0
+        self.batched = 0  # operations sent in batches
 
     def start(self):
         self._reader = asyncio.create_task(self._read())
@@ -41,6 +70,8 @@ class RouterClient:
     def stop(self):
         if self._reader is not None:
             self._reader.cancel()
+        if self._flush_at is not None:
+            self._flush_at.cancel()
 
     async def _read(self):
         while True:
@@ -49,48 +80,123 @@ class RouterClient:
                 await self._on_reply(frames)
                 frames = recv_now(self.sock)
 
+    # -- batching ------------------------------------------------------------------------
+    def _kick(self):
+        """Flush at the end of this tick, or when the unanswered batch is answered (or is older
+        than ``hold_max_s``: a reply that never comes must not hold the queue)."""
+        if self._flush_at is not None or not (self._leases or self._releases):
+            return
+        loop = asyncio.get_running_loop()
+        if self._batch_out is not None:
+            wait = self._batch_out[1] + self.hold_max_s - time.monotonic()
+            if wait > 0:
+                self._flush_at = loop.call_later(wait, self._flush)
+                return
+        self._flush_at = loop.call_soon(self._flush)
+
+    def _flush(self):
+        self._flush_at = None
+        # A member whose requester stopped waiting (cancelled, timed out) before it went out is dropped.
+        leases = [m for m in self._leases if m["req_id"] in self._waiting]
+        releases = self._releases
+        self._leases, self._releases = [], []
+        if not leases and not releases:
+            return
+        rid = next(self._ids)
+        msg = LeaseBatch(requester=self.requester, node=self.node, leases=leases, releases=releases, req_id=rid)
+        self._members[rid] = [m["req_id"] for m in leases]
+        if len(self._members) > 1024:  # batches a vanished router never answered
+            self._members.pop(next(iter(self._members)))
+        self._batch_out = (rid, time.monotonic())
+        self.batches += 1
+        self.batched += len(leases) + len(releases)
+        self.sock.send_multipart([b""] + codec.encode(msg.to_wire()), copy=False)
+
+    def _resolve(self, rid, header: dict):
+        fut, _ = self._waiting.pop(rid, (None, None))
+        if fut is not None and not fut.done():
+            fut.set_result(header)
+        elif header.get("kind") == "reply" and "lease_id" in header.get("body", {}):
+            # A lease granted after its requester gave up (cancelled, timed out): hand it back
+            # now instead of letting it count as in flight until lease_ttl_s expires it.
+            self.orphans_released += 1
+            self._releases.append(header["body"]["lease_id"])
+            self._kick()
+
+    def _on_batch_reply(self, rid, header: dict):
+        members = self._members.pop(rid, [])
+        if self._batch_out is not None and self._batch_out[0] == rid:
+            self._batch_out = None
+        if header.get("kind") == "error":  # the batch as a whole was refused: so is each member
+            for m in members:
+                self._resolve(m, header)
+        else:
+            body = header.get("body") or {}
+            for g in body.get("granted") or ():
+                self._resolve(g.get("req_id"), {"kind": "reply", "req_id": g.get("req_id"), "body": g})
+            for e in body.get("errors") or ():
+                if isinstance(e, list) and len(e) == 3:
+                    self._resolve(e[0], {"kind": "error", "req_id": e[0], "code": e[1], "message": e[2]})
+            # members in body["waiting"] are answered later, each on its own
+        self._kick()
+
     async def _on_reply(self, frames):
         rest = frames[1:] if len(frames[0]) == 0 else frames
         try:
             header = codec.decode(rest)
         except codec.CodecError:
             return
-        fut, _ = self._waiting.pop(header.get("req_id"), (None, None))
-        if fut is not None and not fut.done():
-            fut.set_result(header)
-        elif isinstance(header.get("body"), dict) and "lease_id" in header["body"]:
-            # A lease granted after its requester gave up (cancelled, timed out): hand it back
-            # now instead of letting it count as in flight until lease_ttl_s expires it.
-            self.orphans_released += 1
-            await self.send(Release(lease_id=header["body"]["lease_id"]))
+        rid = header.get("req_id")
+        if rid in self._members:
+            self._on_batch_reply(rid, header)
+        else:
+            self._resolve(rid, header)
 
     async def router_seen(self, incarnation) -> int:
         """A router heartbeat or start notice. When the incarnation changed, the old router died
         with the requests it was holding (lease requests wait there up to a minute): send every
         unanswered one again. One the new router already got is granted twice; the reply that
-        finds no waiter is an orphan and released (``_on_reply``). Returns how many were re-sent."""
+        finds no waiter is an orphan and released (``_resolve``). Returns how many were re-sent."""
         if not incarnation or incarnation == self.router_incarnation:
             return 0
         first, self.router_incarnation = self.router_incarnation is None, incarnation
         if first:
             return 0
-        pending = [frames for fut, frames in self._waiting.values() if not fut.done()]
-        for frames in pending:
-            await self.sock.send_multipart(frames, copy=False)
+        self._batch_out = None  # the old router will not answer it
+        self._members.clear()
+        pending = [req for fut, req in self._waiting.values() if not fut.done()]
+        queued = {m["req_id"] for m in self._leases}
+        for req in pending:
+            if isinstance(req, dict):
+                if req["req_id"] not in queued:
+                    self._leases.append(req)
+            else:
+                await self.sock.send_multipart(req, copy=False)
+        self._kick()
         self.resent += len(pending)
         return len(pending)
 
     async def send(self, msg):
-        """A request whose reply nobody waits for."""
+        """A request whose reply nobody waits for. A release goes in the next batch."""
+        if isinstance(msg, Release):
+            self._releases.append(msg.lease_id)
+            self._kick()
+            return
         msg.req_id = next(self._ids)
         await self.sock.send_multipart([b""] + codec.encode(msg.to_wire()), copy=False)
 
     async def request(self, msg, timeout_s: float | None = None) -> dict:
         msg.req_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
-        frames = [b""] + codec.encode(msg.to_wire())
-        self._waiting[msg.req_id] = (fut, frames)
-        await self.sock.send_multipart(frames, copy=False)
+        if isinstance(msg, Lease):
+            member = lease_member(msg, self.requester, self.node)
+            self._waiting[msg.req_id] = (fut, member)
+            self._leases.append(member)
+            self._kick()
+        else:
+            frames = [b""] + codec.encode(msg.to_wire())
+            self._waiting[msg.req_id] = (fut, frames)
+            await self.sock.send_multipart(frames, copy=False)
         try:
             header = await with_timeout(fut, timeout_s or self.timeout_s)  # not wait_for: see llm.client
         except asyncio.TimeoutError:
