@@ -13,11 +13,15 @@ job. Requests a dead router took with it are re-sent when its successor is seen.
 
 ``stale_policy = "continue"`` (``continue_stale``): when the run daemon learns that the version of
 this job's lease is past ``max_policy_lag`` it calls :meth:`LLMSession.interrupt`. A call in flight
-is aborted (SGLang: ``/abort_request`` by rid, which returns the tokens sampled so far; vLLM: the
-connection is closed, which aborts it and returns nothing) and comes back as a generation with
-``finish_reason == "abort"``, recorded at the old version; the caller continues the same
-assistant message (the agent loop and the OpenAI endpoint already do after a server abort), and
-that next call goes to a new lease on a current server.
+is aborted and comes back as a generation with ``finish_reason == "abort"`` holding the tokens
+sampled before the abort, recorded at the old version; the caller continues the same assistant
+message (the agent loop and the OpenAI endpoint already do after a server abort), and that next
+call goes to a new lease on a current server. SGLang: ``/abort_request`` by rid, which returns the
+tokens sampled so far. vLLM has no abort by id and closing the connection returns nothing, so under
+``continue`` a vLLM call streams (``stream: true``, llm/client.py): the tokens arrive as they are
+sampled, and the interrupt closes the stream and keeps what came (those sampled but not yet
+received when the connection closes are lost). Other policies call vLLM without streaming (its
+cost: docs/TRAINERS.md).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import uuid
 import numpy as np
 from rolloutd.bus.messages import BackendFailed, Lease, Release
 from rolloutd.daemons.router_client import RouterClient, RouterError
-from rolloutd.llm.client import BackendError, Generation, LLMClient
+from rolloutd.llm.client import BackendError, Generation, LLMClient, Partial
 
 MAX_FAILOVERS = 3
 
@@ -121,7 +125,10 @@ class LLMSession:
             client = self.clients.get(lease["address"], lease["api"])
             version = lease["policy_version"]  # the version that samples this call's tokens
             rid = f"rolloutd-{self.job_id}-{uuid.uuid4().hex[:12]}" if lease["api"] == "sglang" else None
-            task = asyncio.ensure_future(client.generate(prompt_ids, params, timeout=self.call_timeout_s, rid=rid))
+            # vLLM under continue: streamed, so an interrupt keeps the tokens that arrived
+            partial = Partial() if self.continue_stale and lease["api"] == "vllm" else None
+            task = asyncio.ensure_future(client.generate(prompt_ids, params, timeout=self.call_timeout_s, rid=rid,
+                                                         partial=partial))
             self._call = (task, rid, client)
             try:
                 await asyncio.wait({task})
@@ -131,9 +138,9 @@ class LLMSession:
             finally:
                 self._call = None
             try:
-                if task.cancelled():  # interrupt() closed the connection (vLLM's abort): no tokens come back
-                    g = Generation(token_ids=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
-                                   finish_reason="abort")
+                if task.cancelled():  # interrupt() closed the connection (vLLM's abort): what was streamed
+                    g = partial.generation("abort") if partial is not None else Generation(
+                        token_ids=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32), finish_reason="abort")
                 else:
                     g = task.result()
                 self.calls += 1

@@ -18,6 +18,16 @@ Wire formats (checked against the servers' own request/response models):
   ``{"type": "stop", "matched": id}`` / ``{"type": "length", "length": n}`` /
   ``{"type": "abort", ...}``.
 
+Streaming (vLLM only): ``generate(..., partial=Partial())`` sends the same request with
+``"stream": true, "stream_options": {"include_usage": true}`` and reads vLLM's server-sent events
+(``data: {chunk}`` per engine step, then ``data: [DONE]``; each chunk's ``choices[0]`` carries the
+step's new ``token_ids`` (with ``return_token_ids``; else ``logprobs.tokens`` as ``token_id:N``) and
+``logprobs.token_logprobs``, ``finish_reason`` on the last one; a last chunk with ``"choices": []``
+carries ``usage``; an error mid-stream is ``data: {"error": {...}}``). The sampled tokens land in
+``partial`` as each chunk arrives, so a caller that cancels the call (closing the connection, vLLM's
+abort) still has the tokens sampled before it: ``partial.generation()`` is them as an ``abort``
+generation. SGLang keeps its own abort (:meth:`LLMClient.abort` by rid, which returns them).
+
 Failure mapping: connection errors, HTTP 5xx/404/408/429 and malformed replies raise
 :class:`BackendError` (the caller reports the backend to the router and retries
 elsewhere); the per-call timeout raises :class:`LLMTimeout` (a ``BackendError``);
@@ -55,6 +65,7 @@ __all__ = [
     "LLMClient",
     "SamplingParams",
     "Generation",
+    "Partial",
     "BackendError",
     "LLMTimeout",
     "ContextOverflow",
@@ -91,6 +102,24 @@ class Generation:
     stop_reason: int | str | None = None  # vLLM stop_reason / SGLang "matched"
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+
+
+class Partial:
+    """The tokens of a streamed generation received so far (see the module doc): ``ids`` and
+    ``logprobs`` grow together, one chunk at a time, so they always have the same length."""
+
+    __slots__ = ("ids", "logprobs")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def generation(self, finish_reason: str = "abort") -> Generation:
+        return Generation(token_ids=np.asarray(self.ids, dtype=np.int32), logprobs=_as_float32(self.logprobs),
+                          finish_reason=finish_reason)
 
 
 _CONTEXT_RE = re.compile(
@@ -165,6 +194,12 @@ def _as_float32(values: Sequence[Any]) -> np.ndarray:
         return np.asarray(values, dtype=np.float32)
     except (TypeError, ValueError):
         return np.asarray([float("nan") if v is None else float(v) for v in values], dtype=np.float32)
+
+
+def _sse_data(event: bytes) -> bytes | None:
+    """The data of one server-sent event (its ``data:`` lines joined), None for a comment-only one."""
+    data = [ln[5:].removeprefix(b" ") for ln in event.replace(b"\r", b"").split(b"\n") if ln.startswith(b"data:")]
+    return b"\n".join(data).strip() if data else None
 
 
 # A timeout that never swallows the caller's cancellation: Python 3.11's asyncio.wait_for returns
@@ -260,7 +295,8 @@ class LLMClient:
             self.model = models[0]
         return self.model
 
-    def _body(self, ids_json: str, p: SamplingParams, model: str | None, rid: str | None = None) -> bytes:
+    def _body(self, ids_json: str, p: SamplingParams, model: str | None, rid: str | None = None,
+              stream: bool = False) -> bytes:
         if self.api == "vllm":
             d: dict[str, Any] = {
                 "max_tokens": int(p.max_tokens),
@@ -269,8 +305,10 @@ class LLMClient:
                 "logprobs": 0,
                 "return_token_ids": self.return_token_ids,
                 "return_tokens_as_token_ids": True,
-                "stream": False,
+                "stream": stream,
             }
+            if stream:
+                d["stream_options"] = {"include_usage": True}
             if model is not None:
                 d["model"] = model
             if p.top_k is not None and p.top_k > 0:
@@ -306,15 +344,22 @@ class LLMClient:
         *,
         timeout: float | None = None,
         rid: str | None = None,
+        partial: Partial | None = None,
     ) -> Generation:
         """Sample a continuation of ``prompt_ids``. See the module doc for errors. ``rid`` (SGLang
-        only) names the request for :meth:`abort`."""
+        only) names the request for :meth:`abort`; ``partial`` (vLLM only) streams the reply into
+        it, so the tokens sampled before a cancellation are kept there."""
         t0 = time.perf_counter()
         if params.max_tokens <= 0:
             raise ContextOverflow("max_tokens <= 0: no room left in the context window")
         model = await self._resolve_model() if self.api == "vllm" else self.model
-        body = self._body(_ids_to_json(prompt_ids), params, model, rid if self.api == "sglang" else None)
+        stream = partial is not None and self.api == "vllm"
+        body = self._body(_ids_to_json(prompt_ids), params, model, rid if self.api == "sglang" else None, stream)
         budget = self.timeout if timeout is None else timeout
+        if stream:
+            g = await self._generate_stream(body, budget, partial)
+            g.latency_s = time.perf_counter() - t0
+            return g
         try:
             resp = await with_timeout(
                 self._http.post(self._url, content=body, headers=_JSON_HEADERS), budget
@@ -338,6 +383,86 @@ class LLMClient:
             raise BackendError(f"malformed reply: {type(e).__name__}: {e}", backend=self.base_url) from e
         g.latency_s = time.perf_counter() - t0
         return g
+
+    async def _generate_stream(self, body: bytes, budget: float, partial: Partial) -> Generation:
+        try:
+            return await with_timeout(self._read_stream(body, partial), budget)
+        except (asyncio.TimeoutError, httpx.TimeoutException) as e:
+            log.warning("llm_request_timed_out", backend=self.base_url, timeout_s=budget, streamed_tokens=len(partial))
+            raise LLMTimeout(f"no reply within {budget:.3g}s from {self.base_url}", backend=self.base_url) from e
+        except httpx.RequestError as e:
+            log.warning("llm_request_failed", backend=self.base_url, error=f"{type(e).__name__}: {e}",
+                        streamed_tokens=len(partial))
+            raise BackendError(f"{type(e).__name__}: {e}", backend=self.base_url) from e
+
+    async def _read_stream(self, body: bytes, partial: Partial) -> Generation:
+        """vLLM's event stream into ``partial`` (module doc); the Generation once it ends."""
+        async with self._http.stream("POST", self._url, content=body, headers=_JSON_HEADERS) as resp:
+            if resp.status_code != 200:
+                raise self._http_error(resp.status_code, await resp.aread())
+            finish = stop_reason = usage = None
+            texts: list[str] = []
+            done = False
+            buf = b""
+            async for data in resp.aiter_raw():
+                buf += data
+                *events, buf = buf.split(b"\n\n")
+                for ev in events:
+                    payload = _sse_data(ev)
+                    if payload is None:
+                        continue
+                    if payload == b"[DONE]":
+                        done = True
+                        continue
+                    try:
+                        chunk = json.loads(payload)
+                        if "error" in chunk:
+                            err = chunk["error"]
+                            msg = str(err.get("message", err) if isinstance(err, dict) else err)[:500]
+                            raise BackendError(f"error in the stream from {self.base_url}: {msg}", backend=self.base_url)
+                        if chunk.get("usage"):
+                            usage = chunk["usage"]
+                        for ch in chunk["choices"]:
+                            ids, lps = self._chunk_tokens(ch)
+                            # ids and logprobs grow together, with no await between: a cancellation
+                            # never sees one without the other
+                            partial.ids += ids
+                            partial.logprobs += lps
+                            if ch.get("text"):
+                                texts.append(ch["text"])
+                            if ch.get("finish_reason") is not None:
+                                finish, stop_reason = ch["finish_reason"], ch.get("stop_reason")
+                    except BackendError:
+                        raise
+                    except (ValueError, KeyError, TypeError, AttributeError) as e:
+                        log.warning("llm_reply_malformed", backend=self.base_url, error=f"{type(e).__name__}: {e}")
+                        raise BackendError(f"malformed stream chunk: {type(e).__name__}: {e}",
+                                           backend=self.base_url) from e
+        if not done or finish is None:
+            raise BackendError(f"the stream from {self.base_url} ended without "
+                               f"{'a finish_reason' if done else 'data: [DONE]'}", backend=self.base_url)
+        if finish not in ("stop", "length", "abort"):
+            raise BackendError(f"unexpected finish_reason {finish!r}", backend=self.base_url)
+        g = partial.generation(finish)
+        g.text, g.stop_reason = "".join(texts), stop_reason
+        if usage:
+            g.prompt_tokens = usage.get("prompt_tokens")
+            g.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        return g
+
+    def _chunk_tokens(self, ch: dict) -> tuple[list[int], list[float]]:
+        lp = ch.get("logprobs") or {}
+        ids = ch.get("token_ids")
+        if ids is None:
+            toks = lp.get("tokens") or []
+            if not all(isinstance(t, str) and t.startswith("token_id:") for t in toks):
+                raise BackendError("stream chunk has no token ids (needs vLLM >= 0.10.2 return_token_ids, "
+                                   "or return_tokens_as_token_ids)", backend=self.base_url)
+            ids = [int(t[9:]) for t in toks]
+        tlp = lp.get("token_logprobs") or []
+        if len(tlp) != len(ids):
+            raise BackendError(f"stream chunk has {len(tlp)} logprobs for {len(ids)} tokens", backend=self.base_url)
+        return [int(x) for x in ids], [float("nan") if x is None else float(x) for x in tlp]
 
     def _http_error(self, status: int, content: bytes) -> LLMError:
         try:

@@ -25,6 +25,12 @@ the caller to fail over, with one exception: a reused keep-alive connection that
 without one byte of reply is retried once on a new connection (the server's keep-alive
 timer beat us; the request was not answered, and generation has no side effects). Request bodies are sent whole with
 a Content-Length (a streamed body is read first); HEAD replies have no body.
+Server-sent events (a ``content-type: text/event-stream`` reply, as vLLM's ``stream: true``) are
+the one reply handed over as it arrives: the response returns after its head and its body is read
+chunk by chunk (``client.stream(...)``, ``aiter_raw``/``aiter_bytes``); each wait for more bytes
+has the read timeout. Closing the response before the body ended closes the connection (the
+server sees the disconnect, which aborts the generation); a body read to its end keeps the
+connection for reuse. Every other reply is read whole before the response returns.
 Cancelling the awaiting task, an error
 or a timeout aborts the connection (the server sees the disconnect, which is how
 vLLM/SGLang abort a request). Plain ``http://`` only (LLM backends on a cluster
@@ -67,6 +73,9 @@ class _Conn(asyncio.Protocol):
         "_chunks",
         "_chunk_pos",
         "_head_only",
+        "_sse",
+        "_got",
+        "body",
     )
 
     def __init__(self) -> None:
@@ -90,6 +99,9 @@ class _Conn(asyncio.Protocol):
         self._chunks: list[bytes] = []
         self._chunk_pos = 0
         self._head_only = False
+        self._sse = False  # the reply is an event stream: handed to self.body as it arrives
+        self._got = 0
+        self.body: _Body | None = None
 
     # -- asyncio.Protocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -99,6 +111,12 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
+        if self.body is not None:  # an event stream being read
+            try:
+                self._advance()
+            except Exception as e:  # malformed framing
+                self.body.fail(httpx.RemoteProtocolError(f"malformed HTTP response: {e}"))
+            return
         w = self.waiter
         if w is None:
             # bytes on an idle connection (e.g. a 408 before closing): unusable
@@ -133,6 +151,14 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        body = self.body
+        if body is not None and not body.done:
+            if self._mode == "close":
+                self._feed(bytes(self.buf))
+                self.buf.clear()
+                body.finish(False)
+            else:
+                body.fail(httpx.RemoteProtocolError("server closed the connection mid-response"))
         w = self.waiter
         if w is not None and not w.done():
             if self._mode == "close" and self._head_end >= 0:
@@ -171,6 +197,8 @@ class _Conn(asyncio.Protocol):
                     chunked = b"chunked" in v.lower()
                 elif kl == b"connection":
                     conn_hdr = v.lower()
+                elif kl == b"content-type":
+                    self._sse = v.lower().startswith(b"text/event-stream")
             if 100 <= status < 200:  # interim response: skip it
                 del buf[: i + 4]
                 continue
@@ -188,6 +216,14 @@ class _Conn(asyncio.Protocol):
                 self._mode, self._keep = "close", False
             del buf[: i + 4]
             self._head_end = 0
+            if self._sse and status == 200 and not self._head_only:
+                self.body = _Body(self)
+                w = self.waiter
+                if w is not None and not w.done():
+                    w.set_result((status, reason, headers, self.body, self._keep))
+        if self.body is not None:
+            self._advance_stream()
+            return
         if self._mode == "length":
             if len(buf) >= self._length:
                 body = bytes(buf[: self._length])
@@ -195,6 +231,29 @@ class _Conn(asyncio.Protocol):
                 self._complete(body, self._keep and not buf)
         elif self._mode == "chunked":
             self._advance_chunked()
+
+    def _feed(self, data: bytes) -> None:
+        if data and self.body is not None:
+            self.body.feed(data)
+
+    def _advance_stream(self) -> None:
+        buf = self.buf
+        if self._mode == "length":
+            take = min(len(buf), self._length - self._got)
+            if take:
+                self._feed(bytes(buf[:take]))
+                del buf[:take]
+                self._got += take
+            if self._got >= self._length:
+                self.body.finish(self._keep and not buf)
+        elif self._mode == "chunked":
+            self._advance_chunked()
+            if self._chunk_pos:  # the stream's consumed chunks leave the buffer as they go
+                del buf[: self._chunk_pos]
+                self._chunk_pos = 0
+        elif buf:  # read until close
+            self._feed(bytes(buf))
+            buf.clear()
 
     def _advance_chunked(self) -> None:
         buf = self.buf
@@ -210,14 +269,20 @@ class _Conn(asyncio.Protocol):
                 if end < 0:
                     self._chunk_pos = pos
                     return
-                body = b"".join(self._chunks)
                 del buf[: end + 4]
-                self._complete(body, self._keep and not buf)
+                self._chunk_pos = 0
+                if self.body is not None:
+                    self.body.finish(self._keep and not buf)
+                else:
+                    self._complete(b"".join(self._chunks), self._keep and not buf)
                 return
             if len(buf) < j + 2 + size + 2:
                 self._chunk_pos = pos
                 return
-            self._chunks.append(bytes(buf[j + 2 : j + 2 + size]))
+            if self.body is not None:
+                self._feed(bytes(buf[j + 2 : j + 2 + size]))
+            else:
+                self._chunks.append(bytes(buf[j + 2 : j + 2 + size]))
             pos = j + 2 + size + 2
 
     def _complete(self, body: bytes, keep: bool) -> None:
@@ -257,6 +322,71 @@ def _expire(fut: asyncio.Future) -> None:
         fut.set_exception(TimeoutError())
 
 
+class _Body(httpx.AsyncByteStream):
+    """An event-stream reply's body, handed over as it arrives; closing it early closes the connection."""
+
+    def __init__(self, conn: _Conn) -> None:
+        self.conn = conn
+        self.parts: collections.deque[bytes] = collections.deque()
+        self.done = False
+        self.keep = False
+        self.error: Exception | None = None
+        self.waiter: asyncio.Future | None = None
+        self.read_timeout: float | None = None
+        self.owner: tuple[FastTransport, tuple[str, int]] | None = None
+        self.released = False
+
+    def feed(self, data: bytes) -> None:
+        self.parts.append(data)
+        self._wake()
+
+    def finish(self, keep: bool) -> None:
+        if not self.done:
+            self.done, self.keep = True, keep
+            self._wake()
+
+    def fail(self, exc: Exception) -> None:
+        if not self.done:
+            self.done, self.error = True, exc
+            self.conn.abort()
+            self._wake()
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def __aiter__(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            while self.parts:
+                yield self.parts.popleft()
+            if self.done:
+                if self.error is not None:
+                    raise self.error
+                return
+            fut = self.waiter = loop.create_future()
+            handle = loop.call_later(self.read_timeout, _expire, fut) if self.read_timeout is not None else None
+            try:
+                await fut
+            except TimeoutError:
+                raise httpx.ReadTimeout("timed out waiting for more of the response body") from None
+            finally:
+                if handle is not None:
+                    handle.cancel()
+                self.waiter = None
+
+    async def aclose(self) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if self.released or self.owner is None:
+            return
+        self.released = True
+        transport, key = self.owner
+        transport._body_released(self.conn, key, self.done and self.error is None and self.keep)
+
+
 class FastTransport(httpx.AsyncBaseTransport):
     """Keep-alive connection pool for plain-HTTP backends (see module doc)."""
 
@@ -284,6 +414,17 @@ class FastTransport(httpx.AsyncBaseTransport):
         conn.abort()
         self._open -= 1
         self._wake()
+
+    def _body_released(self, conn: _Conn, key: tuple[str, int], reusable: bool) -> None:
+        """An event-stream reply was closed: a body read to its end keeps the connection, an
+        unfinished one closes it (the server's signal to abort the request)."""
+        conn.body = None
+        if reusable and not conn.closed and not conn.buf and not self._closed:
+            conn.last_used = asyncio.get_running_loop().time()
+            self._idle.setdefault(key, []).append(conn)
+            self._wake()
+        else:
+            self._discard(conn)
 
     def _take_idle(self, key: tuple[str, int], now: float) -> _Conn | None:
         stack = self._idle.get(key)
@@ -396,13 +537,23 @@ class FastTransport(httpx.AsyncBaseTransport):
             except BaseException:  # cancellation included: abort the request by closing the connection
                 self._discard(conn)
                 raise
+        self.stats["requests"] += 1
+        if isinstance(content, _Body):  # an event stream: the connection goes back when it is closed
+            content.owner, content.read_timeout = (self, key), timeouts.get("read")
+            self.stats["streams"] += 1
+            return httpx.Response(
+                status,
+                headers=headers,
+                stream=content,
+                extensions={"http_version": b"HTTP/1.1", "reason_phrase": reason},
+                request=request,
+            )
         if keep and not conn.closed and not self._closed:
             conn.last_used = loop.time()
             self._idle.setdefault(key, []).append(conn)
             self._wake()
         else:
             self._discard(conn)
-        self.stats["requests"] += 1
         return httpx.Response(
             status,
             headers=headers,

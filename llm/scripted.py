@@ -20,6 +20,16 @@ its connection while its request is in flight is counted in ``stats["disconnects
 ``{"abort_all": true}``) ends in-flight ``/generate`` requests at once with
 ``finish_reason: {"type": "abort"}`` and the tokens sampled so far (those whose per-token time
 has passed), as SGLang returns a partial output; ``stats["aborted"]`` counts them.
+A vLLM request with ``"stream": true`` is answered as vLLM's ``completion_stream_generator`` does
+(checked against its source, vLLM 0.10.2-0.11 and main): ``content-type: text/event-stream;
+charset=utf-8``, ``transfer-encoding: chunked``, the head at once, then one ``data: {chunk}\n\n``
+event per HTTP chunk as tokens are sampled (one token per chunk when on time; the tokens due
+since the last chunk together when late, as vLLM's output collector merges deltas for a slow
+reader), each chunk ``{"id", "object": "text_completion", "created", "model", "choices": [{"index",
+"text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids", "token_ids"}], "usage":
+null}`` with ``prompt_token_ids`` on the first chunk only (``return_token_ids``), ``finish_reason`` on
+the last; with ``stream_options.include_usage`` a ``{"choices": [], "usage": {...}}`` chunk; then
+``data: [DONE]\n\n``. Closing the connection mid-stream aborts the request (``disconnects``).
 ``stats["tokens_sampled"]`` counts the tokens of delayed requests (per-token latency), including
 those of requests aborted or disconnected part-way (what a benchmark counts as wasted work).
 
@@ -221,9 +231,10 @@ class _Conn(asyncio.Protocol):
             payload = _json_response(500, {"error": {"message": f"{type(e).__name__}: {e}", "code": 500}})
         self.task = None
         self.busy = False
-        if payload is None or self.closed:
+        if self.closed:
             return
-        self._send(payload)
+        if payload is not None:
+            self._send(payload)
         if self.buf and not self.closed:
             self._process()
 
@@ -614,6 +625,8 @@ class ScriptedBackend:
         rng = random.Random(seed) if seed is not None else self.rng
         lps = [-0.01 - 2.0 * rng.random() for _ in range(n)]
         delay = self.latency.sample(self.rng, n)
+        if api == "vllm" and req.get("stream"):
+            return self._streamed(conn, req, prompt, ids, lps, finish, stop_reason, delay)
         if delay <= 0 and self._sem is None:
             self.stats["completed"] += 1
             return self._render(api, req, prompt, ids, lps, finish, stop_reason, time.perf_counter() - t0)
@@ -689,6 +702,89 @@ class ScriptedBackend:
         self.stats["tokens_sampled"] += len(ids)
         self.stats["completed"] += 1
         return self._render(api, req, prompt, ids, lps, finish, stop_reason, time.perf_counter() - t0)
+
+    async def _streamed(self, conn: _Conn, req, prompt, ids, lps, finish, stop_reason, delay) -> None:
+        """vLLM's ``stream: true`` reply (module doc): token k goes out when its time has passed."""
+        sem = self._sem
+        if sem is not None:
+            self._waiting += 1
+            try:
+                await sem.acquire()
+            finally:
+                self._waiting -= 1
+        self._running += 1
+        n, per = len(ids), getattr(self.latency, "per_token", 0.0)
+        first = max(0.0, delay - per * n)  # time to the first token (prefill)
+        started = time.monotonic()
+        rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.get("model") or self.model
+        as_ids, want_ids, want_lp = bool(req.get("return_tokens_as_token_ids")), bool(req.get("return_token_ids")), \
+            req.get("logprobs") is not None
+        so = req.get("stream_options")
+        include_usage = isinstance(so, dict) and bool(so.get("include_usage"))
+
+        def due() -> tuple[int, bool]:  # (tokens sampled by now, all of them): token j at first + per * (j + 1)
+            spent = time.monotonic() - started
+            if spent >= delay:
+                return n, True
+            if per <= 0 or spent < first:
+                return 0, False
+            return min(n - 1, int((spent - first) / per)), False
+
+        def write(obj: Any) -> None:
+            data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj, separators=(",", ":")).encode()) + b"\n\n"
+            conn.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+        sent, offset = 0, 0
+        try:
+            if conn.closed or conn.transport is None:
+                return None
+            conn.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n")
+            while True:
+                k, done = due()
+                if k > sent or done:
+                    delta = ids[sent:k]
+                    toks = [f"token_id:{t}" if as_ids else self._tokstr(t) for t in delta]
+                    lp_obj = None
+                    if want_lp:
+                        offs = []
+                        for tk in toks:
+                            offs.append(offset)
+                            offset += len(tk)
+                        lp_obj = {"text_offset": offs, "token_logprobs": lps[sent:k], "tokens": toks,
+                                  "top_logprobs": [{tk: lp} for tk, lp in zip(toks, lps[sent:k])]}
+                    write({"id": rid, "object": "text_completion", "created": created, "model": model,
+                           "choices": [{"index": 0, "text": self._text(delta), "logprobs": lp_obj,
+                                        "finish_reason": finish if done else None,
+                                        "stop_reason": stop_reason if done else None,
+                                        "prompt_token_ids": prompt if want_ids and sent == 0 else None,
+                                        "token_ids": delta if want_ids else None}],
+                           "usage": None})
+                    sent = k
+                    if done:
+                        break
+                    continue
+                next_t = min(delay, first + per * (sent + 1)) if per > 0 else delay
+                await asyncio.sleep(max(0.0, next_t - (time.monotonic() - started)))
+            if include_usage:
+                write({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+                       "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + n, "completion_tokens": n}})
+            write(b"[DONE]")
+            conn.transport.write(b"0\r\n\r\n")
+            if not conn.keep_alive:
+                conn.transport.close()
+                conn.closed = True
+        except asyncio.CancelledError:  # the client closed the connection: vLLM aborts the request
+            self.stats["tokens_sampled"] += due()[0]
+            raise
+        finally:
+            self._running -= 1
+            if sem is not None:
+                sem.release()
+        self.stats["tokens_sampled"] += n
+        self.stats["completed"] += 1
+        self.stats["streamed"] += 1
+        return None
 
     def _text(self, ids: list[int]) -> str:
         if self.tokenizer is None:
