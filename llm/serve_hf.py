@@ -11,6 +11,12 @@ HTTP (stdlib ``ThreadingHTTPServer``, HTTP/1.1 keep-alive):
   ``prompt_token_ids``, ``logprobs.token_logprobs``, ``finish_reason`` in stop/length/abort,
   ``stop_reason``, ``usage``); errors like vLLM's (``{"error": {"message", "type", "code"}}``,
   HTTP 400 "This model's maximum context length is ..." when prompt + max_tokens does not fit).
+  ``"stream": true`` answers as vLLM's ``completion_stream_generator`` (checked against its source):
+  ``text/event-stream``, chunked, one ``data: {chunk}`` event with the tokens decoded since the
+  last one, every 20 ms (vLLM sends one per decode step, and merges steps for a slow reader),
+  ``prompt_token_ids`` on the first chunk, ``finish_reason`` on the last, a ``"choices": []`` usage
+  chunk with ``stream_options.include_usage``, then ``data: [DONE]``; a client that closes the
+  stream aborts the request (llm/scripted.py streams the same shape).
 * ``POST /generate``: SGLang's native API (``input_ids``, ``sampling_params``,
   ``return_logprob``), reply with ``output_ids`` and ``meta_info.output_token_logprobs``.
 * ``GET /health`` (and SGLang's ``/health_generate``), ``GET /v1/models``, ``GET /metrics`` (prometheus-client:
@@ -604,21 +610,95 @@ class _Handler(BaseHTTPRequestHandler):
             return
         assert req is not None
         srv.submit(req)
+        if api == "vllm" and body.get("stream"):
+            self._stream(req, body)
+            return
         sock = self.connection
         while not req.done.wait(0.02):
             if _peer_closed(sock):
-                req.aborted = True
-                srv.stats["aborted"] += 1
-                srv.stats["aborted_at_tokens"] += len(req.out_ids)  # how far it got: tests check it stopped early
-                srv._aborted_counter.inc()
-                log.info("serve_hf_request_aborted", rid=req.rid, generated=len(req.out_ids), reason="client_disconnected")
-                self.close_connection = True
+                self._abort(req)
                 return
         if req.finish == "error":
             self._send_json(500, _err("generation failed", "InternalServerError", 500))
             return
         srv.stats["completed"] += 1
         self._send_json(200, srv.render(req, body))
+
+
+    def _abort(self, req: _Req) -> None:
+        srv = self.srv
+        req.aborted = True
+        srv.stats["aborted"] += 1
+        srv.stats["aborted_at_tokens"] += len(req.out_ids)  # how far it got: tests check it stopped early
+        srv._aborted_counter.inc()
+        log.info("serve_hf_request_aborted", rid=req.rid, generated=len(req.out_ids), reason="client_disconnected")
+        self.close_connection = True
+
+    def _stream(self, req: _Req, body: dict) -> None:
+        """vLLM's ``stream: true`` reply (module doc): the tokens of each decode step as they come."""
+        srv, tok = self.srv, self.srv.tokenizer
+        as_ids, want_ids = bool(body.get("return_tokens_as_token_ids")), bool(body.get("return_token_ids"))
+        want_lp = body.get("logprobs") is not None
+        so = body.get("stream_options")
+        include_usage = isinstance(so, dict) and bool(so.get("include_usage"))
+        rid, model = f"cmpl-{req.rid}", body.get("model") or srv.model_name
+
+        def event(obj: Any) -> bytes:
+            data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj, separators=(",", ":")).encode())
+            data += b"\n\n"
+            return b"%x\r\n%s\r\n" % (len(data), data)
+
+        try:
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream; charset=utf-8")
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            sent, offset = 0, 0
+            while True:
+                done = req.done.wait(0.02)
+                if not done and _peer_closed(self.connection):
+                    self._abort(req)
+                    return
+                if req.finish == "error":  # vLLM: an error event, then [DONE]
+                    self.wfile.write(event(_err("generation failed", "InternalServerError", 500)) + event(b"[DONE]")
+                                     + b"0\r\n\r\n")
+                    return
+                n = min(len(req.out_ids), len(req.out_lps))  # the scheduler appends both, one after the other
+                if n > sent or done:
+                    ids, lps = req.out_ids[sent:n], [max(x, -9999.0) for x in req.out_lps[sent:n]]
+                    toks = [f"token_id:{t}" if as_ids else tok.decode([t]) for t in ids]
+                    lp_obj = None
+                    if want_lp:
+                        offs = []
+                        for tk in toks:
+                            offs.append(offset)
+                            offset += len(tk)
+                        lp_obj = {"text_offset": offs, "token_logprobs": lps, "tokens": toks,
+                                  "top_logprobs": [{tk: lp} for tk, lp in zip(toks, lps)]}
+                    self.wfile.write(event({
+                        "id": rid, "object": "text_completion", "created": int(req.created), "model": model,
+                        "choices": [{"index": 0, "text": tok.decode(ids, skip_special_tokens=True), "logprobs": lp_obj,
+                                     "finish_reason": req.finish if done else None,
+                                     "stop_reason": req.stop_reason if done else None,
+                                     "prompt_token_ids": req.prompt if want_ids and sent == 0 else None,
+                                     "token_ids": list(ids) if want_ids else None}],
+                        "usage": None}))
+                    sent = n
+                if done:
+                    break
+            tail = b""
+            if include_usage:
+                tail += event({"id": rid, "object": "text_completion", "created": int(req.created), "model": model,
+                               "choices": [], "usage": {"prompt_tokens": len(req.prompt),
+                                                        "total_tokens": len(req.prompt) + sent,
+                                                        "completion_tokens": sent}})
+            self.wfile.write(tail + event(b"[DONE]") + b"0\r\n\r\n")
+            srv.stats["completed"] += 1
+            srv.stats["streamed"] += 1
+        except OSError:  # the client went away mid-stream: vLLM aborts the request
+            if not req.done.is_set():
+                self._abort(req)
+            self.close_connection = True
 
 
 def _peer_closed(sock: socket.socket) -> bool:
