@@ -3,8 +3,9 @@
 
 A step is ``--groups`` x ``--n`` samples, one ``synthetic_llm`` job each: one generation of a
 long-tailed length (max_tokens drawn lognormal, median ``--median-tokens``, sigma ``--sigma``,
-capped at ``--max-tokens``) on a scripted SGLang-API server (and, for ``continue_vllm``, a vLLM-API one) sampling ``--per-token-s`` s per
-token. When half of the step's jobs are done, the next version is registered on a second server
+capped at ``--max-tokens``) on a scripted SGLang-API server (and, for ``continue_vllm``, a vLLM-API one,
+whose calls under ``continue`` stream so the interrupt keeps what arrived) sampling ``--per-token-s`` s
+per token. When half of the step's jobs are done, the next version is registered on a second server
 (the old one is not cleared: one server per version, as in a rolling swap), with
 ``max_policy_lag = 0``. The step ends when every sample is back. One ``rolloutd up`` per policy,
 all up at once, steps interleaved across them (load drift hits all alike); medians over steps.
@@ -13,7 +14,8 @@ Per policy:
 * ``wall_s``: step time (submit to last result);
 * ``wasted_tokens``: tokens the servers sampled that the trainer cannot use: everything sampled
   minus the sampled tokens of ``ok`` trajectories (abort_requeue's stopped attempts, drop's
-  failed jobs, partial generations a disconnect threw away);
+  failed jobs, tokens a disconnect threw away: on the vLLM API those sampled but not yet received
+  when the stream closed);
 * ``stale_tokens``: tokens sampled by the old version in ok trajectories delivered after the swap
   (off-policy data the trainer must importance-correct or drop: ``finish`` delivers whole old
   generations, ``continue`` only the part sampled before the swap);
@@ -39,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Rolloutd, loadavg, machine, median, revision  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-# (label, stale_policy, server API): continue on the vLLM API cannot keep an aborted call's tokens
+# (label, stale_policy, server API): continue on the vLLM API streams its calls (SGLang's abort returns the tokens)
 VARIANTS = (("finish", "finish", "sglang"), ("abort_requeue", "abort_requeue", "sglang"), ("drop", "drop", "sglang"),
             ("continue", "continue", "sglang"), ("continue_vllm", "continue", "vllm"))
 
