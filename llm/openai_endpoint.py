@@ -392,7 +392,12 @@ class EndpointSession:
                 if seg.conv.num_turns > n_turns:  # a partial (aborted) reply is in it: never extend it again
                     seg.closed = True
                 raise
-            return self._chat_reply(seg, n_ctx, ids, lps, finish, stop_hit, parse_calls, want_lp)
+            try:  # parsing a long reply is CPU work too: in the job's endpoint thread, not on the loop
+                return await self._offload(self._chat_reply, seg, n_ctx, ids, lps, finish, stop_hit, parse_calls,
+                                           want_lp)
+            except BaseException:
+                seg.closed = True  # cancelled before its entry was recorded: the turn is in it, unmatched
+                raise
         finally:
             seg.busy = False
 
