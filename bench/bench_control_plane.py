@@ -57,7 +57,8 @@ def held_per_node(run_pool: int) -> dict[str, int]:
 def generator(a):
     import zmq
     from rolloutd.bus import codec, events
-    from rolloutd.bus.messages import PROTOCOL_VERSION, Lease, Release
+    from rolloutd.bus.messages import PROTOCOL_VERSION, Lease, LeaseBatch, Release
+    from rolloutd.daemons.router_client import BATCH_S, HOLD_MAX_S, lease_member
 
     ctx = zmq.Context()
     held = held_per_node(a.run_pool)
@@ -143,7 +144,14 @@ def generator(a):
     lease_rate = a.nodes * a.run_pool / a.job_s
     stop = time.monotonic() + a.duration
     published = 0
-    leases = releases = refused = 0
+    leases = releases = refused = msgs = 0
+    batched = a.lease_protocol == "batch"
+    q_lease = [0] * max(1, a.nodes)            # per simulated run daemon: leases queued
+    q_rel: list[list] = [[] for _ in range(max(1, a.nodes))]  # releases queued
+    out: list = [None] * max(1, a.nodes)       # when its unanswered batch was sent
+    last = [-1e9] * max(1, a.nodes)            # when its last batch was sent
+    batch_node: dict[int, int] = {}
+    dirty: set[int] = set()
     lease_carry = 0.0
     t0 = time.monotonic()
     k = 0
@@ -171,28 +179,68 @@ def generator(a):
         while lease_carry >= 1:
             lease_carry -= 1
             req += 1
+            if batched:  # queued at its node (round robin over the nodes), sent with the node's next batch
+                node = req % a.nodes
+                q_lease[node] += 1
+                dirty.add(node)
+                continue
             try:
                 router.send_multipart([b""] + codec.encode(Lease(job_id=req, requester="run@simlease", node="simlease",
                                                                   wait_s=0.0, req_id=req).to_wire()), zmq.NOBLOCK)
                 leases += 1
+                msgs += 1
             except zmq.Again:  # the router is not keeping up: its queue is full
                 refused += 1
         while router.poll(0):  # a grant is released at once: the lease's hold time is in the heartbeats
             frames = router.recv_multipart()
-            body = codec.decode(frames[1:]).get("body") or {}
+            h = codec.decode(frames[1:])
+            body = h.get("body") or {}
+            if batched:
+                node = batch_node.pop(h.get("req_id"), None)
+                if node is not None:
+                    out[node] = None
+                    q_rel[node].extend(g["lease_id"] for g in body.get("granted") or ())
+                    dirty.add(node)
+                continue
             if "lease_id" in body:
                 try:
                     router.send_multipart([b""] + codec.encode(Release(lease_id=body["lease_id"]).to_wire()), zmq.NOBLOCK)
                     releases += 1
+                    msgs += 1
                 except zmq.Again:
                     refused += 1
+        if batched:  # each node as RouterClient: at most one batch per BATCH_S, none while one is unanswered (< HOLD_MAX_S)
+            now = time.monotonic()
+            for node in list(dirty):
+                o = out[node]
+                if (o is not None and now - o < HOLD_MAX_S) or now - last[node] < BATCH_S:
+                    continue
+                dirty.discard(node)
+                nl, rel = q_lease[node], q_rel[node]
+                q_lease[node], q_rel[node] = 0, []
+                members = []
+                for _ in range(nl):
+                    req += 1
+                    members.append(lease_member(Lease(job_id=req, requester=f"run@sim{node:05d}", node=f"sim{node:05d}",
+                                                      wait_s=0.0, req_id=req), f"run@sim{node:05d}", f"sim{node:05d}"))
+                req += 1
+                msg = LeaseBatch(requester=f"run@sim{node:05d}", node=f"sim{node:05d}", leases=members, releases=rel, req_id=req)
+                try:
+                    router.send_multipart([b""] + codec.encode(msg.to_wire()), zmq.NOBLOCK)
+                    batch_node[req] = node
+                    out[node] = last[node] = now
+                    leases += nl
+                    releases += len(rel)
+                    msgs += 1
+                except zmq.Again:
+                    refused += nl + len(rel)
         delay = tick + a.hb_s / slices - time.monotonic()
         if delay > 0:
             time.sleep(delay)
     wall = time.monotonic() - t0
     print(json.dumps({"hb_per_s": published / wall, "hb_target_per_s": len(sims) / a.hb_s,
                       "leases_per_s": leases / wall, "releases_per_s": releases / wall,
-                      "refused": refused}), flush=True)
+                      "lease_msgs_per_s": msgs / wall, "refused": refused}), flush=True)
     ctx.destroy(linger=0)
 
 
@@ -277,7 +325,7 @@ def free_port_block(n: int = 6) -> int:
     raise RuntimeError("no free port block")
 
 
-def run_size(a, nodes: int, backend, protocol: str = "changes") -> dict:
+def run_size(a, nodes: int, backend, protocol: str = "changes", lease_protocol: str = "batch") -> dict:
     from rolloutd.gateway.client import GatewayTimeout, RolloutClient
 
     head = Head(Path(a.root), free_port_block(), {"daemon.heartbeat_s": a.hb_s,
@@ -306,7 +354,7 @@ def run_size(a, nodes: int, backend, protocol: str = "changes") -> dict:
                                 "--populate-max", str(a.populate_max), "--init", head.addr("init"),
                                 "--events-in", head.addr("events_in"), "--router", head.addr("router"),
                                 "--ready-file", str(ready), "--backend-id", backend_id, "--hb-s", str(a.hb_s),
-                                "--job-s", str(a.job_s), "--protocol", protocol, "--listing", a.listing, "--duration", str(a.seconds + a.warmup + 30)],
+                                "--job-s", str(a.job_s), "--protocol", protocol, "--listing", a.listing, "--lease-protocol", lease_protocol, "--duration", str(a.seconds + a.warmup + 30)],
                                env=env, stdout=subprocess.PIPE, text=True)
         t_pop = time.monotonic()
         left = want
@@ -356,7 +404,7 @@ def run_size(a, nodes: int, backend, protocol: str = "changes") -> dict:
                   "redispatched": (st.get("totals") or {}).get("redispatched", 0)}
         client.close()
         gen.send_signal(signal.SIGTERM)
-        out = {"nodes": nodes, "protocol": protocol, "populated": info["populated"], "held": info["wanted"],
+        out = {"nodes": nodes, "protocol": protocol, "lease_protocol": lease_protocol, "populated": info["populated"], "held": info["wanted"],
                "hb_mb_per_s": info["bytes_per_s"] / 1e6, "populate_s": round(populate_s, 1),
                "cpu": {k: round(v, 4) for k, v in util.items()},
                "submit_ms": {"p50": common.percentile(sub, 50), "p99": common.percentile(sub, 99), "n": len(sub)},
@@ -392,6 +440,9 @@ def main():
                          "default changes,full (quick: changes)")
     ap.add_argument("--listing", default="packed", choices=("packed", "list"),
                     help="listing encoding: packed (current daemons, issue 29) or list (before)")
+    ap.add_argument("--lease-protocol", default="batch",
+                    help="router lease traffic, comma list: batch (lease_batch per node per tick, as RouterClient; issue 29) "
+                         "or single (one message per lease and per release: before)")
     ap.add_argument("--probe-timeout", type=float, default=5.0, help="a probe unanswered this long counts as lost")
     ap.add_argument("--populate-max", type=int, default=700_000)
     ap.add_argument("--populate-timeout", type=float, default=240.0)
@@ -421,8 +472,9 @@ def main():
           f"tree {common.revision(a.root)}, {common.machine()}, load {common.loadavg()}", flush=True)
     rows = []
     with ScriptedBackend() as backend:
-        for n, proto in [(0, "changes")] + [(n, p) for n in sizes for p in a.protocol.split(",")]:
-            r = run_size(a, n, backend, proto)
+        for n, proto, lp in [(0, "changes", "batch")] + [(n, p, lp) for n in sizes for p in a.protocol.split(",")
+                                                          for lp in a.lease_protocol.split(",")]:
+            r = run_size(a, n, backend, proto, lp)
             rows.append(r)
             c = r["cpu"]
             g = r.get("generator", {})
@@ -434,13 +486,13 @@ def main():
                 "gateway_per_hb": (c.get("gateway", 0) - idle.get("gateway", 0)) * 1e6 / hb if hb else None,
                 "router_per_lease_op": (c.get("router", 0) - idle.get("router", 0)) * 1e6 / ops if ops else None}
             per_op = "".join(f" {k} {v:.0f} us" for k, v in r["per_op_us"].items() if v is not None)
-            print(f"  {n:>5} nodes, {proto:>7} listings ({r['held']:,} held jobs, {r['populated']:,} in the gateway, "
+            print(f"  {n:>5} nodes, {proto:>7} listings, {lp} leases ({r['held']:,} held jobs, {r['populated']:,} in the gateway, "
                   f"{r['hb_mb_per_s']:.1f} MB/s of heartbeats): gateway {c.get('gateway', 0):.1%} "
                   f"router {c.get('router', 0):.1%} events {c.get('events', 0):.1%} of a core | "
                   f"submit p50/p99 {r['submit_ms']['p50']:.1f}/{r['submit_ms']['p99']:.1f} ms, "
                   f"poll p50/p99 {r['poll_ms']['p50']:.1f}/{r['poll_ms']['p99']:.1f} ms, {r['unanswered']} unanswered | generator "
                   f"{g.get('hb_per_s', 0):,.0f}/{g.get('hb_target_per_s', 0):,.0f} hb/s, "
-                  f"{g.get('leases_per_s', 0):,.0f} leases/s ({g.get('refused', 0)} refused), redispatched {r['gateway'].get('redispatched')} "
+                  f"{g.get('leases_per_s', 0):,.0f} leases/s in {g.get('lease_msgs_per_s', 0):,.0f} msgs/s ({g.get('refused', 0)} refused), redispatched {r['gateway'].get('redispatched')} "
                   f"| generator's own CPU {c.get('generator', 0):.1%} |{per_op or ' -'} | load {r['load']}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows, "args": {k: v for k, v in vars(a).items()}}, indent=1))

@@ -20,8 +20,10 @@ socket over tcp on loopback; per heartbeat the figures split ``recv`` (``recv_no
 objects) from the handler (``Gateway._on_event``: parse, validate, rebuild the held set, renew).
 Per second each run daemon lists changes (``job_s`` churn: ``run_pool / job_s`` in and out) and a
 full listing every ``full_listing_s`` (5 s), init and eval full listings (<= 128 jobs). The router:
-``lease`` and ``release`` requests as a run daemon's DEALER sends them (``Router._on_request``,
-grant, ``backend.load`` publish; the reply's send is not timed), and ``run.leases`` events.
+single ``lease`` and ``release`` requests (the protocol before issue 29's batching, still served)
+beside ``lease_batch`` messages of k releases + k leases built as ``RouterClient`` builds them
+(``Router._on_request``: decode, release, pick, reply, ``backend.load``; the reply's send is not
+timed), and ``run.leases`` events. ``--only router`` skips the gateway (~10 s).
 
 ``--listing packed`` sends the listings as packed little-endian int64 pairs (docs/EVENTS.md,
 heartbeat listings); ``both`` measures the two encodings on the same state, one after the other.
@@ -42,8 +44,9 @@ import zmq
 import zmq.asyncio
 
 from rolloutd.bus import codec, events
-from rolloutd.bus.messages import Lease, Release
+from rolloutd.bus.messages import Lease, LeaseBatch, Release
 from rolloutd.bus.sockets import Sockets, recv_now
+from rolloutd.daemons.router_client import lease_member
 from rolloutd.daemons.supervisor import config_from_args
 
 HELD = {"init": 36, "run": 576, "eval": 36}  # pool + default prefetch (pool // 8)
@@ -261,36 +264,59 @@ def measure_router(nodes: int, ops: int, backends: int) -> dict:
             r._on_heartbeat(e[1])
             ev_us.append((cpu() - c0) * 1e6)
         ident = zmq.Frame(b"run@sim00000#i")
-        # Odd ops also read req_id up front as Router._on_request did before issue 29 (every request
-        # paid a second partial decode; now only an error reply does): the before figures, interleaved.
-        lease_us, release_us, grant = ([], []), ([], []), 0
-        for k in range(ops):
-            before = k % 2
-            req = [ident, zmq.Frame(b"")] + [zmq.Frame(bytes(x)) for x in codec.encode(
-                Lease(job_id=10**9 + k, requester="run@sim00000", node="sim00000", wait_s=0.0, req_id=k + 1).to_wire())]
+
+        def frames(msg):
+            return [ident, zmq.Frame(b"")] + [zmq.Frame(bytes(x)) for x in codec.encode(msg.to_wire())]
+
+        def reply():
+            out = [codec.decode([bytes(x) for x in f[2:]]) for f in r.out]
+            r.out.clear()
+            return out
+
+        # Single lease + release messages (before: one message per operation) and batches of k
+        # releases + k leases as RouterClient sends them (lease_member, LeaseBatch), interleaved
+        # round by round so a change in the machine's load lands on every variant alike.
+        sizes = (1, 4, 16, 64)
+        lease_us, release_us, grant = [], [], 0
+        batch_us = {k: [] for k in sizes}
+        held = {k: [] for k in sizes}  # lease ids granted by the last batch of size k: its next releases
+        rid = 0
+        rounds = max(1, ops // 2 // (1 + len(sizes)))
+        for _ in range(rounds):
+            rid += 1
+            req = frames(Lease(job_id=10**9 + rid, requester="run@sim00000", node="sim00000", wait_s=0.0, req_id=rid))
             c0 = cpu()
-            if before:
-                codec.peek_req_id(req[2:])
             r._on_request(req)
-            lease_us[before].append((cpu() - c0) * 1e6)
-            reply = codec.decode([bytes(x) for x in r.out[-1][2:]])
-            r.out.clear()
-            lid = (reply.get("body") or {}).get("lease_id")
+            lease_us.append((cpu() - c0) * 1e6)
+            lid = (reply()[-1].get("body") or {}).get("lease_id")
             grant += lid is not None
-            rel = [ident, zmq.Frame(b"")] + [zmq.Frame(bytes(x)) for x in codec.encode(Release(lease_id=lid or "x", req_id=k + 1).to_wire())]
+            rel = frames(Release(lease_id=lid or "x", req_id=rid))
             c0 = cpu()
-            if before:
-                codec.peek_req_id(rel[2:])
             r._on_request(rel)
-            release_us[before].append((cpu() - c0) * 1e6)
+            release_us.append((cpu() - c0) * 1e6)
             r.out.clear()
+            for k in sizes:
+                members = []
+                for _ in range(k):
+                    rid += 1
+                    members.append(lease_member(Lease(job_id=10**9 + rid, requester="run@sim00000", node="sim00000",
+                                                      wait_s=0.0, req_id=rid), "run@sim00000", "sim00000"))
+                rid += 1
+                msg = LeaseBatch(requester="run@sim00000", node="sim00000", leases=members, releases=held[k], req_id=rid)
+                f = frames(msg)
+                c0 = cpu()
+                r._on_request(f)
+                batch_us[k].append((cpu() - c0) * 1e6)
+                body = reply()[-1].get("body") or {}
+                held[k] = [g["lease_id"] for g in body.get("granted", [])]
+                grant += len(held[k])
         c0 = cpu()
         r.pool.expire(3600.0)
         expire_ms = (cpu() - c0) * 1e3
     finally:
         sockets.close()
-    return {"lease_us": common.median(lease_us[0]), "release_us": common.median(release_us[0]), "granted": grant,
-            "lease_before_us": common.median(lease_us[1]), "release_before_us": common.median(release_us[1]),
+    return {"lease_us": common.median(lease_us), "release_us": common.median(release_us), "granted": grant,
+            "batch_us": {k: common.median(v) for k, v in batch_us.items()}, "rounds": rounds,
             "leases_event_us": common.median(ev_us), "leases": len(r.pool.leases), "expire_ms": expire_ms,
             "backends": backends}
 
@@ -305,6 +331,7 @@ def main():
     ap.add_argument("--backends", type=int, default=8)
     ap.add_argument("--ops", type=int, default=None, help="lease+release pairs timed (default 5000; quick 2000)")
     ap.add_argument("--listing", default="list", choices=("list", "packed", "both"))
+    ap.add_argument("--only", default="all", choices=("all", "gateway", "router"))
     a = ap.parse_args()
     nodes = a.nodes or (200 if a.quick else 1000)
     active = min(nodes, a.active or 200)
@@ -314,7 +341,7 @@ def main():
           f"{rounds} rounds, job_s {a.job_s:.0f}, tree {common.revision(common.REPO)}, {common.machine()}, "
           f"load {common.loadavg()}", flush=True)
     lease_rate = 512 / a.job_s  # lease + release per node per second
-    gws = measure_gateway(nodes, active, rounds, a.job_s, ("list", "packed") if a.listing == "both" else (a.listing,))
+    gws = {} if a.only == "router" else measure_gateway(nodes, active, rounds, a.job_s, ("list", "packed") if a.listing == "both" else (a.listing,))
     for listing, g in gws.items():
         print(f"  gateway, {listing} listings (state built in {g['built_s']} s, {g['malformed']} malformed):")
         for k, v in sorted(g["kinds"].items()):
@@ -322,20 +349,28 @@ def main():
         print(f"    recv_now (per heartbeat)     {g['recv_us']:8.1f} us")
         print(f"    per node-second: {g['per_node_s_us']:.0f} us -> {g['per_node_s_us'] * 1000 / 1e6:.1%} of a core at "
               f"1,000 nodes | lease sweep {g['sweep_ms']:.2f} ms | load {common.loadavg()}", flush=True)
-    from rolloutd.gateway.daemon import Gateway
+    if a.only != "router":
+        from rolloutd.gateway.daemon import Gateway
 
-    t = asyncio.run(_turns(Gateway(_sets([])), 4000 if a.quick else 10000))
-    print(f"  a loop turn's receive work (5 sockets, one heartbeat waiting): {t['now_us']:.1f} us "
-          f"(before: {t['before_us']:.1f} us, an empty recv per socket)", flush=True)
+        t = asyncio.run(_turns(Gateway(_sets([])), 4000 if a.quick else 10000))
+        print(f"  a loop turn's receive work (5 sockets, one heartbeat waiting): {t['now_us']:.1f} us "
+              f"(before: {t['before_us']:.1f} us, an empty recv per socket)", flush=True)
+    if a.only == "gateway":
+        return
     r = measure_router(nodes, ops, a.backends)
-    per_node = lease_rate * (r["lease_us"] + r["release_us"]) + r["leases_event_us"] / 5.0
-    print(f"  router ({r['backends']} backends, {r['leases']:,} leases held): lease {r['lease_us']:.1f} us, "
-          f"release {r['release_us']:.1f} us (before: {r['lease_before_us']:.1f} and {r['release_before_us']:.1f}; "
-          f"medians of {ops // 2} each, {r['granted']} of {ops} granted), run.leases event "
-          f"(512 rows) {r['leases_event_us']:.0f} us, expire walk {r['expire_ms']:.1f} ms")
-    print(f"    per node-second ({lease_rate:.1f} leases + releases, a run.leases event per 5 s): {per_node:.0f} us -> "
-          f"{per_node * 1000 / 1e6:.1%} of a core at 1,000 nodes (sends of replies not included) | load {common.loadavg()}")
-
+    single = lease_rate * (r["lease_us"] + r["release_us"]) + r["leases_event_us"] / 5.0
+    print(f"  router ({r['backends']} backends, {r['leases']:,} leases held; medians of {r['rounds']} rounds, "
+          f"{r['granted']} leases granted): run.leases event (512 rows) {r['leases_event_us']:.0f} us, "
+          f"expire walk {r['expire_ms']:.1f} ms")
+    print(f"    single messages (before): lease {r['lease_us']:.1f} us, release {r['release_us']:.1f} us -> per node-second "
+          f"({lease_rate:.1f} leases + releases, a run.leases event per 5 s) {single:.0f} us = "
+          f"{single * 1000 / 1e6:.1%} of a core at 1,000 nodes")
+    for k, us in r["batch_us"].items():
+        per_op = us / (2 * k)
+        per_node = lease_rate * 2 * per_op + r["leases_event_us"] / 5.0
+        print(f"    lease_batch of {k:>2} releases + {k:>2} leases: {us:7.1f} us per batch, {per_op:5.1f} us per operation "
+              f"-> per node-second {per_node:.0f} us = {per_node * 1000 / 1e6:.1%} of a core at 1,000 nodes")
+    print(f"    (handler CPU only: receive, reply send and loop turn are per message, not per operation) | load {common.loadavg()}")
 
 if __name__ == "__main__":
     main()

@@ -251,11 +251,16 @@ class Router(Daemon):
         if not leases or hb.get("daemon") != "run" or not isinstance(leases, list):
             return
         requester = f"run@{hb.get('node')}"
-        rows = [row for row in leases if isinstance(row, list) and len(row) == 4
-                and isinstance(row[0], str) and isinstance(row[1], str) and isinstance(row[3], int)]
-        for lease_id, backend_id, job_id, version in rows:
-            self.pool.adopt(lease_id, backend_id, job_id, requester, version)
-        self.pool.renew(requester, {row[0] for row in rows})
+        held, pool, now = self.pool.leases, self.pool, time.monotonic()
+        for row in leases:  # one pass: renew the leases held here, adopt the others (after a router restart)
+            if (row.__class__ is not list or len(row) != 4 or not isinstance(row[0], str)
+                    or not isinstance(row[1], str) or not isinstance(row[3], int)):
+                continue
+            rec = held.get(row[0])
+            if rec is None:
+                pool.adopt(row[0], row[1], row[2], requester, row[3])
+            elif rec.requester == requester:
+                rec.renewed = now
 
     async def _health_loop(self):
         interval = float(self.rcfg["health_interval_s"])

@@ -2,9 +2,11 @@
 
 Lease requests and releases are not one message each: what the daemon's jobs queue during one
 event-loop tick goes out as one ``lease_batch`` (docs/PROTOCOL.md, router requests), answered by
-one reply. While a batch is unanswered (up to ``hold_max_s``) new operations keep queueing, so a
-router that falls behind gets fewer, larger batches instead of a growing backlog of messages
-(docs/SCALING.md). A lease the router cannot grant at once waits there up to its ``wait_s`` and
+one reply. A run daemon sends at most one batch per ``batch_s`` (the first at once, so a quiet
+daemon's lease waits for nothing): at 512 slots and 30 s jobs a daemon has ~34 operations a
+second, about one per tick, so per-tick batches alone would stay at one operation. While a batch
+is unanswered (up to ``hold_max_s``) new operations keep queueing, so a router that falls behind
+gets fewer, larger batches instead of a growing backlog of messages (docs/SCALING.md). A lease the router cannot grant at once waits there up to its ``wait_s`` and
 is answered on its own when granted, as a single ``lease`` would be.
 
 A router that died with requests in hand is detected by its new incarnation and every
@@ -20,6 +22,10 @@ from rolloutd.bus import codec
 from rolloutd.bus.messages import Lease, LeaseBatch, Release
 from rolloutd.bus.sockets import recv, recv_now
 from rolloutd.llm.client import with_timeout
+
+
+HOLD_MAX_S = 1.0  # longest a queued operation waits behind an unanswered batch
+BATCH_S = 0.1     # at most one batch per this: a lease waits at most this long to be sent
 
 
 class RouterError(RuntimeError):
@@ -43,12 +49,15 @@ def lease_member(msg: Lease, requester: str, node: str) -> dict:
 class RouterClient:
     """Async requests to the router over one DEALER socket, matched by request id."""
 
-    def __init__(self, sockets, requester: str, node: str, timeout_s: float = 5.0, hold_max_s: float = 1.0):
+    def __init__(self, sockets, requester: str, node: str, timeout_s: float = 5.0, hold_max_s: float = HOLD_MAX_S,
+                 batch_s: float = BATCH_S):
         self.sock = sockets.connect("DEALER", "router", hwm=10000)
         self.requester = requester
         self.node = node
         self.timeout_s = timeout_s
-        self.hold_max_s = hold_max_s  # longest a queued operation waits behind an unanswered batch
+        self.hold_max_s = hold_max_s
+        self.batch_s = batch_s
+        self._sent_at = -1e9  # when the last batch went out
         self._ids = itertools.count(1)
         # req id -> (reply, request frames) or, for a lease that travels in a batch, (reply, member)
         self._waiting: dict[int, tuple[asyncio.Future, object]] = {}
@@ -82,17 +91,22 @@ class RouterClient:
 
     # -- batching ------------------------------------------------------------------------
     def _kick(self):
-        """Flush at the end of this tick, or when the unanswered batch is answered (or is older
-        than ``hold_max_s``: a reply that never comes must not hold the queue)."""
+        """Flush at the end of this tick, but not sooner than ``batch_s`` after the last batch, and
+        not before the unanswered batch is answered (or is older than ``hold_max_s``: a reply that
+        never comes must not hold the queue)."""
         if self._flush_at is not None or not (self._leases or self._releases):
             return
         loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        wait = self._sent_at + self.batch_s - now
         if self._batch_out is not None:
-            wait = self._batch_out[1] + self.hold_max_s - time.monotonic()
-            if wait > 0:
+            wait = max(wait, self._batch_out[1] + self.hold_max_s - now)
+            if wait <= 0:
+                self._batch_out = None
+            else:  # the reply's arrival flushes sooner (_on_batch_reply)
                 self._flush_at = loop.call_later(wait, self._flush)
                 return
-        self._flush_at = loop.call_soon(self._flush)
+        self._flush_at = loop.call_later(wait, self._flush) if wait > 0 else loop.call_soon(self._flush)
 
     def _flush(self):
         self._flush_at = None
@@ -107,7 +121,8 @@ class RouterClient:
         self._members[rid] = [m["req_id"] for m in leases]
         if len(self._members) > 1024:  # batches a vanished router never answered
             self._members.pop(next(iter(self._members)))
-        self._batch_out = (rid, time.monotonic())
+        self._sent_at = time.monotonic()
+        self._batch_out = (rid, self._sent_at)
         self.batches += 1
         self.batched += len(leases) + len(releases)
         self.sock.send_multipart([b""] + codec.encode(msg.to_wire()), copy=False)
@@ -127,6 +142,9 @@ class RouterClient:
         members = self._members.pop(rid, [])
         if self._batch_out is not None and self._batch_out[0] == rid:
             self._batch_out = None
+            if self._flush_at is not None:  # it waited for this reply: flush as batch_s allows
+                self._flush_at.cancel()
+                self._flush_at = None
         if header.get("kind") == "error":  # the batch as a whole was refused: so is each member
             for m in members:
                 self._resolve(m, header)
@@ -164,6 +182,9 @@ class RouterClient:
             return 0
         self._batch_out = None  # the old router will not answer it
         self._members.clear()
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
         pending = [req for fut, req in self._waiting.values() if not fut.done()]
         queued = {m["req_id"] for m in self._leases}
         for req in pending:

@@ -116,8 +116,9 @@ class Pool:
     # -- leasing ---------------------------------------------------------------------------
     def candidates(self, exclude=()) -> list[Backend]:
         oldest = self._newest - self.max_policy_lag  # older servers only drain what they hold
-        return [b for b in self.backends.values()
-                if b.healthy and not b.full() and b.id not in exclude and b.policy_version >= oldest]
+        return [b for b in self.backends.values()  # b.full() inlined: this runs for every lease
+                if b.healthy and not (b.capacity > 0 and b.inflight >= b.capacity) and b.id not in exclude
+                and b.policy_version >= oldest]
 
     def too_old(self) -> list[Backend]:
         """Backends past the lag bound: no new lease until re-registered at a newer version."""
@@ -140,12 +141,14 @@ class Pool:
                     self._rr = (self._rr + i + 1) % len(ordered)
                     return b
             return None
-        best = min(b.load() for b in cands)
-        close = [b for b in cands if b.load() <= best + 1e-12]
-        if node:
-            near = [b for b in cands if b.node == node and b.load() <= best + self.node_affinity]
-            if near:
-                close = [b for b in near if b.load() <= min(x.load() for x in near) + 1e-12]
+        loads = [b.load() for b in cands]  # once per backend per pick (a batch picks many)
+        best = min(loads)
+        near = [(x, b) for x, b in zip(loads, cands) if b.node == node and x <= best + self.node_affinity] if node else None
+        if near:
+            best = min(x for x, _ in near)
+            close = [b for x, b in near if x <= best + 1e-12]
+        else:
+            close = [b for x, b in zip(loads, cands) if x <= best + 1e-12]
         # Fair tie-break: rotate through equals instead of always taking the first.
         self._rr += 1
         return close[self._rr % len(close)]
