@@ -152,25 +152,28 @@ def test_continue_moves_generations_in_flight_to_the_new_version_keeping_their_t
         assert old.stats["disconnects"] >= moved, old.stats  # vLLM's abort: the stream closed
 
 
-def test_continue_works_for_the_built_in_agent_loop(up_factory, servers, tiny_tokenizer_dir):
+@pytest.mark.parametrize("api", ["sglang", "vllm"])
+def test_continue_works_for_the_built_in_agent_loop(up_factory, servers, tiny_tokenizer_dir, api):
     """The math handler (no sandbox) runs run_agent_loop: the aborted assistant message is continued
-    as a `continuation` turn on v1, one assistant message in all."""
+    as a `continuation` turn on v1, one assistant message in all, keeping the tokens sampled on v0."""
     up = up_factory("router.max_policy_lag=0", "router.stale_policy=continue", "handlers.math.python=false")
     old, new = servers("old"), servers("new")
     task = {"handler": "math", "instance_id": "m0",
             "instance": {"question": "1+1?", "answer": "2", "tokenizer": str(tiny_tokenizer_dir),
                          "sampling": {"max_tokens": MAX_TOKENS}}}
     with up.client() as c:
-        c.add_backend(old.url, api="sglang", policy_version=0)
+        c.add_backend(old.url, api=api, policy_version=0)
         ids = c.submit([dict(task, instance_id=f"m{i}") for i in range(3)])
         wait_for(lambda: old.num_running >= 3, what="generating on version 0")
-        c.add_backend(new.url, api="sglang", policy_version=1)
+        time.sleep(0.3)  # not a timing assertion: lets some tokens be sampled before the swap
+        c.add_backend(new.url, api=api, policy_version=1)
         results = list(c.gather(ids, timeout_s=120))
     for r in results:
         assert r["status"] == "ok", r["error"]
         assert [(t["policy_version"], t["finish_reason"], t["continuation"]) for t in r["turns"]][:2] == [
             (0, "abort", False), (1, r["turns"][1]["finish_reason"], True)], r["turns"]
         assert r["metrics"]["turns"] == 1 and r["metrics"]["aborts"] == 1
+        assert r["turns"][0]["end"] > r["turns"][0]["start"], r["turns"]  # v0's tokens kept
 
 
 def test_stale_requeues_count_against_max_attempts(up_factory, servers):
