@@ -1,6 +1,7 @@
 """Sandbox benchmarks: bash action latency vs tmux and SWE-ReX, bwrap start-up, 128 sandboxes.
 
     .venv/bin/python bench/bench_sandbox.py [--quick] [--json out.json] [--ref-toolserver DIR]
+                                            [--hardening-only | --pty-only | --disk-only [--disk-mb MB] [--rounds N]]
 
 1. Action latency of one bash call, client to result, for `true` (pure overhead) and
    `ls -la /usr/bin | head`:
@@ -22,6 +23,11 @@
    tool (purge + fresh process), each after the agent left N background processes.
 5. Issue 24 red team (--pty-only runs just this), interleaved: sandbox ready and destroy with
    a devpts instance of its own (max_ptys, 16, as root) and --disable-userns vs neither.
+6. Sandbox ready with a workspace quota (--disk-only runs just this; --disk-mb, default 4096, the
+   swe domain's), interleaved round by round: `measured` (no mounts: the baseline), `tmpfs`,
+   `loop_direct` (the loop image made on the start's path: copy, LOOP_CONFIGURE, fsmount; what
+   every start paid before the pool) and `loop_pool` (the default as root: made ahead by
+   bounds.WorkspacePool, the start only move_mounts it); with the start's steps timed.
 Medians are the headline (the machine is shared and noisy); p99 is reported too.
 """
 from __future__ import annotations
@@ -349,6 +355,94 @@ def bench_pty_userns(root: Path, n: int) -> Dict[str, object]:
             "devpts": os.geteuid() == 0 and rts["bounded"].disk_quota != "measured"}
 
 
+def bench_disk_ready(root: Path, n: int, disk_mb: int) -> Dict[str, object]:
+    """Section 6: create() -> ping per workspace-quota mechanism, interleaved (order rotated
+    each round), then the first bash `true` and destroy; the start's own steps are timed in
+    this thread only (the pool's filler thread runs beside it and is not counted)."""
+    from rolloutd.sandbox import Limits, bounds
+    from rolloutd.sandbox.bwrap import BwrapRuntime
+    from rolloutd.sandbox.runtime import Runtime
+
+    why = bounds.why_no_mounts()
+    kinds = {"measured": {"disk_quota": "measured"}}
+    if why is None:
+        kinds.update({"tmpfs": {"disk_quota": "tmpfs"}, "loop_direct": {"disk_quota": "loop", "disk_pool": 0},
+                      "loop_pool": {"disk_quota": "loop"}})
+    rts = {k: get_runtime("bwrap", root_dir=root / ("disk-" + k), ready_timeout=60, **kw) for k, kw in kinds.items()}
+    me = __import__("threading").get_ident()
+    steps: Dict[str, float] = {}
+    patched = []
+
+    def timed_step(cls, name, label):
+        f = cls.__dict__[name]
+
+        def g(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                if __import__("threading").get_ident() == me:
+                    steps[label] = steps.get(label, 0.0) + (time.perf_counter() - t0) * 1000
+        setattr(cls, name, g)
+        patched.append((cls, name, f))
+
+    timed_step(Runtime, "_bound_dirs", "workspace_fs")
+    timed_step(BwrapRuntime, "_pre_launch", "socket_devpts")
+    timed_step(BwrapRuntime, "_launch", "bwrap_to_namespace")
+    timed_step(Runtime, "_wait_ready", "tool_server_ready")
+    spec = SandboxSpec(limits=Limits(disk_mb=disk_mb))
+    samples: Dict[str, Dict[str, List[float]]] = {k: {} for k in rts}
+    try:
+        for k, rt in rts.items():  # warm-up: tool library, templates, page cache; fills the pool
+            rt.destroy(rt.create("warm", spec))
+        order = list(rts)
+        for i in range(n):
+            for k in order[i % len(order):] + order[:i % len(order)]:
+                rt = rts[k]
+                steps.clear()
+                t0 = time.perf_counter()
+                h = rt.create("disk-%d" % i, spec)
+                t1 = time.perf_counter()
+                with ToolClient(h.tool_socket) as c:
+                    assert c.call("bash", {"command": "true", "timeout": 30}).exit_code == 0
+                t2 = time.perf_counter()
+                rt.destroy(h)
+                t3 = time.perf_counter()
+                row = dict(steps, ready=(t1 - t0) * 1000, first_true=(t2 - t0) * 1000, destroy=(t3 - t2) * 1000)
+                for name, v in row.items():
+                    samples[k].setdefault(name, []).append(v)
+    finally:
+        for cls, name, f in patched:
+            setattr(cls, name, f)
+    out: Dict[str, object] = {"disk_mb": disk_mb, "not_root": why, "n": n, "kinds": {}}
+    for k, rt in rts.items():
+        med = {name: statistics.median(v) for name, v in samples[k].items()}
+        med["ready_p90"] = pct(samples[k]["ready"], 0.9)
+        pool = getattr(rt, "_disk_pool", None)
+        if pool is not None:
+            med["pool_hits"], med["pool_misses"] = pool.hits, pool.misses
+            pool.close()
+        out["kinds"][k] = med
+    return out
+
+
+def report_disk_ready(d: Dict[str, object]) -> None:
+    ks = d["kinds"]
+    base = ks["measured"]["ready"]
+    print("sandbox ready with a %d MB workspace quota, same run, interleaved, n=%d per kind, median ms%s:"
+          % (d["disk_mb"], d["n"], "" if not d["not_root"] else " [%s: measured only]" % d["not_root"]))
+    for k, m in ks.items():
+        vs = "" if k == "measured" else "  %.2fx measured" % (m["ready"] / base)
+        if k == "loop_pool" and "loop_direct" in ks:
+            vs += ", %.2fx loop_direct" % (m["ready"] / ks["loop_direct"]["ready"])
+        pool = " pool hits %d/%d" % (m["pool_hits"], m["pool_hits"] + m["pool_misses"]) if "pool_hits" in m else ""
+        print("  %-11s ready %6.1f (p90 %6.1f)  first true %6.1f  destroy %5.1f%s%s" % (
+            k, m["ready"], m["ready_p90"], m["first_true"], m["destroy"], vs, pool))
+        print("  %-11s steps: workspace fs %.2f, socket+devpts %.2f, bwrap to namespace %.2f, tool server ready %.2f"
+              % ("", m.get("workspace_fs", 0), m.get("socket_devpts", 0), m.get("bwrap_to_namespace", 0),
+                 m.get("tool_server_ready", 0)))
+
+
 def report_pty_userns(p: Dict[str, object]) -> None:
     print("issue 24 red team, same run, interleaved (bounded = devpts max=16%s + --disable-userns; unbounded = neither):"
           % ("" if p["devpts"] else " [not root: no devpts instance]"))
@@ -385,6 +479,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "`git archive OLD sandbox/toolserver | tar -x -C /tmp/old`: DIR=/tmp/old/sandbox/toolserver")
     ap.add_argument("--hardening-only", action="store_true", help="only section 4 (issue 24 before/after)")
     ap.add_argument("--pty-only", action="store_true", help="only section 5 (devpts max= and --disable-userns)")
+    ap.add_argument("--disk-only", action="store_true", help="only section 6 (ready per workspace-quota mechanism)")
+    ap.add_argument("--disk-mb", type=int, default=4096, help="section 6's workspace quota (default 4096)")
+    ap.add_argument("--rounds", type=int, default=None, help="section 6's rounds (default 40, --quick 5)")
     ns = ap.parse_args(argv)
     n_lat, n_start = (20, 5) if ns.quick else (150, 40)
     fleet = ns.fleet if ns.fleet is not None else (8 if ns.quick else 128)
@@ -393,24 +490,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     t_all = time.perf_counter()
     out: Dict[str, object] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
                                           "loadavg_at_start": os.getloadavg()}}
+    only = ns.pty_only or ns.hardening_only or ns.disk_only
     try:
         if ns.pty_only:
             out["pty_userns"] = bench_pty_userns(root, n_start)
-        elif not ns.hardening_only:
+        elif not only:
             out.update(bench_latency(root, n_lat, out, ns.ref_toolserver))
             out["startup_bwrap"] = bench_startup(root, n_start)
             out["fleet"] = bench_fleet(root, fleet, ns.workers)
-        if not ns.pty_only:
+        if ns.hardening_only or not only:
             out["hardening"] = bench_hardening(root, n_lat * 2, n_start)
             out["pty_userns"] = bench_pty_userns(root, n_start)
+        if ns.disk_only or not only:
+            out["disk_ready"] = bench_disk_ready(root, ns.rounds or (5 if ns.quick else 40), ns.disk_mb)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        from rolloutd.sandbox.runtime import _remove_sandbox_dir
+
+        _remove_sandbox_dir(root)  # unmounts what a failed section left mounted, then deletes
     out["wall_s"] = time.perf_counter() - t_all
-    if not (ns.hardening_only or ns.pty_only):
+    if not only:
         report(out)
-    if not ns.pty_only:
+    if "hardening" in out:
         report_hardening(out["hardening"])
-    report_pty_userns(out["pty_userns"])
+    if "pty_userns" in out:
+        report_pty_userns(out["pty_userns"])
+    if "disk_ready" in out:
+        report_disk_ready(out["disk_ready"])
     if ns.json:
         ns.json.write_text(json.dumps(out, indent=1))
     return 0

@@ -12,11 +12,21 @@ bound fails with ENOSPC inside the sandbox and the host never holds a byte more:
 Both are ordinary mounts in the host's mount namespace at the same paths as before, so init
 fills the workspace and eval reads it as it always did. ``unmount_under(dir)`` reads the mount
 table, so destroy, reap and the janitor undo them without any state (also after a crash).
-Mount and loop set-up go through libc and ioctls directly: the ``mount`` command costs a
-fork/exec (~3 ms) each time. See docs/SANDBOX.md, "Disk quota".
+Mount and loop set-up go through libc, ioctls and syscalls directly: the ``mount`` command costs
+a fork/exec (~3 ms) each time.
+
+A workspace filesystem is made in two steps: ``prepare_ext4`` (copy the template, attach a loop
+device, mount it *detached* with the new mount API: an fd, in no mount table) and
+``ReadyFs.install`` (one ``move_mount`` onto the workspace dir). ``WorkspacePool`` runs the first
+step ahead of demand in a background thread, so a sandbox start pays only the second. A pooled
+filesystem lives only in this process's fds: when the process dies, however, the kernel drops
+the detached mount, the loop device (autoclear) and the image (an O_TMPFILE). See
+docs/SANDBOX.md, "Disk quota".
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -24,8 +34,11 @@ import os
 import shutil
 import struct
 import subprocess
+import threading
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Tuple, Union
+
+from .log import log
 
 RUN_DIR_BYTES = 1 << 20   # tool.sock, config.json (~2 KB), llm.sock
 MIN_IMAGE_BYTES = 4 << 20  # below this a workspace gets a tmpfs (ext4 needs room for its metadata)
@@ -35,9 +48,17 @@ MS_NOSUID, MS_NODEV, MS_NOEXEC, MNT_DETACH = 0x2, 0x4, 0x8, 0x2
 LOOP_CTL_GET_FREE, LOOP_CONFIGURE = 0x4C82, 0x4C0A
 LO_FLAGS_AUTOCLEAR = 4
 
+# The new mount API (Linux >= 5.2; LOOP_CONFIGURE already needs 5.8): one syscall table on every arch.
+SYS_MOVE_MOUNT, SYS_FSOPEN, SYS_FSCONFIG, SYS_FSMOUNT = 429, 430, 431, 432
+FSOPEN_CLOEXEC, FSMOUNT_CLOEXEC, MOVE_MOUNT_F_EMPTY_PATH, AT_FDCWD, AT_SYMLINK_FOLLOW = 1, 1, 4, -100, 0x400
+FSCONFIG_SET_FLAG, FSCONFIG_SET_STRING, FSCONFIG_CMD_CREATE = 0, 1, 6
+MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 0x2, 0x4
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
 _libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+_libc.syscall.restype = ctypes.c_long
+_libc.linkat.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int)
 
 
 class BoundsError(OSError):
@@ -86,22 +107,40 @@ def mount_devpts(target: os.PathLike, max_ptys: int) -> None:
            "newinstance,ptmxmode=0666,mode=0620,max=%d" % int(max_ptys))
 
 
+def template_image(templates: os.PathLike, size_bytes: int, uid: int, gid: int) -> Path:
+    """The empty ext4 of (size, owner) under templates, made once (mkfs.ext4 is a fork/exec of
+    4-20 ms); each workspace is a sparse copy of it. Its lost+found is removed once here, so a
+    workspace mounts without a write (an agent's `ls` should see an empty workspace)."""
+    t = Path(templates) / ("ext4-%d-%d-%d.img" % (size_bytes, uid, gid))
+    if not t.exists():
+        Path(templates).mkdir(mode=0o700, exist_ok=True)
+        tmp = t.with_name(".%s.%s" % (t.name, os.urandom(6).hex()))  # unique per thread too
+        try:
+            make_ext4_image(tmp, size_bytes, uid, gid)
+            mfd = _detached_ext4(tmp)
+            try:
+                os.rmdir("lost+found", dir_fd=mfd)
+            finally:
+                os.close(mfd)  # the only reference: unmounted here, the loop device goes (autoclear)
+            os.replace(tmp, t)  # concurrent makers: identical content, last rename wins
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+    return t
+
+
 def make_ext4_image(image: os.PathLike, size_bytes: int, uid: int, gid: int,
                     templates: Optional[os.PathLike] = None) -> None:
     """A sparse file of exactly size_bytes holding an empty ext4 (4 KiB blocks, one inode per
     16 KiB but at least 1024, no journal: the data is as ephemeral as the sandbox; no reserved blocks).
 
-    With a templates dir, mkfs runs once per (size, owner) and each image is a sparse copy of
-    that template (~0.2 MB of metadata for 4 GB: well under a millisecond, where mkfs.ext4 is
-    a fork/exec of 4-20 ms). ext4 does not mind two mounted filesystems sharing a UUID."""
+    With a templates dir, the image is a sparse copy of template_image() (~0.2 MB of metadata for
+    4 GB: well under a millisecond). ext4 does not mind two mounted filesystems sharing a UUID."""
     if templates is not None:
-        t = Path(templates) / ("ext4-%d-%d-%d.img" % (size_bytes, uid, gid))
-        if not t.exists():
-            Path(templates).mkdir(mode=0o700, exist_ok=True)
-            tmp = t.with_name(".%s.%s" % (t.name, os.urandom(6).hex()))  # unique per thread too
-            make_ext4_image(tmp, size_bytes, uid, gid)
-            os.replace(tmp, t)  # concurrent makers: identical content, last rename wins
-        _sparse_copy(t, image, size_bytes)
+        _sparse_copy(template_image(templates, size_bytes, uid, gid), image, size_bytes)
         return
     with open(image, "wb") as f:
         f.truncate(size_bytes)
@@ -114,11 +153,12 @@ def make_ext4_image(image: os.PathLike, size_bytes: int, uid: int, gid: int,
         raise BoundsError(errno.EIO, "mkfs.ext4 %s failed: %s" % (image, (r.stderr or r.stdout).strip()[-300:]))
 
 
-def _sparse_copy(src: os.PathLike, dst: os.PathLike, size: int) -> None:
-    """Copy only src's data extents (SEEK_DATA/SEEK_HOLE): dst stays as sparse as src."""
+def _sparse_copy(src: os.PathLike, dst: Union[os.PathLike, int], size: int) -> None:
+    """Copy only src's data extents (SEEK_DATA/SEEK_HOLE): dst (a path, or an open fd that is
+    left open) stays as sparse as src."""
     fi = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        fo = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fo = dst if isinstance(dst, int) else os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fo, size)
             pos = 0
@@ -139,7 +179,8 @@ def _sparse_copy(src: os.PathLike, dst: os.PathLike, size: int) -> None:
                     off_out += n
                 pos = end
         finally:
-            os.close(fo)
+            if fo is not dst:
+                os.close(fo)
     finally:
         os.close(fi)
 
@@ -150,12 +191,12 @@ def _loop_config(fd: int) -> bytes:
     return struct.pack("=II", fd, 0) + info + b"\0" * 64
 
 
-def attach_loop(image: os.PathLike) -> Tuple[str, int]:
-    """A free loop device bound to image and an open fd of it. With LO_FLAGS_AUTOCLEAR the
-    kernel detaches the device when its last user goes (the last close or unmount), so the
-    caller keeps the fd open until the device is mounted. Retries when another process takes
-    the same free device."""
-    img = os.open(image, os.O_RDWR | os.O_CLOEXEC)
+def attach_loop(image: Union[os.PathLike, int]) -> Tuple[str, int]:
+    """A free loop device bound to image (a path or an open read-write fd) and an open fd of it.
+    With LO_FLAGS_AUTOCLEAR the kernel detaches the device when its last user goes (the last
+    close or unmount), so the caller keeps the fd open until the device is mounted. Retries when
+    another process takes the same free device."""
+    img = image if isinstance(image, int) else os.open(image, os.O_RDWR | os.O_CLOEXEC)
     try:
         ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
         try:
@@ -177,21 +218,243 @@ def attach_loop(image: os.PathLike) -> Tuple[str, int]:
         finally:
             os.close(ctl)
     finally:
-        os.close(img)
+        if img is not image:
+            os.close(img)
 
 
-def mount_ext4_image(image: os.PathLike, target: os.PathLike) -> str:
+def _syscall(nr: int, *args) -> int:
+    r = _libc.syscall(nr, *args)
+    if r < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return r
+
+
+def _detached_ext4(image: Union[os.PathLike, int]) -> int:
+    """image on a fresh loop device, mounted (nosuid, nodev, discard) nowhere: an fd of the new
+    mount (fsopen/fsconfig/fsmount), in no mount table until move_mount attaches it. Closing the
+    fd before that unmounts it, and the loop device goes with it (autoclear)."""
     dev, lfd = attach_loop(image)
     try:  # on failure the close below is the device's last use: autoclear frees it
-        _mount(dev, str(target), "ext4", MS_NOSUID | MS_NODEV, "discard")
+        fs = _syscall(SYS_FSOPEN, b"ext4", FSOPEN_CLOEXEC)
+        try:
+            try:
+                _syscall(SYS_FSCONFIG, fs, FSCONFIG_SET_STRING, b"source", dev.encode(), 0)
+                _syscall(SYS_FSCONFIG, fs, FSCONFIG_SET_FLAG, b"discard", None, 0)
+                _syscall(SYS_FSCONFIG, fs, FSCONFIG_CMD_CREATE, None, None, 0)
+                return _syscall(SYS_FSMOUNT, fs, FSMOUNT_CLOEXEC, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+            except OSError as e:
+                why = _fs_messages(fs)
+                raise BoundsError(e.errno, "mount ext4 from %s: %s%s" % (dev, e.strerror, (" (%s)" % why) if why else ""))
+        finally:
+            os.close(fs)
     finally:
         os.close(lfd)
-    lost = Path(target) / "lost+found"  # an agent's `ls` should see an empty workspace
+
+
+def _fs_messages(fs: int) -> str:
+    out = []
+    fl = fcntl.fcntl(fs, fcntl.F_GETFL)
+    fcntl.fcntl(fs, fcntl.F_SETFL, fl | os.O_NONBLOCK)
+    for _ in range(8):
+        try:
+            out.append(os.read(fs, 512).decode(errors="replace").strip())
+        except OSError:
+            break
+    return "; ".join(m for m in out if m)
+
+
+class ReadyFs:
+    """A workspace filesystem made but mounted nowhere: the detached mount's fd, and the image's
+    fd when the image has no name yet (an O_TMPFILE of the pool)."""
+
+    __slots__ = ("mount_fd", "image_fd", "key")
+
+    def __init__(self, mount_fd: int, image_fd: Optional[int], key: Tuple[int, int, int]) -> None:
+        self.mount_fd, self.image_fd, self.key = mount_fd, image_fd, key
+
+    def install(self, target: os.PathLike, image_path: Optional[os.PathLike] = None) -> None:
+        """Attach the filesystem on target (one move_mount) and give a nameless image its name
+        (image_path, on the same filesystem as the image). Closes the fds either way."""
+        try:
+            try:
+                _syscall(SYS_MOVE_MOUNT, self.mount_fd, b"", AT_FDCWD, os.fsencode(str(target)), MOVE_MOUNT_F_EMPTY_PATH)
+            except OSError as e:
+                raise BoundsError(e.errno, "move_mount onto %s: %s" % (target, e.strerror))
+            if self.image_fd is not None and image_path is not None:
+                # os.link() would link the /proc symlink itself (link(2) does not follow it)
+                if _libc.linkat(AT_FDCWD, b"/proc/self/fd/%d" % self.image_fd, AT_FDCWD,
+                                os.fsencode(str(image_path)), AT_SYMLINK_FOLLOW) != 0:
+                    e = ctypes.get_errno()
+                    raise BoundsError(e, "link the workspace image as %s: %s" % (image_path, os.strerror(e)))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for fd in (self.mount_fd, self.image_fd):
+            if fd is not None:
+                os.close(fd)
+        self.mount_fd = self.image_fd = None
+
+
+def prepare_ext4(templates: os.PathLike, size_bytes: int, uid: int, gid: int,
+                 image: Optional[os.PathLike] = None) -> ReadyFs:
+    """A copy of the (size, owner) template, loop-attached and mounted detached. image: where
+    the copy goes; None: a nameless file (O_TMPFILE) in templates, freed by the kernel with its
+    last reference (install() names it)."""
+    t = template_image(templates, size_bytes, uid, gid)
+    key = (size_bytes, uid, gid)
+    if image is None:
+        ifd = os.open(templates, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    else:
+        ifd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        lost.rmdir()
+        _sparse_copy(t, ifd, size_bytes)
+        mfd = _detached_ext4(ifd)
+    except BaseException:
+        os.close(ifd)
+        raise
+    try:  # read the root dir now: the tool server's first look at /workspace is then a cache hit
+        dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=mfd)
+        try:
+            os.listdir(dfd)
+        finally:
+            os.close(dfd)
     except OSError:
         pass
-    return dev
+    if image is not None:
+        os.close(ifd)
+        ifd = None
+    return ReadyFs(mfd, ifd, key)
+
+
+def mount_ext4_image(image: os.PathLike, target: os.PathLike) -> None:
+    """Mount an existing image file on target (via a detached mount, like a pooled one)."""
+    ReadyFs(_detached_ext4(image), None, (0, 0, 0)).install(target)
+    try:  # an image made without a template still has its lost+found
+        os.rmdir(os.path.join(str(target), "lost+found"))
+    except OSError:
+        pass
+
+
+class WorkspacePool:
+    """Workspace filesystems made ahead of demand (prepare_ext4 with a nameless image), per
+    (size, uid, gid), `depth` of each of the `kinds` most recently asked for. take() never waits:
+    an empty pool means the caller makes its own. refill() wakes a background thread that runs
+    at a lower priority (nice +10), so on a busy node it takes CPU from sandbox starts last.
+    Everything it holds is fds of this process: close() (or the process's death) frees all."""
+
+    def __init__(self, templates: os.PathLike, depth: int = 2, kinds: int = 4) -> None:
+        self.templates, self.depth, self.kinds = Path(templates), int(depth), int(kinds)
+        self._cv = threading.Condition()
+        self._ready: "collections.OrderedDict[Tuple[int, int, int], Deque[ReadyFs]]" = collections.OrderedDict()
+        self._failed: Dict[Tuple[int, int, int], str] = {}  # kinds that failed: not retried until refill()
+        self._thread: Optional[threading.Thread] = None
+        self._pid = os.getpid()
+        self._closed = False
+        self.max_defer = 0.5
+        self._starting = 0  # sandbox starts in progress: the filler waits for a gap between them
+        self.hits = self.misses = 0
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Around a sandbox start: the filler does not begin making a filesystem meanwhile (it
+        waits at most max_defer seconds: under a stream of starts it must still make progress)."""
+        with self._cv:
+            self._starting += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._starting -= 1
+                self._cv.notify_all()
+
+    def take(self, size_bytes: int, uid: int, gid: int) -> Optional[ReadyFs]:
+        key = (size_bytes, uid, gid)
+        evicted: List[ReadyFs] = []
+        with self._cv:
+            self._after_fork()
+            if self._closed:
+                return None
+            q = self._ready.setdefault(key, collections.deque())
+            self._ready.move_to_end(key)
+            while len(self._ready) > self.kinds:  # a kind not asked for lately gives its slots up
+                evicted.extend(self._ready.popitem(last=False)[1])
+            r = q.popleft() if q else None
+            if r is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+        for e in evicted:
+            e.close()
+        self.refill()  # waits for the start in progress to end (hold)
+        return r
+
+    def refill(self) -> None:
+        with self._cv:
+            self._after_fork()
+            if self._closed:
+                return
+            self._failed.clear()
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="rolloutd-workspace-pool", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def size(self) -> int:
+        with self._cv:
+            return sum(len(q) for q in self._ready.values())
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            held = [r for q in self._ready.values() for r in q]
+            self._ready.clear()
+            self._cv.notify_all()
+        for r in held:
+            r.close()
+
+    def _after_fork(self) -> None:
+        if self._pid != os.getpid():  # a forked child: the thread is not here; the fds are shared copies
+            self._pid, self._thread = os.getpid(), None
+
+    def _next(self) -> Optional[Tuple[int, int, int]]:
+        for key, q in reversed(self._ready.items()):  # the most recently asked for first
+            if len(q) < self.depth and key not in self._failed:
+                return key
+        return None
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread only (Linux)
+        except OSError:
+            pass
+        while True:
+            with self._cv:
+                key = self._next()
+                while not self._closed and key is None:
+                    if not self._cv.wait(timeout=60):
+                        self._thread = None
+                        return  # idle: a later refill() starts a new thread
+                    key = self._next()
+                if self._starting:  # a sandbox is starting: make room for it first
+                    self._cv.wait_for(lambda: self._closed or not self._starting, timeout=self.max_defer)
+                if self._closed:
+                    return
+            try:
+                r = prepare_ext4(self.templates, *key)
+            except Exception as e:  # e.g. a full sandbox root: creates make their own, and say why
+                with self._cv:
+                    self._failed[key] = repr(e)
+                log.warning("workspace_pool_fill_failed", size_bytes=key[0], error=repr(e))
+                continue
+            with self._cv:
+                q = self._ready.get(key)
+                if not self._closed and q is not None and len(q) < self.depth:
+                    q.append(r)
+                    r = None
+            if r is not None:
+                r.close()
 
 
 def _unescape(field: str) -> str:

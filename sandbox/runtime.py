@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -87,6 +88,7 @@ class Runtime(abc.ABC):
         python: Optional[str] = None,
         shell: str = "/bin/bash",
         disk_quota: str = "auto",
+        disk_pool: int = 2,
     ) -> None:
         self.root_dir = Path(root_dir or default_root()).absolute()
         self.sb_dir = self.root_dir / "sb"
@@ -106,6 +108,14 @@ class Runtime(abc.ABC):
         self.loopback = LoopbackAllocator(self.root_dir, first, last)
         self._children: Dict[str, subprocess.Popen] = {}
         self.disk_quota, self.disk_quota_reason = resolve_disk_quota(disk_quota)
+        # Loop workspaces made ahead of demand, `disk_pool` of each recent size (0: off). Only a
+        # runtime that creates loop sandboxes ever fills it; closed with the runtime.
+        if isinstance(disk_pool, bool) or not isinstance(disk_pool, int) or disk_pool < 0:
+            raise SandboxSpecError("disk_pool must be a number >= 0, got %r" % (disk_pool,))
+        self._disk_pool: Optional[bounds.WorkspacePool] = None
+        if self.disk_quota == "loop" and disk_pool:
+            self._disk_pool = bounds.WorkspacePool(self.root_dir / "disk-templates", depth=disk_pool)
+            weakref.finalize(self, self._disk_pool.close)
 
     # -- hooks -----------------------------------------------------------------------
     @abc.abstractmethod
@@ -148,9 +158,11 @@ class Runtime(abc.ABC):
         if disk_mb:
             size = int(float(disk_mb) * 2**20) // 4096 * 4096
             mode = "tmpfs" if size < bounds.MIN_IMAGE_BYTES else self.disk_quota  # a few MB of RAM at most
-            if mode == "loop":
-                bounds.make_ext4_image(d / "disk.img", size, uid, gid, templates=self.root_dir / "disk-templates")
-                bounds.mount_ext4_image(d / "disk.img", d / "workspace")
+            if mode == "loop":  # made ahead by the pool when it has one of this kind, else here
+                ready = self._disk_pool.take(size, uid, gid) if self._disk_pool is not None else None
+                if ready is None:
+                    ready = bounds.prepare_ext4(self.root_dir / "disk-templates", size, uid, gid, image=d / "disk.img")
+                ready.install(d / "workspace", d / "disk.img")
             else:
                 bounds.mount_tmpfs(d / "workspace", size, uid, gid, nr_inodes=max(1024, size // 16384))
             out["workspace"] = mode
@@ -161,6 +173,12 @@ class Runtime(abc.ABC):
 
     # -- public API ------------------------------------------------------------------
     def create(self, job_id: str, spec: Optional[SandboxSpec] = None) -> SandboxHandle:
+        if self._disk_pool is None:
+            return self._create(job_id, spec)
+        with self._disk_pool.hold():  # the pool refills between starts, not during them
+            return self._create(job_id, spec)
+
+    def _create(self, job_id: str, spec: Optional[SandboxSpec]) -> SandboxHandle:
         t0 = time.monotonic()
         if not isinstance(job_id, str) or not job_id:
             raise SandboxSpecError("job_id must be a non-empty string")

@@ -173,6 +173,80 @@ def test_destroy_and_reap_unmount_even_after_a_crash(bwrap_required):
         remove_tree(root)
 
 
+def loop_backing_files(root) -> list:
+    """Backing files of the attached loop devices that live under root (a nameless pooled
+    image shows as '<dir>/#<inode> (deleted)')."""
+    out = []
+    for dev in sorted(os.listdir("/sys/block")):
+        try:
+            with open("/sys/block/%s/loop/backing_file" % dev) as f:
+                path = f.read().strip()
+        except OSError:
+            continue  # not a loop device, or not attached
+        if path.startswith(str(root) + "/"):
+            out.append(path)
+    return out
+
+
+# A creator with a full workspace pool, then killed -9 (runs as a child: its fds must die with it).
+POOL_CHILD = r"""
+import json, sys, time
+from rolloutd.sandbox import Limits, SandboxSpec, get_runtime
+rt = get_runtime("bwrap", root_dir=sys.argv[1], ready_timeout=60.0, disk_pool=2)
+h = rt.create("11.1", SandboxSpec(limits=Limits(disk_mb=8)))
+end = time.monotonic() + 60
+while rt._disk_pool.size() < 2 and time.monotonic() < end:
+    time.sleep(0.05)
+print("POOL " + json.dumps({"pool": rt._disk_pool.size(), "sandbox_dir": h.sandbox_dir}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_creator_leaves_no_pooled_loop_device_or_image(bwrap_required):
+    """The workspace pool's filesystems (loop device + detached mount + nameless image) are held
+    only by the creator's fds: kill -9 frees them all, and the one it installed is reaped as
+    before (mount table). Fails if the pool keeps any state the kernel does not drop with the
+    process (named image files, mounts in a staging dir, devices without autoclear)."""
+    require_root_mounts()
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from rolloutd.sandbox import bounds
+
+    from tests.conftest import wait_for
+
+    root = short_tmpdir("rd-dqp-")
+    os.chmod(root, 0o755)
+    child = subprocess.Popen([sys.executable, "-c", POOL_CHILD, str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while not line.startswith("POOL ") and child.poll() is None:
+            line = child.stdout.readline()  # the child's own logs come first; it exits on failure
+        info = json.loads(line[5:] or "{}")
+        assert info.get("pool") == 2, info
+        # the sandbox's image (named, mounted) and the two pooled ones (nameless, mounted nowhere)
+        held = loop_backing_files(root)
+        assert len(held) == 3 and sum(p.endswith(" (deleted)") for p in held) == 2, held
+        assert sorted(bounds.mounts_under(root)) == [os.path.join(info["sandbox_dir"], m) for m in ("pts", "workspace")]
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        wait_for(lambda: len(loop_backing_files(root)) == 1, 30, "the pooled loop devices to go with their holder")
+        rt = get_runtime("bwrap", root_dir=root, ready_timeout=20.0, disk_pool=0)
+        assert rt.reap(keep=()) == ["11.1"]  # its creator is dead: the janitor takes it
+        wait_for(lambda: not loop_backing_files(root), 30, "the installed workspace's loop device to go")
+        assert not bounds.mounts_under(root)
+        left = [p for p in (root / "disk-templates").iterdir() if not p.name.startswith("ext4-")]
+        assert not left and not list((root / "sb").iterdir()), left
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+        child.stdout.close()
+        remove_tree(root)
+
+
 def test_full_sandbox_root_refuses_cleanly_and_the_janitor_still_reaps(bwrap_required):
     from rolloutd.sandbox import SandboxNoSpace
 

@@ -202,3 +202,29 @@ def test_measured_fallback_counts_deleted_files_held_open_and_denies_fallocate(s
         assert stopped and stopped[0]["used_bytes"] >= 11 * MB, stopped
     finally:
         t.cleanup()
+
+
+def test_pooled_workspaces_have_their_own_size_and_start_empty(bounded_rt):
+    """As root the loop workspaces come from a pool made ahead of demand (bounds.WorkspacePool),
+    one queue per (size, owner): a sandbox must get an empty filesystem of exactly its own
+    disk_mb, owned by the sandbox uid, even when sizes alternate, and the bound must hold."""
+    from tests.conftest import wait_for
+
+    t = bounded_rt
+    if getattr(t.rt, "disk_quota", "measured") != "loop":
+        pytest.skip("no loop workspaces here (%s)" % t.rt.disk_quota_reason)
+    pool = t.rt._disk_pool
+    for i, mb in enumerate((8, 12, 8, 12)):
+        if i >= 2:  # both kinds have been asked for: the next start takes a ready one
+            wait_for(lambda: pool.size() >= 2, 60, "the pool to make one of each size")
+        h = t.create("p%d" % i, SandboxSpec(limits=Limits(disk_mb=mb), workspace_files={"task.md": "x"}))
+        with t.client(h, timeout=60) as c:
+            r = c.call("bash", {"command": "df -B1M --output=size /workspace | tail -1; ls -A /workspace; "
+                                           "stat -c %u /workspace; head -c 20M /dev/zero > /workspace/big; echo rc=$?",
+                                "timeout": 60})
+        size, listing, owner, rest = r.output.split("\n", 3)
+        assert (int(size), listing, int(owner)) == (mb, "task.md", t.rt._owner()[0]), r.output
+        assert "No space left on device" in rest and "rc=1" in rest, r.output
+        assert os.stat(os.path.join(h.sandbox_dir, "disk.img")).st_blocks * 512 <= mb * MB
+        t.rt.destroy(h)
+    assert pool.hits >= 2, (pool.hits, pool.misses)
