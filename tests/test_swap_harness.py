@@ -1,7 +1,8 @@
 """stale_policy=continue through the harness endpoint (issue 27): an unmodified agent (the openai
 SDK tool loop, in a real bwrap sandbox) is mid-call when a new version is registered; the endpoint
 continues the aborted reply on the new server within the same request, and the trajectory keeps
-the tokens of both versions. Real daemons, two scripted SGLang-API servers answering as the oracle."""
+the tokens of both versions. Real daemons, two scripted servers answering as the oracle, on the
+SGLang API (abort by rid) and the vLLM API (the call streams; the interrupt closes the stream)."""
 from __future__ import annotations
 
 import time
@@ -31,8 +32,9 @@ def oracle_servers(tok_dir):  # noqa: F811
         b.stop()
 
 
+@pytest.mark.parametrize("api", ["sglang", "vllm"])
 def test_continue_through_the_harness_endpoint(up_factory, tok_dir, sandbox_root, agent_venv,  # noqa: F811
-                                               oracle_servers):
+                                               oracle_servers, api):
     require_bwrap()
     old, new = oracle_servers
     up = up_factory(*harness_sets(tok_dir, sandbox_root, agent_venv),
@@ -42,11 +44,11 @@ def test_continue_through_the_harness_endpoint(up_factory, tok_dir, sandbox_root
                          "setup": {"domain": "math", "instance": {"dataset": "basic_arithmetic", "seed": 5,
                                                                   "index": 0}}}}
     with up.client() as c:
-        c.add_backend(old.url, api="sglang", policy_version=0)
+        c.add_backend(old.url, api=api, policy_version=0)
         ids = c.submit([task])
         wait_for(lambda: old.num_running >= 1, timeout_s=120, what="the agent's first call generating on v0")
         time.sleep(0.3)  # not a timing assertion: lets some tokens be sampled before the swap
-        c.add_backend(new.url, api="sglang", policy_version=1)
+        c.add_backend(new.url, api=api, policy_version=1)
         [r] = list(c.gather(ids, timeout_s=240))
     assert r["status"] == "ok", (r["failed_phase"], r["error"], r["eval_details"].get("agent"))
     turns = r["turns"]
@@ -55,4 +57,8 @@ def test_continue_through_the_harness_endpoint(up_factory, tok_dir, sandbox_root
     assert turns[cut[0] + 1]["continuation"] and turns[cut[0] + 1]["policy_version"] == 1, turns
     assert all(t["policy_version"] == 1 for t in turns[cut[0] + 1:])
     assert turns[cut[0]]["end"] > turns[cut[0]]["start"]  # the partial tokens were kept
-    assert old.stats["aborted"] == 1 and r["metrics"]["aborts"] == 1
+    assert r["metrics"]["aborts"] == 1
+    if api == "sglang":
+        assert old.stats["aborted"] == 1
+    else:  # vLLM's abort: the stream closed
+        assert old.stats["disconnects"] >= 1 and old.stats["aborted"] == 0
