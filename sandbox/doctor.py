@@ -91,7 +91,8 @@ def _bwrap(root_dir: Path, deep: bool, disk_quota: str = "auto", shm_size_mb: in
         if not in_root:
             os.chmod(where, 0o711)  # the sandbox uid (nobody, as root) must get through
         try:
-            rt = BwrapRuntime(where, ready_timeout=30, disk_quota=disk_quota, shm_size_mb=shm_size_mb)
+            rt = BwrapRuntime(where, ready_timeout=30, disk_quota=disk_quota, shm_size_mb=shm_size_mb,
+                              disk_pool=0)  # one sandbox: filesystems made ahead would go unused
             h = rt.create("doctor", SandboxSpec(loopback=False, limits=Limits(disk_mb=16)))
             try:
                 with ToolClient(h.tool_socket) as c:
