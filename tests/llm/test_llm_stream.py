@@ -241,7 +241,8 @@ def test_stream_through_uvicorn_kept_alive_and_cut(sse, arun):
     assert srv_long.closed_early == 1
 
 
-@pytest.mark.parametrize("case", ["error_event", "no_done", "no_finish", "bad_json", "lp_mismatch"])
+@pytest.mark.parametrize("case", ["error_event", "no_done", "no_finish", "bad_json", "lp_mismatch", "server_dies",
+                                  "stall"])
 def test_broken_streams_are_backend_errors(sse, arun, case):
     async def script():
         yield chunk([1, 2])
@@ -256,13 +257,17 @@ def test_broken_streams_are_backend_errors(sse, arun, case):
             yield "data: " + json.dumps(bad) + "\n\n"
         elif case == "no_finish":
             yield chunk([3])
+        elif case == "server_dies":  # uvicorn closes the connection without the last HTTP chunk
+            raise RuntimeError("engine died mid-stream")
+        elif case == "stall":
+            await asyncio.sleep(30)
         if case != "no_done":
             yield "data: [DONE]\n\n"
 
     srv = sse(script)
 
     async def main():
-        async with LLMClient(srv.url, "vllm", model="m", timeout=10) as c:
+        async with LLMClient(srv.url, "vllm", model="m", timeout=1.5 if case == "stall" else 10) as c:
             part = Partial()
             with pytest.raises(BackendError) as e:
                 await c.generate([1], SamplingParams(10), partial=part)
@@ -271,7 +276,8 @@ def test_broken_streams_are_backend_errors(sse, arun, case):
     msg, part = arun(main())
     assert part.ids[:2] == [1, 2]
     assert {"error_event": "engine died", "no_done": "[DONE]", "no_finish": "finish_reason",
-            "bad_json": "malformed", "lp_mismatch": "logprobs"}[case] in msg, msg
+            "bad_json": "malformed", "lp_mismatch": "logprobs", "server_dies": "closed the connection",
+            "stall": "no reply within"}[case] in msg, msg
 
 
 # -- serve-hf (a real transformers model) streams the same shape --------------------------------
