@@ -349,6 +349,7 @@ class WorkspacePool:
         self._cv = threading.Condition()
         self._ready: "collections.OrderedDict[Tuple[int, int, int], Deque[ReadyFs]]" = collections.OrderedDict()
         self._failed: Dict[Tuple[int, int, int], str] = {}  # kinds that failed: not retried until refill()
+        self.off: Optional[str] = None  # why the pool cannot work here at all (no O_TMPFILE on the root's fs)
         self._thread: Optional[threading.Thread] = None
         self._pid = os.getpid()
         self._closed = False
@@ -374,7 +375,7 @@ class WorkspacePool:
         evicted: List[ReadyFs] = []
         with self._cv:
             self._after_fork()
-            if self._closed:
+            if self._closed or self.off:
                 return None
             q = self._ready.setdefault(key, collections.deque())
             self._ready.move_to_end(key)
@@ -444,9 +445,16 @@ class WorkspacePool:
             try:
                 r = prepare_ext4(self.templates, *key)
             except Exception as e:  # e.g. a full sandbox root: creates make their own, and say why
+                off = isinstance(e, OSError) and e.errno in (errno.EOPNOTSUPP, errno.EISDIR)  # no O_TMPFILE
                 with self._cv:
                     self._failed[key] = repr(e)
-                log.warning("workspace_pool_fill_failed", size_bytes=key[0], error=repr(e))
+                    if off:
+                        self.off = "no O_TMPFILE in %s: %r" % (self.templates, e)
+                log.warning("workspace_pool_off" if off else "workspace_pool_fill_failed", size_bytes=key[0],
+                            error=repr(e))
+                if off:
+                    self.close()
+                    return
                 continue
             with self._cv:
                 q = self._ready.get(key)

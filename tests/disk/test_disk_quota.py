@@ -281,3 +281,29 @@ def test_apptainer_workspace_is_the_measured_host_dir():
     assert argv[:5] == ["apptainer", "instance", "start", "--containall", "--writable-tmpfs"]
     assert argv[argv.index("/sb/ab/workspace:/workspace") - 1] == "--bind"
     assert not [a for a in argv if a.startswith("--overlay")]  # no disk-backed writable layer to fill
+
+
+def test_the_workspace_pool_turns_itself_off_where_the_root_has_no_tmpfile(monkeypatch, tmp_path):
+    """A sandbox root on a filesystem without O_TMPFILE (the pool's nameless images) turns the
+    pool off once, with the reason, instead of failing (and logging) in the background at every
+    start; starts then make their workspace on their own path as before."""
+    import errno
+
+    from rolloutd.sandbox import bounds
+
+    from tests.conftest import wait_for
+
+    calls = []
+
+    def no_tmpfile(*a, **kw):
+        calls.append(a)
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(bounds, "prepare_ext4", no_tmpfile)
+    pool = bounds.WorkspacePool(tmp_path, depth=2)
+    try:
+        assert pool.take(8 << 20, 0, 0) is None
+        assert "no O_TMPFILE" in wait_for(lambda: pool.off, 30, "the pool to turn itself off")
+        assert pool.take(8 << 20, 0, 0) is None and pool.size() == 0 and len(calls) == 1
+    finally:
+        pool.close()
