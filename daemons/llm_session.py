@@ -139,7 +139,7 @@ class LLMSession:
                 self._call = None
             try:
                 if task.cancelled():  # interrupt() closed the connection (vLLM's abort): what was streamed
-                    g = partial.generation("abort") if partial is not None else Generation(
+                    g = partial.generation() if partial is not None else Generation(
                         token_ids=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32), finish_reason="abort")
                 else:
                     g = task.result()

@@ -106,20 +106,25 @@ class Generation:
 
 class Partial:
     """The tokens of a streamed generation received so far (see the module doc): ``ids`` and
-    ``logprobs`` grow together, one chunk at a time, so they always have the same length."""
+    ``logprobs`` grow together, one chunk at a time, so they always have the same length;
+    ``finish_reason`` once the last chunk came."""
 
-    __slots__ = ("ids", "logprobs")
+    __slots__ = ("ids", "logprobs", "finish_reason", "stop_reason")
 
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
 
-    def generation(self, finish_reason: str = "abort") -> Generation:
+    def generation(self) -> Generation:
+        """What arrived: an ``abort`` generation, or the whole one when its last chunk came before
+        the call was cancelled (an interrupt that lands after the finish must not reopen it)."""
         return Generation(token_ids=np.asarray(self.ids, dtype=np.int32), logprobs=_as_float32(self.logprobs),
-                          finish_reason=finish_reason)
+                          finish_reason=self.finish_reason or "abort", stop_reason=self.stop_reason)
 
 
 _CONTEXT_RE = re.compile(
@@ -198,7 +203,7 @@ def _as_float32(values: Sequence[Any]) -> np.ndarray:
 
 def _sse_data(event: bytes) -> bytes | None:
     """The data of one server-sent event (its ``data:`` lines joined), None for a comment-only one."""
-    data = [ln[5:].removeprefix(b" ") for ln in event.replace(b"\r", b"").split(b"\n") if ln.startswith(b"data:")]
+    data = [ln[5:].removeprefix(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
     return b"\n".join(data).strip() if data else None
 
 
@@ -400,12 +405,12 @@ class LLMClient:
         async with self._http.stream("POST", self._url, content=body, headers=_JSON_HEADERS) as resp:
             if resp.status_code != 200:
                 raise self._http_error(resp.status_code, await resp.aread())
-            finish = stop_reason = usage = None
+            usage = None
             texts: list[str] = []
             done = False
             buf = b""
             async for data in resp.aiter_raw():
-                buf += data
+                buf += data.replace(b"\r\n", b"\n") if b"\r" in data else data
                 *events, buf = buf.split(b"\n\n")
                 for ev in events:
                     payload = _sse_data(ev)
@@ -430,21 +435,22 @@ class LLMClient:
                             partial.logprobs += lps
                             if ch.get("text"):
                                 texts.append(ch["text"])
-                            if ch.get("finish_reason") is not None:
-                                finish, stop_reason = ch["finish_reason"], ch.get("stop_reason")
+                            finish = ch.get("finish_reason")
+                            if finish is not None:
+                                if finish not in ("stop", "length", "abort"):
+                                    raise BackendError(f"unexpected finish_reason {finish!r}", backend=self.base_url)
+                                partial.finish_reason, partial.stop_reason = finish, ch.get("stop_reason")
                     except BackendError:
                         raise
                     except (ValueError, KeyError, TypeError, AttributeError) as e:
                         log.warning("llm_reply_malformed", backend=self.base_url, error=f"{type(e).__name__}: {e}")
                         raise BackendError(f"malformed stream chunk: {type(e).__name__}: {e}",
                                            backend=self.base_url) from e
-        if not done or finish is None:
+        if not done or partial.finish_reason is None:
             raise BackendError(f"the stream from {self.base_url} ended without "
                                f"{'a finish_reason' if done else 'data: [DONE]'}", backend=self.base_url)
-        if finish not in ("stop", "length", "abort"):
-            raise BackendError(f"unexpected finish_reason {finish!r}", backend=self.base_url)
-        g = partial.generation(finish)
-        g.text, g.stop_reason = "".join(texts), stop_reason
+        g = partial.generation()
+        g.text = "".join(texts)
         if usage:
             g.prompt_tokens = usage.get("prompt_tokens")
             g.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")

@@ -242,7 +242,7 @@ def test_stream_through_uvicorn_kept_alive_and_cut(sse, arun):
 
 
 @pytest.mark.parametrize("case", ["error_event", "no_done", "no_finish", "bad_json", "lp_mismatch", "server_dies",
-                                  "stall"])
+                                  "stall", "weird_finish"])
 def test_broken_streams_are_backend_errors(sse, arun, case):
     async def script():
         yield chunk([1, 2])
@@ -261,6 +261,8 @@ def test_broken_streams_are_backend_errors(sse, arun, case):
             raise RuntimeError("engine died mid-stream")
         elif case == "stall":
             await asyncio.sleep(30)
+        elif case == "weird_finish":
+            yield chunk([3], finish="exploded")
         if case != "no_done":
             yield "data: [DONE]\n\n"
 
@@ -277,7 +279,7 @@ def test_broken_streams_are_backend_errors(sse, arun, case):
     assert part.ids[:2] == [1, 2]
     assert {"error_event": "engine died", "no_done": "[DONE]", "no_finish": "finish_reason",
             "bad_json": "malformed", "lp_mismatch": "logprobs", "server_dies": "closed the connection",
-            "stall": "no reply within"}[case] in msg, msg
+            "stall": "no reply within", "weird_finish": "unexpected finish_reason"}[case] in msg, msg
 
 
 # -- serve-hf (a real transformers model) streams the same shape --------------------------------
@@ -332,3 +334,31 @@ def test_serve_hf_stream_cancel_keeps_tokens_and_aborts(hf_server, arun):
     while hf_server.stats["aborted"] == aborted and time.monotonic() < deadline:
         time.sleep(0.02)
     assert hf_server.stats["aborted"] == aborted + 1
+
+
+def test_a_cancel_after_the_last_chunk_keeps_the_finish(sse, arun):
+    """The interrupt can land after the finish_reason chunk and before [DONE]: the generation is
+    complete (it may end in the stop token) and must come back as such, not as an abort the loop
+    would continue past its end."""
+    async def script():
+        yield chunk([5, 6])
+        yield chunk([7], finish="stop")
+        await asyncio.sleep(30)  # [DONE] late
+        yield "data: [DONE]\n\n"
+
+    srv = sse(script)
+
+    async def main():
+        async with LLMClient(srv.url, "vllm", model="m", timeout=60) as c:
+            part = Partial()
+            task = asyncio.create_task(c.generate([1], SamplingParams(10), partial=part))
+            deadline = time.monotonic() + 20
+            while part.finish_reason is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return part.generation()
+
+    g = arun(main())
+    assert (g.token_ids.tolist(), g.finish_reason) == ([5, 6, 7], "stop")
