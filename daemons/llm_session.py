@@ -20,7 +20,7 @@ call goes to a new lease on a current server. SGLang: ``/abort_request`` by rid,
 tokens sampled so far. vLLM has no abort by id and closing the connection returns nothing, so under
 ``continue`` a vLLM call streams (``stream: true``, llm/client.py): the tokens arrive as they are
 sampled, and the interrupt closes the stream and keeps what came (those sampled but not yet
-received when the connection closes are lost). Other policies call vLLM without streaming (its
+received when the connection closes are lost; a call whose last chunk came first returns finished). Other policies call vLLM without streaming (its
 cost: docs/TRAINERS.md).
 """
 from __future__ import annotations

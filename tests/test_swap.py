@@ -138,14 +138,16 @@ def test_continue_moves_generations_in_flight_to_the_new_version_keeping_their_t
         if cut:
             moved += 1
             a, b = turns[cut[0]], turns[cut[0] + 1]
-            assert a["policy_version"] == 0 and a["end"] > a["start"], turns  # sampled on v0, kept
+            assert a["policy_version"] == 0, turns
+            if cut[0] == 0:  # the first call ran >= 0.3 s on v0 before the swap: its tokens are kept
+                assert a["end"] > a["start"], turns
             assert b["continuation"] and b["policy_version"] == 1
             kept += a["end"] - a["start"]
             # prompt-consistent: v1 continued exactly the prompt plus every token before its turn
             assert [int(x) for x in r["prompt_ids"]] + ids_[:b["start"]] in new.prompts, (b, len(new.prompts))
             assert b["end"] - a["start"] <= MAX_TOKENS  # one call's budget across the abort
     assert moved >= len(ids) // 2, moved  # all of them were generating a moment before the swap
-    assert kept >= moved, kept
+    assert kept >= moved, kept  # a few tokens each at least
     if api == "sglang":
         assert old.stats["aborted"] == moved, old.stats  # partial generations kept, not re-sampled
     else:
