@@ -58,7 +58,7 @@ def generator(a):
     import zmq
     from rolloutd.bus import codec, events
     from rolloutd.bus.messages import PROTOCOL_VERSION, Lease, LeaseBatch, Release
-    from rolloutd.daemons.router_client import BATCH_S, HOLD_MAX_S, lease_member
+    from rolloutd.daemons.router_client import HOLD_MAX_S, lease_member
 
     ctx = zmq.Context()
     held = held_per_node(a.run_pool)
@@ -151,6 +151,7 @@ def generator(a):
     out: list = [None] * max(1, a.nodes)       # when its unanswered batch was sent
     last = [-1e9] * max(1, a.nodes)            # when its last batch was sent
     batch_node: dict[int, int] = {}
+    batch_s = 0.0                              # as the router's batch replies set it
     dirty: set[int] = set()
     lease_carry = 0.0
     t0 = time.monotonic()
@@ -197,6 +198,9 @@ def generator(a):
             body = h.get("body") or {}
             if batched:
                 node = batch_node.pop(h.get("req_id"), None)
+                pace = body.get("batch_s")
+                if isinstance(pace, (int, float)) and 0 <= pace <= HOLD_MAX_S:
+                    batch_s = pace
                 if node is not None:
                     out[node] = None
                     q_rel[node].extend(g["lease_id"] for g in body.get("granted") or ())
@@ -209,11 +213,11 @@ def generator(a):
                     msgs += 1
                 except zmq.Again:
                     refused += 1
-        if batched:  # each node as RouterClient: at most one batch per BATCH_S, none while one is unanswered (< HOLD_MAX_S)
+        if batched:  # each node as RouterClient: at most one batch per batch_s (the router's), none while one is unanswered (< HOLD_MAX_S)
             now = time.monotonic()
             for node in list(dirty):
                 o = out[node]
-                if (o is not None and now - o < HOLD_MAX_S) or now - last[node] < BATCH_S:
+                if (o is not None and now - o < HOLD_MAX_S) or now - last[node] < batch_s:
                     continue
                 dirty.discard(node)
                 nl, rel = q_lease[node], q_rel[node]

@@ -23,6 +23,13 @@ from rolloutd.bus.sockets import POLLIN, poller, recv_now
 from rolloutd.bus.daemon import Daemon
 from rolloutd.daemons.routing import NoBackend, Pool
 
+# Lease messages a second the router asks its run daemons to stay under, together: each batch reply
+# says how long its daemon should gather before the next (active daemons / budget, at most
+# BATCH_S_MAX). One daemon, or a few, send at once (latency matters, messages are few); at 1,000
+# nodes each sends every 0.25 s (docs/SCALING.md: ~30 us of router CPU per message).
+LEASE_MSG_BUDGET = 4000.0
+BATCH_S_MAX = 0.25
+
 KINDS = ("lease", "lease_batch", "release", "backend_failed", "add_llm_server", "clear_llm_server", "list_llm_servers")
 
 
@@ -38,6 +45,8 @@ class Router(Daemon):
         self.out: list = []
         self.checks: set[asyncio.Task] = set()  # first checks of newly registered backends
         # Lease traffic counters (heartbeat and list_llm_servers): messages vs operations in them.
+        self.requesters: dict = {}  # requester (or DEALER identity) -> last batch: the daemons sharing the budget
+        self.batch_s = 0.0
         self.stats = {"lease_msgs": 0, "batches": 0, "batched_leases": 0, "batched_releases": 0,
                       "max_batch": 0, "granted_later": 0}
 
@@ -77,12 +86,19 @@ class Router(Daemon):
                 now = time.monotonic()
                 if now - last_expire > 1.0:
                     last_expire = now
+                    self._pace(now)
                     for rec in self.pool.expire(ttl):
                         self.log.warning("lease_expired", lease_id=rec.lease_id, backend=rec.backend_id,
                                          job_id=rec.job_id, requester=rec.requester)
                 self._flush()
         finally:
             health.cancel()
+
+    def _pace(self, now: float):
+        """The interval batch replies ask for: the run daemons heard from in the last 5 s share
+        ``LEASE_MSG_BUDGET`` messages a second."""
+        self.requesters = {k: t for k, t in self.requesters.items() if now - t < 5.0}
+        self.batch_s = min(BATCH_S_MAX, len(self.requesters) / LEASE_MSG_BUDGET)
 
     def _flush(self):
         for frames in self.out:
@@ -147,6 +163,12 @@ class Router(Daemon):
         with its member ``req_id``, exactly as a single ``lease`` that waited."""
         st = self.stats
         st["lease_msgs"] += 1
+        now = time.monotonic()
+        who = msg.requester or route[0]
+        new = who not in self.requesters
+        self.requesters[who] = now
+        if new and len(self.requesters) % 64 == 0:  # many daemons starting at once: pace before the sweep
+            self._pace(now)
         st["batches"] += 1
         st["batched_leases"] += len(msg.leases)
         st["batched_releases"] += len(msg.releases)
@@ -162,7 +184,6 @@ class Router(Daemon):
                 if b is not None:
                     touched[b.id] = b
         granted, waiting, errors = [], [], []
-        now = time.monotonic()
         for i, d in enumerate(msg.leases):
             try:
                 lm = Lease(**check_fields(Lease, d, f"lease_batch.leases[{i}]"))
@@ -182,7 +203,8 @@ class Router(Daemon):
             body["req_id"] = lm.req_id
             granted.append(body)
             touched[rec.backend_id] = backends[rec.backend_id]
-        self._reply(route, msg.req_id, granted=granted, waiting=waiting, errors=errors, released=released)
+        self._reply(route, msg.req_id, granted=granted, waiting=waiting, errors=errors, released=released,
+                    batch_s=self.batch_s)
         for b in touched.values():
             self._load(b)
 

@@ -2,11 +2,14 @@
 
 Lease requests and releases are not one message each: what the daemon's jobs queue during one
 event-loop tick goes out as one ``lease_batch`` (docs/PROTOCOL.md, router requests), answered by
-one reply. A run daemon sends at most one batch per ``batch_s`` (the first at once, so a quiet
-daemon's lease waits for nothing): at 512 slots and 30 s jobs a daemon has ~34 operations a
-second, about one per tick, so per-tick batches alone would stay at one operation. While a batch
-is unanswered (up to ``hold_max_s``) new operations keep queueing, so a router that falls behind
-gets fewer, larger batches instead of a growing backlog of messages (docs/SCALING.md). A lease the router cannot grant at once waits there up to its ``wait_s`` and
+one reply. A run daemon sends at most one batch per ``batch_s``, an interval each batch reply
+sets (the router shares a message budget among the run daemons it hears from: 0 with a few, 0.25 s
+at 1,000 nodes); the first batch after a quiet spell goes at once. At 512 slots and 30 s jobs a
+daemon has ~34 operations a second, about one per tick, so per-tick batches alone would stay at
+one operation; a fixed interval would delay every lease and release of a small deployment (the
+routing benchmark's refill delay). While a batch is unanswered (up to ``hold_max_s``) new
+operations keep queueing, so a router that falls behind gets fewer, larger batches instead of a
+growing backlog of messages (docs/SCALING.md). A lease the router cannot grant at once waits there up to its ``wait_s`` and
 is answered on its own when granted, as a single ``lease`` would be.
 
 A router that died with requests in hand is detected by its new incarnation and every
@@ -25,7 +28,6 @@ from rolloutd.llm.client import with_timeout
 
 
 HOLD_MAX_S = 1.0  # longest a queued operation waits behind an unanswered batch
-BATCH_S = 0.1     # at most one batch per this: a lease waits at most this long to be sent
 
 
 class RouterError(RuntimeError):
@@ -49,14 +51,13 @@ def lease_member(msg: Lease, requester: str, node: str) -> dict:
 class RouterClient:
     """Async requests to the router over one DEALER socket, matched by request id."""
 
-    def __init__(self, sockets, requester: str, node: str, timeout_s: float = 5.0, hold_max_s: float = HOLD_MAX_S,
-                 batch_s: float = BATCH_S):
+    def __init__(self, sockets, requester: str, node: str, timeout_s: float = 5.0, hold_max_s: float = HOLD_MAX_S):
         self.sock = sockets.connect("DEALER", "router", hwm=10000)
         self.requester = requester
         self.node = node
         self.timeout_s = timeout_s
         self.hold_max_s = hold_max_s
-        self.batch_s = batch_s
+        self.batch_s = 0.0    # the router's answer to each batch sets it
         self._sent_at = -1e9  # when the last batch went out
         self._ids = itertools.count(1)
         # req id -> (reply, request frames) or, for a lease that travels in a batch, (reply, member)
@@ -150,6 +151,9 @@ class RouterClient:
                 self._resolve(m, header)
         else:
             body = header.get("body") or {}
+            pace = body.get("batch_s")
+            if pace.__class__ in (int, float) and 0 <= pace <= self.hold_max_s:
+                self.batch_s = pace
             for g in body.get("granted") or ():
                 self._resolve(g.get("req_id"), {"kind": "reply", "req_id": g.get("req_id"), "body": g})
             for e in body.get("errors") or ():
