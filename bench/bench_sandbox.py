@@ -28,6 +28,9 @@
    `loop_direct` (the loop image made on the start's path: copy, LOOP_CONFIGURE, fsmount; what
    every start paid before the pool) and `loop_pool` (the default as root: made ahead by
    bounds.WorkspacePool, the start only move_mounts it); with the start's steps timed.
+   --ref-bounds FILE adds `loop_ref`: another revision's sandbox/bounds.py (one with
+   make_ext4_image + mount_ext4_image, e.g. `git show a6f7d4d:sandbox/bounds.py > FILE`, the
+   code before the pool) doing the loop workspace on the start's path: a true before/after.
 Medians are the headline (the machine is shared and noisy); p99 is reported too.
 """
 from __future__ import annotations
@@ -355,7 +358,29 @@ def bench_pty_userns(root: Path, n: int) -> Dict[str, object]:
             "devpts": os.geteuid() == 0 and rts["bounded"].disk_quota != "measured"}
 
 
-def bench_disk_ready(root: Path, n: int, disk_mb: int) -> Dict[str, object]:
+def _ref_bounds_runtime(path: Path, root: Path):
+    """A bwrap runtime whose loop workspace is made by another revision's bounds.py, on the
+    start's path, as that revision's Runtime._bound_dirs did (image from a template, mount)."""
+    import importlib.util
+
+    from rolloutd.sandbox.bwrap import BwrapRuntime
+
+    spec = importlib.util.spec_from_file_location("rolloutd_ref_bounds", str(path))
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)  # type: ignore[union-attr]
+
+    class RefBounds(BwrapRuntime):
+        def _bound_dirs(self, d: Path, disk_mb: Optional[float]) -> Dict[str, str]:
+            uid, gid = self._owner()
+            size = int(float(disk_mb) * 2**20) // 4096 * 4096
+            ref.make_ext4_image(d / "disk.img", size, uid, gid, templates=self.root_dir / "disk-templates")
+            ref.mount_ext4_image(d / "disk.img", d / "workspace")
+            return {"workspace": "loop", "run": "read-only"}
+
+    return RefBounds(root, ready_timeout=60, disk_quota="loop", disk_pool=0)
+
+
+def bench_disk_ready(root: Path, n: int, disk_mb: int, ref_bounds: Optional[Path] = None) -> Dict[str, object]:
     """Section 6: create() -> ping per workspace-quota mechanism, interleaved (order rotated
     each round), then the first bash `true` and destroy; the start's own steps are timed in
     this thread only (the pool's filler thread runs beside it and is not counted)."""
@@ -369,6 +394,8 @@ def bench_disk_ready(root: Path, n: int, disk_mb: int) -> Dict[str, object]:
         kinds.update({"tmpfs": {"disk_quota": "tmpfs"}, "loop_direct": {"disk_quota": "loop", "disk_pool": 0},
                       "loop_pool": {"disk_quota": "loop"}})
     rts = {k: get_runtime("bwrap", root_dir=root / ("disk-" + k), ready_timeout=60, **kw) for k, kw in kinds.items()}
+    if ref_bounds is not None and why is None:
+        rts["loop_ref"] = _ref_bounds_runtime(ref_bounds, root / "disk-loop_ref")
     me = __import__("threading").get_ident()
     steps: Dict[str, float] = {}
     patched = []
@@ -387,6 +414,8 @@ def bench_disk_ready(root: Path, n: int, disk_mb: int) -> Dict[str, object]:
         patched.append((cls, name, f))
 
     timed_step(Runtime, "_bound_dirs", "workspace_fs")
+    if "loop_ref" in rts:
+        timed_step(type(rts["loop_ref"]), "_bound_dirs", "workspace_fs")
     timed_step(BwrapRuntime, "_pre_launch", "socket_devpts")
     timed_step(BwrapRuntime, "_launch", "bwrap_to_namespace")
     timed_step(Runtime, "_wait_ready", "tool_server_ready")
@@ -433,8 +462,9 @@ def report_disk_ready(d: Dict[str, object]) -> None:
           % (d["disk_mb"], d["n"], "" if not d["not_root"] else " [%s: measured only]" % d["not_root"]))
     for k, m in ks.items():
         vs = "" if k == "measured" else "  %.2fx measured" % (m["ready"] / base)
-        if k == "loop_pool" and "loop_direct" in ks:
-            vs += ", %.2fx loop_direct" % (m["ready"] / ks["loop_direct"]["ready"])
+        for other in ("loop_direct", "loop_ref"):
+            if k == "loop_pool" and other in ks:
+                vs += ", %.2fx %s" % (m["ready"] / ks[other]["ready"], other)
         pool = " pool hits %d/%d" % (m["pool_hits"], m["pool_hits"] + m["pool_misses"]) if "pool_hits" in m else ""
         print("  %-11s ready %6.1f (p90 %6.1f)  first true %6.1f  destroy %5.1f%s%s" % (
             k, m["ready"], m["ready_p90"], m["first_true"], m["destroy"], vs, pool))
@@ -482,6 +512,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--disk-only", action="store_true", help="only section 6 (ready per workspace-quota mechanism)")
     ap.add_argument("--disk-mb", type=int, default=4096, help="section 6's workspace quota (default 4096)")
     ap.add_argument("--rounds", type=int, default=None, help="section 6's rounds (default 40, --quick 5)")
+    ap.add_argument("--ref-bounds", type=Path, metavar="FILE",
+                    help="section 6 also times this bounds.py (before/after), e.g. from "
+                         "`git show a6f7d4d:sandbox/bounds.py > FILE` (the code before the workspace pool)")
     ns = ap.parse_args(argv)
     n_lat, n_start = (20, 5) if ns.quick else (150, 40)
     fleet = ns.fleet if ns.fleet is not None else (8 if ns.quick else 128)
@@ -502,7 +535,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             out["hardening"] = bench_hardening(root, n_lat * 2, n_start)
             out["pty_userns"] = bench_pty_userns(root, n_start)
         if ns.disk_only or not only:
-            out["disk_ready"] = bench_disk_ready(root, ns.rounds or (5 if ns.quick else 40), ns.disk_mb)
+            out["disk_ready"] = bench_disk_ready(root, ns.rounds or (5 if ns.quick else 40), ns.disk_mb, ns.ref_bounds)
     finally:
         from rolloutd.sandbox.runtime import _remove_sandbox_dir
 
