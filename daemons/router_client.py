@@ -7,9 +7,9 @@ sets (the router shares a message budget among the run daemons it hears from: 0 
 at 1,000 nodes); the first batch after a quiet spell goes at once. At 512 slots and 30 s jobs a
 daemon has ~34 operations a second, about one per tick, so per-tick batches alone would stay at
 one operation; a fixed interval would delay every lease and release of a small deployment (the
-routing benchmark's refill delay). While a batch is unanswered (up to ``hold_max_s``) new
-operations keep queueing, so a router that falls behind gets fewer, larger batches instead of a
-growing backlog of messages (docs/SCALING.md). A lease the router cannot grant at once waits there up to its ``wait_s`` and
+routing benchmark's refill delay). While a batch is unanswered for more than ``BEHIND_S`` (up to
+``hold_max_s``) new operations keep queueing, so a router that falls behind gets fewer, larger
+batches instead of a growing backlog of messages (docs/SCALING.md). A lease the router cannot grant at once waits there up to its ``wait_s`` and
 is answered on its own when granted, as a single ``lease`` would be.
 
 A router that died with requests in hand is detected by its new incarnation and every
@@ -28,6 +28,7 @@ from rolloutd.llm.client import with_timeout
 
 
 HOLD_MAX_S = 1.0  # longest a queued operation waits behind an unanswered batch
+BEHIND_S = 0.01   # a batch unanswered this long means the router is behind
 
 
 class RouterError(RuntimeError):
@@ -92,15 +93,17 @@ class RouterClient:
 
     # -- batching ------------------------------------------------------------------------
     def _kick(self):
-        """Flush at the end of this tick, but not sooner than ``batch_s`` after the last batch, and
-        not before the unanswered batch is answered (or is older than ``hold_max_s``: a reply that
-        never comes must not hold the queue)."""
+        """Flush at the end of this tick, but not sooner than ``batch_s`` after the last batch, and,
+        while a batch is overdue (``BEHIND_S``), not before it is answered or ``hold_max_s`` old (a
+        reply that never comes must not hold the queue)."""
         if self._flush_at is not None or not (self._leases or self._releases):
             return
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         wait = self._sent_at + self.batch_s - now
-        if self._batch_out is not None:
+        if self._batch_out is not None and now - self._batch_out[1] > BEHIND_S:
+            # The router is behind: gather until it answers. Not sooner: waiting a round trip for
+            # every reply of a quiet router would delay each lease (bench_router's refill delay).
             wait = max(wait, self._batch_out[1] + self.hold_max_s - now)
             if wait <= 0:
                 self._batch_out = None
