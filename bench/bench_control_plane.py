@@ -58,7 +58,7 @@ def generator(a):
     import zmq
     from rolloutd.bus import codec, events
     from rolloutd.bus.messages import PROTOCOL_VERSION, Lease, LeaseBatch, Release
-    from rolloutd.daemons.router_client import HOLD_MAX_S, lease_member
+    from rolloutd.daemons.router_client import BEHIND_S, HOLD_MAX_S, lease_member
 
     ctx = zmq.Context()
     held = held_per_node(a.run_pool)
@@ -213,11 +213,11 @@ def generator(a):
                     msgs += 1
                 except zmq.Again:
                     refused += 1
-        if batched:  # each node as RouterClient: at most one batch per batch_s (the router's), none while one is unanswered (< HOLD_MAX_S)
+        if batched:  # each node as RouterClient: at most one batch per batch_s (the router's), none while one is overdue (BEHIND_S..HOLD_MAX_S)
             now = time.monotonic()
             for node in list(dirty):
                 o = out[node]
-                if (o is not None and now - o < HOLD_MAX_S) or now - last[node] < batch_s:
+                if (o is not None and BEHIND_S < now - o < HOLD_MAX_S) or now - last[node] < batch_s:
                     continue
                 dirty.discard(node)
                 nl, rel = q_lease[node], q_rel[node]

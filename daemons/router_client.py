@@ -83,6 +83,10 @@ class RouterClient:
             self._reader.cancel()
         if self._flush_at is not None:
             self._flush_at.cancel()
+            self._flush_at = None
+        if self._releases:  # the releases of the jobs that just ended: the router frees their slots now
+            self._leases = []
+            self._flush()
 
     async def _read(self):
         while True:
