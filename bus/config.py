@@ -50,7 +50,8 @@ DEFAULTS: dict = {
     "sandbox": {"runtime": "auto", "root_dir": "", "janitor_interval_s": 5.0, "janitor_grace_s": 10.0,
                 "quota_interval_s": 1.0, "disk_low_mb": 1024,
                 "disk_quota": "auto",   # auto | loop | tmpfs | measured (docs/SANDBOX.md "Disk quota")
-                "shm_size_mb": 64},     # bwrap: /dev/shm is a tmpfs of this size
+                "shm_size_mb": 64,      # bwrap: /dev/shm is a tmpfs of this size
+                "disk_pool": 2},        # loop quota: workspaces made ahead, per recent size (0: off)
     "handlers": {},                # per-handler config, by name
 }
 

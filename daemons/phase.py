@@ -58,7 +58,7 @@ class PhaseDaemon(Daemon):
         from rolloutd.sandbox import get_runtime
 
         sb = self.cfg.section("sandbox")
-        opts = {"disk_quota": sb["disk_quota"]}
+        opts = {"disk_quota": sb["disk_quota"], "disk_pool": sb["disk_pool"]}
         if sb["runtime"] in ("auto", "bwrap"):  # auto drops it again if it falls back to local
             opts["shm_size_mb"] = int(sb["shm_size_mb"])
         return get_runtime(sb["runtime"], root_dir=self.cfg.sandbox_root(), **opts)
