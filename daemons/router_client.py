@@ -13,7 +13,9 @@ batches instead of a growing backlog of messages (docs/SCALING.md). A lease the 
 is answered on its own when granted, as a single ``lease`` would be.
 
 A router that died with requests in hand is detected by its new incarnation and every
-unanswered request is sent again (``router_seen``).
+unanswered request is sent again (``router_seen``). A router older than ``lease_batch`` (it answers
+``unknown_kind``) gets that batch's operations again as single messages, and single messages from
+then on: nodes may be upgraded before the head.
 """
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ class RouterClient:
         self._members: dict[int, list[int]] = {}          # batch req id -> its leases' req ids
         self.batches = 0
         self.batched = 0  # operations sent in batches
+        self.single = False  # the router does not know lease_batch: one message per operation
 
     def start(self):
         self._reader = asyncio.create_task(self._read())
@@ -86,7 +89,12 @@ class RouterClient:
             self._flush_at = None
         if self._releases:  # the releases of the jobs that just ended: the router frees their slots now
             self._leases = []
-            self._flush()
+            if self.single:
+                for lease_id in self._releases:
+                    self._send_single(Release(lease_id=lease_id, req_id=next(self._ids)))
+                self._releases = []
+            else:
+                self._flush()
 
     async def _read(self):
         while True:
@@ -126,7 +134,7 @@ class RouterClient:
             return
         rid = next(self._ids)
         msg = LeaseBatch(requester=self.requester, node=self.node, leases=leases, releases=releases, req_id=rid)
-        self._members[rid] = [m["req_id"] for m in leases]
+        self._members[rid] = ([m["req_id"] for m in leases], releases)
         if len(self._members) > 1024:  # batches a vanished router never answered
             self._members.pop(next(iter(self._members)))
         self._sent_at = time.monotonic()
@@ -143,17 +151,22 @@ class RouterClient:
             # A lease granted after its requester gave up (cancelled, timed out): hand it back
             # now instead of letting it count as in flight until lease_ttl_s expires it.
             self.orphans_released += 1
+            if self.single:
+                self._send_single(Release(lease_id=header["body"]["lease_id"], req_id=next(self._ids)))
+                return
             self._releases.append(header["body"]["lease_id"])
             self._kick()
 
     def _on_batch_reply(self, rid, header: dict):
-        members = self._members.pop(rid, [])
+        members, releases = self._members.pop(rid, ((), ()))
         if self._batch_out is not None and self._batch_out[0] == rid:
             self._batch_out = None
             if self._flush_at is not None:  # it waited for this reply: flush as batch_s allows
                 self._flush_at.cancel()
                 self._flush_at = None
-        if header.get("kind") == "error":  # the batch as a whole was refused: so is each member
+        if header.get("kind") == "error" and header.get("code") == "unknown_kind":
+            self._fall_back(members, releases)
+        elif header.get("kind") == "error":  # the batch as a whole was refused: so is each member
             for m in members:
                 self._resolve(m, header)
         else:
@@ -168,6 +181,26 @@ class RouterClient:
                     self._resolve(e[0], {"kind": "error", "req_id": e[0], "code": e[1], "message": e[2]})
             # members in body["waiting"] are answered later, each on its own
         self._kick()
+
+    def _fall_back(self, members, releases):
+        """The router predates ``lease_batch``: send the batch's operations as single messages,
+        and every later one too."""
+        self.single = True
+        for lease_id in releases:
+            self._send_single(Release(lease_id=lease_id, req_id=next(self._ids)))
+        for m in members:
+            fut, member = self._waiting.get(m, (None, None))
+            if fut is None or fut.done() or not isinstance(member, dict):
+                continue
+            msg = Lease(job_id=member["job_id"], requester=member.get("requester", self.requester),
+                        node=member.get("node", self.node), exclude=list(member.get("exclude", ())),
+                        wait_s=member["wait_s"], req_id=m)
+            self._waiting[m] = (fut, self._send_single(msg))
+
+    def _send_single(self, msg) -> list:
+        frames = [b""] + codec.encode(msg.to_wire())
+        self.sock.send_multipart(frames, copy=False)
+        return frames
 
     async def _on_reply(self, frames):
         rest = frames[1:] if len(frames[0]) == 0 else frames
@@ -210,7 +243,7 @@ class RouterClient:
 
     async def send(self, msg):
         """A request whose reply nobody waits for. A release goes in the next batch."""
-        if isinstance(msg, Release):
+        if isinstance(msg, Release) and not self.single:
             self._releases.append(msg.lease_id)
             self._kick()
             return
@@ -220,7 +253,7 @@ class RouterClient:
     async def request(self, msg, timeout_s: float | None = None) -> dict:
         msg.req_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
-        if isinstance(msg, Lease):
+        if isinstance(msg, Lease) and not self.single:
             member = lease_member(msg, self.requester, self.node)
             self._waiting[msg.req_id] = (fut, member)
             self._leases.append(member)
