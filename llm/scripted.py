@@ -662,15 +662,23 @@ class ScriptedBackend:
             if rid:
                 self._aborts.pop(rid, None)
 
-    async def _delayed_abortable(self, api, req, prompt, ids, lps, finish, stop_reason, delay, t0, abort) -> bytes:
-        sem = self._sem
-        if sem is not None:
+    async def _acquire(self) -> None:
+        """Wait for one of the server's ``max_running`` sequences (counted as waiting meanwhile)."""
+        if self._sem is not None:
             self._waiting += 1
             try:
-                await sem.acquire()
+                await self._sem.acquire()
             finally:
                 self._waiting -= 1
         self._running += 1
+
+    def _release(self) -> None:
+        self._running -= 1
+        if self._sem is not None:
+            self._sem.release()
+
+    async def _delayed_abortable(self, api, req, prompt, ids, lps, finish, stop_reason, delay, t0, abort) -> bytes:
+        await self._acquire()
         started = time.perf_counter()
         n, per = len(ids), getattr(self.latency, "per_token", 0.0)  # a custom latency may have only sample()
 
@@ -696,23 +704,14 @@ class ScriptedBackend:
             self.stats["tokens_sampled"] += sampled()
             raise
         finally:
-            self._running -= 1
-            if sem is not None:
-                sem.release()
+            self._release()
         self.stats["tokens_sampled"] += len(ids)
         self.stats["completed"] += 1
         return self._render(api, req, prompt, ids, lps, finish, stop_reason, time.perf_counter() - t0)
 
     async def _streamed(self, conn: _Conn, req, prompt, ids, lps, finish, stop_reason, delay) -> None:
         """vLLM's ``stream: true`` reply (module doc): token k goes out when its time has passed."""
-        sem = self._sem
-        if sem is not None:
-            self._waiting += 1
-            try:
-                await sem.acquire()
-            finally:
-                self._waiting -= 1
-        self._running += 1
+        await self._acquire()
         n, per = len(ids), getattr(self.latency, "per_token", 0.0)
         first = max(0.0, delay - per * n)  # time to the first token (prefill)
         started = time.monotonic()
@@ -778,9 +777,7 @@ class ScriptedBackend:
             self.stats["tokens_sampled"] += due()[0]
             raise
         finally:
-            self._running -= 1
-            if sem is not None:
-                sem.release()
+            self._release()
         self.stats["tokens_sampled"] += n
         self.stats["completed"] += 1
         self.stats["streamed"] += 1
