@@ -132,6 +132,7 @@ class ToolServer:
         # Orphans re-parent to us: reap them as they exit, not only once a second (a fork chain
         # would otherwise pile zombies up to nproc). The handler only wakes the reaper thread.
         self._chld = threading.Event()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})  # a blocked mask survives exec
         signal.signal(signal.SIGCHLD, lambda *_: self._chld.set())
         signal.siginterrupt(signal.SIGCHLD, False)  # SA_RESTART: other threads' syscalls go on
         threading.Thread(target=self._reaper, name="reaper", daemon=True).start()

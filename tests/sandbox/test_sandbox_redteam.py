@@ -306,35 +306,41 @@ def test_a_zombie_leader_with_a_locked_workspace_cannot_reach_the_code_grader(bw
 # Each generation forks its successor and exits: the orphan's zombie waits for pid 1 to reap it.
 FORK_CHAIN = r"""
 import os, sys, time
-n, eagain = 0, 0
+n, eagain, stalled, longest = 0, 0, None, 0.0
 while n < int(sys.argv[1]):
     try:
         pid = os.fork()
     except OSError:  # EAGAIN: nproc's worth of unreaped zombies
         eagain += 1
+        stalled = stalled or time.monotonic()
         time.sleep(0.001)
         continue
     if pid:
         os._exit(0)
+    if stalled:
+        longest, stalled = max(longest, time.monotonic() - stalled), None
     n += 1
 with open("/workspace/.chain.tmp", "w") as f:
-    f.write("gens=%d eagain=%d" % (n, eagain))
+    f.write("gens=%d eagain=%d longest_stall_ms=%d" % (n, eagain, longest * 1000))
 os.replace("/workspace/.chain.tmp", "/workspace/chain")
 """
 
 
 def test_a_fork_chain_does_not_pile_zombies_up_to_nproc(bwrap_rt):
     """The tool server reaps orphans as they exit (SIGCHLD). Reaped once a second, 1000
-    generations under nproc=64 stalled at the limit every 64 generations (~30 s of EAGAIN, tens of
-    thousands of failed forks); reaped at once, a generation almost never finds the limit full.
-    Judged by the chain's own count of failed forks, not by time (the host waits for the last
-    generation: a polling loop in the sandbox would itself compete for nproc)."""
+    generations under nproc=64 stalled at the limit every 64 generations until the next sweep
+    (~15 stalls of up to a second: ~30 s in all). Judged by the chain's longest stall, not by
+    time, and the host waits for the last generation (a polling loop in the
+    sandbox would itself compete for nproc). Run after other sandbox tests in one process it
+    stalled ~1 s at a time in CI: the tool server had inherited SIGCHLD blocked, so only the
+    once-a-second sweep reaped; it now unblocks it at start."""
     h = bwrap_rt.create("chain", SandboxSpec(limits=Limits(nproc=64), workspace_files={"chain.py": FORK_CHAIN}))
     r = bwrap_rt.client(h, timeout=60).call("bash", {"command": "python3 chain.py 1000", "timeout": 20})
     assert r.error is None and not r.timed_out, r
     done = Path(h.workspace) / "chain"
     wait_for(done.exists, timeout_s=120, what="the chain's last generation")
-    gens, eagain = (int(kv.split("=")[1]) for kv in done.read_text().split())
-    assert gens == 1000, done.read_text()
-    # ~1 ms per failed fork: under 3 s of stalls in all (once-a-second reaping: ~15-30 s)
-    assert eagain < 3000, done.read_text()
+    stats = dict(kv.split("=") for kv in done.read_text().split())
+    assert int(stats["gens"]) == 1000, stats
+    # no stall lasts for a good part of the old sweep period
+    assert int(stats["longest_stall_ms"]) < 500, stats
+
