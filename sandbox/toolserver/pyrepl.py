@@ -87,6 +87,8 @@ def run(code, ns):
 
 def main():
     req_fd, resp_fd = int(sys.argv[1]), int(sys.argv[2])
+    for fd in (req_fd, resp_fd):  # programs the code starts (os.system) do not get them
+        os.set_inheritable(fd, False)
     # Behave like the interactive interpreter: imports resolve from the cwd, not from here.
     sys.path[0] = ""
     sys.argv = [""]

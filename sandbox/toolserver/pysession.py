@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from .cancel import NEVER, Canceller
 from .output import DEFAULT_MAX_OUTPUT, CappedBuffer, finish_text
@@ -31,20 +31,45 @@ def _nonblock(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
 
 
+# A reply is {"status": ..., "exit_code": n}, the first one the driver's version: ~100 bytes. The
+# reply pipe is the agent's to write (its code runs in the driver and sees the fd), so nothing
+# longer is read, and what is read must be a reply.
+MAX_REPLY = 64 * 1024
+# What a call drains from the output pipe besides its own output (older output at its start, the
+# rest after the reply): more than a pipe holds, so a writer that never stops cannot hold the call.
+_DRAIN_BYTES = 4 * 1024 * 1024
+
+
+class NotAReply(Exception):
+    """The reply pipe carried something that is not the driver's reply."""
+
+
 class _FrameReader:
-    def __init__(self) -> None:
+    def __init__(self, limit: int = MAX_REPLY) -> None:
+        self.limit = limit
         self.buf = bytearray()
 
     def feed(self, data: bytes) -> Optional[dict]:
         self.buf += data
         if len(self.buf) < HEADER.size:
             return None
-        (n,) = HEADER.unpack(self.buf[: HEADER.size])
+        (n,) = HEADER.unpack_from(self.buf)
+        if n > self.limit:
+            raise NotAReply("a frame of %d bytes was announced; replies are at most %d bytes" % (n, self.limit))
         if len(self.buf) < HEADER.size + n:
             return None
         body = bytes(self.buf[HEADER.size: HEADER.size + n])
         del self.buf[: HEADER.size + n]
-        return json.loads(body.decode("utf-8"))
+        try:
+            reply = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise NotAReply("a frame of %d bytes that is not UTF-8 JSON" % n) from None
+        if not isinstance(reply, dict):
+            raise NotAReply("a JSON %s instead of an object" % type(reply).__name__)
+        code = reply.get("exit_code")
+        if code is not None and (isinstance(code, bool) or not isinstance(code, int)):
+            raise NotAReply("an exit_code of type %s" % type(code).__name__)
+        return reply
 
 
 class PythonSession(Session):
@@ -127,7 +152,11 @@ class PythonSession(Session):
         notes = self.take_unreported()
         notes += self.revive("[the previous Python session had died; a fresh one was started, state lost]")
         buf = CappedBuffer(self.max_output)
-        self._drain(buf, discard=True)
+        self._drain(self.out_r, buf, discard=True)
+        # The driver answers each request once and that answer was read: anything waiting on the
+        # reply pipe now was written by the agent's code. It is not this call's reply.
+        self._drain(self.resp_r, buf, discard=True)
+        self.reader = _FrameReader()
         body = json.dumps({"code": code}).encode("utf-8")
         frame = HEADER.pack(len(body)) + body
         timed_out = cancelled = False
@@ -147,41 +176,55 @@ class PythonSession(Session):
             except (ProcessLookupError, PermissionError):
                 pass
             reply = self._wait_reply(time.monotonic() + self.interrupt_grace, buf, NEVER)
-            if not isinstance(reply, dict):
-                self.kill()
-                self.restarts += 1
-                notes.append("[the session ignored the interrupt and was killed; a fresh one starts on the next call, state lost]")
-                self.restart_notes.append(notes[-1])
+            if not isinstance(reply, (dict, NotAReply)):
+                self._lost(notes, "[the session ignored the interrupt and was killed; a fresh one starts on the next "
+                                  "call, state lost]")
                 reply = None
-        exit_code = None
-        if reply == "eof":
+        exit_code, error = None, None
+        if isinstance(reply, NotAReply):
+            error = ("the Python session's reply pipe carried something that is not a reply (%s: code wrote to "
+                     "the session's own descriptor); the session was killed and restarts on the next call, "
+                     "state lost" % reply)
+            self._lost(notes, "[the Python session was killed: %s]" % error)
+        elif reply == "eof":
             code_ = self.proc.wait() if self.proc else None
-            self.kill()
-            self.restarts += 1
-            notes.append("[the Python process exited (code %s); a fresh session starts on the next call, state lost]" % code_)
-            self.restart_notes.append(notes[-1])
+            self._lost(notes, "[the Python process exited (code %s); a fresh session starts on the next call, state lost]"
+                       % code_)
             exit_code = code_
         elif isinstance(reply, dict):
             exit_code = reply.get("exit_code")
-            self._drain(buf)
+            self._drain(self.out_r, buf)
         data, truncated = buf.getvalue()
-        return call_result(finish_text(data), truncated, notes, exit_code, t0, timed_out, cancelled)
+        out = call_result(finish_text(data), truncated, notes, exit_code, t0, timed_out, cancelled)
+        if error:
+            out["error"] = error
+        return out
 
-    def _drain(self, buf: CappedBuffer, discard: bool = False) -> None:
-        while True:
+    def _lost(self, notes: List[str], note: str) -> None:
+        """Kill the session (a fresh one starts on the next call) and tell this call's caller."""
+        self.kill()
+        self.restarts += 1
+        notes.append(note)
+        self.restart_notes.append(note)
+
+    @staticmethod
+    def _drain(fd: int, buf: CappedBuffer, discard: bool = False) -> None:
+        """What the pipe holds now, up to _DRAIN_BYTES (a writer that never stops cannot hold us)."""
+        left = _DRAIN_BYTES
+        while left > 0:
             try:
-                data = os.read(self.out_r, 65536)
-            except BlockingIOError:
-                return
-            except OSError:
+                data = os.read(fd, 65536)
+            except OSError:  # BlockingIOError: empty for now
                 return
             if not data:
                 return
+            left -= len(data)
             if not discard:
                 buf.write(data)
 
     def _wait_reply(self, deadline: float, buf: CappedBuffer, canceller: Canceller):
-        """Collect output until the driver replies. Returns the reply dict or a status str."""
+        """Collect output until the driver replies. Returns the reply dict, a status str, or the
+        NotAReply the reply pipe gave."""
         out_open = True
         while True:
             remaining = deadline - time.monotonic()
@@ -213,7 +256,10 @@ class PythonSession(Session):
                 if data == b"":
                     return "eof"
                 if data:
-                    reply = self.reader.feed(data)
+                    try:
+                        reply = self.reader.feed(data)
+                    except NotAReply as e:
+                        return e
                     if reply is not None:
                         return reply
             for fd in canceller.fds():

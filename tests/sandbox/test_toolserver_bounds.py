@@ -1,0 +1,111 @@
+"""Issue 35 item 1: a bounded tool server. Every attack runs from inside a real bubblewrap
+sandbox (the agent's own python or bash call); the host reads the tool server's memory from
+/proc/<pid>/status and the sandbox's host-side log file. docs/SANDBOX.md "Round 2: bounded tool
+server" cites these tests.
+
+The bounds are written here as numbers, not imported, so that each test also runs (and fails)
+against the tool server before issue 35."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+
+from rolloutd.sandbox import SandboxSpec, ToolTransportError
+from tests.conftest import wait_for
+
+MiB = 1024 * 1024
+# The tool server's peak RSS after an attack: it idles at ~18 MiB; before issue 35 the python
+# reply flood below took it past 600 MiB.
+RSS_BOUND = 200 * MiB
+# The tool server's own RLIMIT_DATA (docs/SANDBOX.md): 1 GiB.
+DATA_LIMIT = 1024 * MiB
+# A host log line and the whole host log (toolserver/toollog.py).
+LOG_LINE = 16 * 1024
+LOG_TOTAL = 8 * MiB
+
+# Agent code in the Python session: write a frame header announcing `n` bytes on the session
+# driver's reply pipe (its fd is the last argument in /proc/self/cmdline), then `n` bytes of
+# `fill`. The driver is the agent's own process: nothing stops the write.
+REPLY_FLOOD = r'''
+import os, struct
+args = [a for a in open("/proc/self/cmdline", "rb").read().split(b"\0") if a]
+fd = int(args[-1])
+def flood(n, fill):
+    os.write(fd, struct.pack("!I", n))
+    chunk = fill * (1 << 20)
+    left = n
+    while left > 0:
+        left -= os.write(fd, chunk[:min(left, len(chunk))])
+flood(%d, %r)
+'''
+
+
+def _status(pid: int) -> dict:
+    with open("/proc/%d/status" % pid) as f:
+        rows = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+    return {k: int(rows[k].split()[0]) * 1024 for k in ("VmHWM", "VmRSS", "VmData") if k in rows}
+
+
+def _data_limit(pid: int):
+    with open("/proc/%d/limits" % pid) as f:
+        for line in f:
+            if line.startswith("Max data size"):
+                soft = line.split()[3]
+                return None if soft == "unlimited" else int(soft)
+    return None
+
+
+def _log(h) -> bytes:
+    return (Path(h.sandbox_dir) / "log").read_bytes()
+
+
+def _log_ok(h) -> bytes:
+    data = _log(h)
+    assert len(data) < LOG_TOTAL, "host log grew to %d bytes" % len(data)
+    longest = max((len(x) for x in data.split(b"\n")), default=0)
+    assert longest <= LOG_LINE, "a host log line of %d bytes" % longest
+    return data
+
+
+def test_python_reply_pipe_flood_is_a_tool_error_not_a_dropped_job(bwrap_rt):
+    """The agent's code writes a 32 MiB frame of 0xff to the session's reply pipe. Before: the
+    tool server read it all, failed to decode it, logged repr() of it (128 MiB) and its reply
+    exceeded the frame limit: the connection dropped (ToolTransportError, the job failed)."""
+    h = bwrap_rt.create("pyflood")
+    c = bwrap_rt.client(h, timeout=30)
+    ts = h.pids[1]
+    assert c.call("python", {"code": "x = 41"}).error is None
+    try:
+        r = c.call("python", {"code": REPLY_FLOOD % (32 * MiB, b"\xff")})
+    except ToolTransportError as e:
+        raise AssertionError("the agent's flood dropped the tool server's connection: %s" % e)
+    assert r.exit_code is None and r.error and "reply" in r.error and "restart" in r.error, r
+    assert "65536" in r.error, r  # the error names the bound
+    # The session was restarted: the agent's state is gone, and it is told so.
+    r = c.call("python", {"code": "print(40 + 2); 'x' in globals()"})
+    assert r.error is None and r.output.split() == ["42", "False"], r
+    assert _status(ts)["VmHWM"] < RSS_BOUND, _status(ts)
+    _log_ok(h)
+
+
+def test_python_reply_pipe_garbage_and_forged_replies_restart_the_session(bwrap_rt):
+    """Small frames too: a frame that is not UTF-8 JSON, a JSON list, and a reply whose
+    exit_code is not an integer (host code compares it with 0) each restart the session with a
+    tool error. Before: a UnicodeDecodeError / AttributeError surfaced as 'internal error' and a
+    string exit_code reached the host."""
+    h = bwrap_rt.create("pygarbage")
+    c = bwrap_rt.client(h, timeout=30)
+    for body in (b"\xff" * 100, b"[1, 2]", b'{"status": "ok", "exit_code": "' + b"A" * 5000 + b'"}'):
+        code = ("import os, struct\nargs = [a for a in open('/proc/self/cmdline', 'rb').read().split(b'\\0') if a]\n"
+                "os.write(int(args[-1]), struct.pack('!I', %d) + %r)\nimport time; time.sleep(5)" % (len(body), body))
+        r = c.call("python", {"code": code})
+        assert r.exit_code is None and r.error and "not a reply" in r.error and "restart" in r.error, (body[:20], r)
+        assert "internal error" not in r.error
+        r = c.call("python", {"code": "print(6 * 7)"})
+        assert r.error is None and r.output.strip() == "42", r
+    _log_ok(h)
+
+
