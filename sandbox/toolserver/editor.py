@@ -5,7 +5,10 @@ Every failure is an EditorError whose message is meant for the agent to read.
 """
 from __future__ import annotations
 
+import errno
 import os
+import stat
+import sys
 from typing import Dict, List, Optional, Tuple
 
 from .errors import ToolError
@@ -13,6 +16,12 @@ from .errors import ToolError
 SNIPPET_CONTEXT = 4
 HISTORY_DEPTH = 20
 MAX_FILE_BYTES = 8 * 1024 * 1024
+# Undo history of every file together, in bytes of the kept texts: the oldest edits go first.
+HISTORY_BYTES = 64 * 1024 * 1024
+# Directory entries one listing reads, over all its directories (a directory of millions of
+# files would otherwise be read, sorted and joined in the tool server).
+MAX_LIST_ENTRIES = 10000
+_OPEN = os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
 
 
 class EditorError(ToolError):
@@ -32,12 +41,69 @@ def _split(text: str) -> List[str]:
     return lines
 
 
+def _cost(text: Optional[str]) -> int:
+    return 0 if text is None else sys.getsizeof(text)
+
+
+def _entries(d: str, budget: List[int]) -> Tuple[List[str], List[str], List[str]]:
+    """(dirs, files, dirs to descend into) of d, sorted, hidden ones skipped; reads at most
+    budget[0] entries (and spends them)."""
+    dirs, files, walk = [], [], []
+    try:
+        it = os.scandir(d)
+    except OSError:
+        return dirs, files, walk
+    with it:
+        for e in it:
+            if budget[0] <= 0:
+                budget[1] = 1  # more entries than were read
+                break
+            budget[0] -= 1
+            if e.name.startswith("."):
+                continue
+            try:
+                is_dir = e.is_dir()
+            except OSError:
+                is_dir = False
+            (dirs if is_dir else files).append(e.name)
+            if is_dir and not e.is_symlink():
+                walk.append(e.name)
+    return sorted(dirs), sorted(files), sorted(walk)
+
+
+def _listing(path: str) -> str:
+    """Two levels under path (and the files of the third, as os.walk with its dirs cleared at
+    depth 2 showed them), at most MAX_LIST_ENTRIES entries read."""
+    budget = [MAX_LIST_ENTRIES, 0]
+    out: List[str] = []
+
+    def walk(d: str, depth: int) -> None:
+        dirs, files, sub = _entries(d, budget)
+        if depth >= 2:
+            dirs, sub = [], []
+        for name in dirs + files:
+            full = os.path.join(d, name)
+            out.append(full + ("/" if name in dirs else ""))
+        for name in sub:
+            if name in dirs:
+                walk(os.path.join(d, name), depth + 1)
+
+    walk(path, 0)
+    head = ["Files and directories up to 2 levels deep in %s (hidden ones skipped):" % path]
+    if budget[1]:
+        head.append("[more entries than the %d a listing reads: the rest are not listed; use bash (ls, find)]"
+                    % MAX_LIST_ENTRIES)
+    return "\n".join(head + out)
+
+
 class Editor:
     def __init__(self, workdir: str, max_output: int = 64 * 1024) -> None:
         self.workdir = workdir
         self.max_output = max_output
-        # path -> stack of previous contents; None means "the file did not exist".
-        self.history: Dict[str, List[Optional[str]]] = {}
+        # path -> stack of (seq, previous content); None means "the file did not exist".
+        self.history: Dict[str, List[Tuple[int, Optional[str]]]] = {}
+        self.history_bytes = 0
+        self._seq = 0
 
     def call(self, args: Dict) -> Tuple[str, bool]:
         """Returns (output, truncated); raises EditorError on bad input."""
@@ -55,16 +121,35 @@ class Editor:
         return handlers[command](path, args)
 
     # -- helpers ---------------------------------------------------------------------
+    @staticmethod
+    def _open_regular(path: str, flags: int) -> int:
+        """Open without blocking and only a regular file: a FIFO the agent left where a file was
+        expected would block the tool (or feed it without end), /dev/zero never ends."""
+        try:
+            fd = os.open(path, flags | _OPEN, 0o666)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # opened for writing: a FIFO with no reader
+                raise EditorError("%s is not a regular file (a FIFO); use bash" % path) from None
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise EditorError("%s is a directory" % path)
+            raise EditorError("%s is not a regular file (a FIFO, a device or a socket); use bash" % path)
+        return fd
+
     def _read(self, path: str) -> str:
         if not os.path.exists(path):
             raise EditorError("%s does not exist" % path)
         if os.path.isdir(path):
             raise EditorError("%s is a directory" % path)
-        size = os.path.getsize(path)
-        if size > MAX_FILE_BYTES:
-            raise EditorError("%s is %d bytes; the editor handles files up to %d bytes, use bash" % (path, size, MAX_FILE_BYTES))
-        with open(path, "rb") as f:
-            data = f.read()
+        fd = self._open_regular(path, os.O_RDONLY)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)  # the file may grow after any size check
+        if len(data) > MAX_FILE_BYTES:
+            raise EditorError("%s is over %d bytes; the editor handles files up to %d bytes, use bash"
+                              % (path, MAX_FILE_BYTES, MAX_FILE_BYTES))
         if b"\0" in data:
             raise EditorError("%s looks like a binary file" % path)
         try:
@@ -73,13 +158,21 @@ class Editor:
             raise EditorError("%s is not UTF-8 text" % path) from None
 
     def _write(self, path: str, text: str) -> None:
-        with open(path, "w", encoding="utf-8", newline="") as f:
+        fd = self._open_regular(path, os.O_WRONLY | os.O_CREAT)
+        os.ftruncate(fd, 0)  # only now: the type is known
+        with open(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
 
     def _remember(self, path: str, previous: Optional[str]) -> None:
         stack = self.history.setdefault(path, [])
-        stack.append(previous)
-        del stack[:-HISTORY_DEPTH]
+        self._seq += 1
+        stack.append((self._seq, previous))
+        self.history_bytes += _cost(previous)
+        while len(stack) > HISTORY_DEPTH:
+            self.history_bytes -= _cost(stack.pop(0)[1])
+        while self.history_bytes > HISTORY_BYTES:  # the oldest edit of any file goes first
+            oldest = min((st for st in self.history.values() if st), key=lambda st: st[0][0])
+            self.history_bytes -= _cost(oldest.pop(0)[1])
 
     def _cap(self, text: str) -> Tuple[str, bool]:
         data = text.encode("utf-8")
@@ -111,17 +204,7 @@ class Editor:
         if os.path.isdir(path):
             if args.get("view_range") is not None:
                 raise EditorError("view_range is not allowed when viewing a directory")
-            out = ["Files and directories up to 2 levels deep in %s (hidden ones skipped):" % path]
-            base_depth = path.rstrip("/").count("/")
-            for root, dirs, files in os.walk(path):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                depth = root.rstrip("/").count("/") - base_depth
-                if depth >= 2:
-                    dirs[:] = []
-                for name in sorted(dirs) + sorted(f for f in files if not f.startswith(".")):
-                    full = os.path.join(root, name)
-                    out.append(full + ("/" if os.path.isdir(full) else ""))
-            return self._cap("\n".join(out))
+            return self._cap(_listing(path))
         text = self._read(path)
         lines = _split(text)
         start, end = 1, len(lines)
@@ -141,9 +224,7 @@ class Editor:
 
     def create(self, path: str, args: Dict) -> Tuple[str, bool]:
         text = self._str_arg(args, "file_text")
-        previous = self._read(path) if os.path.isfile(path) else None
-        if os.path.isdir(path):
-            raise EditorError("%s is a directory" % path)
+        previous = self._read(path) if os.path.exists(path) else None  # refuses dirs, FIFOs, devices
         parent = os.path.dirname(path)
         if parent:
             os.makedirs(parent, exist_ok=True)
@@ -193,8 +274,10 @@ class Editor:
     def undo(self, path: str, args: Dict) -> Tuple[str, bool]:
         stack = self.history.get(path)
         if not stack:
-            raise EditorError("no edit history for %s" % path)
-        previous = stack.pop()
+            raise EditorError("no edit history for %s (the editor keeps the last %d edits of a file, %d MiB in all)"
+                              % (path, HISTORY_DEPTH, HISTORY_BYTES >> 20))
+        previous = stack.pop()[1]
+        self.history_bytes -= _cost(previous)
         if previous is None:
             try:
                 os.unlink(path)

@@ -109,3 +109,60 @@ def test_python_reply_pipe_garbage_and_forged_replies_restart_the_session(bwrap_
     _log_ok(h)
 
 
+def test_editor_refuses_fifos_and_devices_and_reads_no_more_than_its_bound(bwrap_rt):
+    """The agent leaves a FIFO (or a symlink to /dev/zero) where the model will look. Before: the
+    editor opened the FIFO and blocked (the tool stuck, the client timed out: a failed job), or
+    read whatever a writer pushed into it, and read /dev/zero until memory ran out."""
+    h = bwrap_rt.create("editorfifo")
+    c = bwrap_rt.client(h, timeout=30)
+    ts = h.pids[1]
+    r = c.call("bash", {"command": "mkfifo /workspace/empty.py /workspace/fed.py && ln -s /dev/zero /workspace/zero.py && "
+                                   "(python3 -c \"import sys; sys.stdout.buffer.write(b'a' * (64 << 20))\" "
+                                   "> /workspace/fed.py &) && echo ok"})
+    assert r.output.strip() == "ok", r
+    try:
+        for name in ("empty.py", "fed.py", "zero.py"):
+            r = c.call("editor", {"command": "view", "path": "/workspace/" + name}, timeout=10)
+            assert r.error and "not a regular file" in r.error, (name, r)
+            r = c.call("editor", {"command": "str_replace", "path": "/workspace/" + name, "old_str": "a",
+                                  "new_str": "b"}, timeout=10)
+            assert r.error and "not a regular file" in r.error, (name, r)
+            r = c.call("editor", {"command": "create", "path": "/workspace/" + name, "file_text": "x"}, timeout=10)
+            assert r.error and "not a regular file" in r.error, (name, r)
+    except ToolTransportError as e:
+        raise AssertionError("the editor hung on the agent's special file: %s" % e)
+    assert _status(ts)["VmHWM"] < RSS_BOUND, _status(ts)
+    assert c.call("editor", {"command": "view", "path": "/workspace"}).error is None
+
+
+def test_editor_lists_a_bounded_number_of_entries_per_directory(bwrap_rt):
+    """50,000 files in one directory: the listing stops at its bound and says so (before: every
+    name was read, sorted and joined in the tool server)."""
+    h = bwrap_rt.create("editordir")
+    c = bwrap_rt.client(h, timeout=60)
+    r = c.call("python", {"code": "import os\nos.mkdir('/tmp/many')\n"
+                                  "for i in range(50000):\n    open('/tmp/many/f%d' % i, 'w').close()\nprint('made')",
+                          "timeout": 60})
+    assert r.output.strip() == "made", r
+    r = c.call("editor", {"command": "view", "path": "/tmp/many"})
+    assert r.error is None and "not listed" in r.output, r.output[-300:]
+
+
+def test_editor_undo_history_is_bounded_over_all_files(tmp_path, monkeypatch):
+    """Edits of many large files: the history keeps the newest edits within HISTORY_BYTES (here
+    1 MiB) over all files together; the oldest file's edits are gone and undo says so."""
+    from rolloutd.sandbox.toolserver import editor
+
+    monkeypatch.setattr(editor, "HISTORY_BYTES", 1 << 20)
+    ed = editor.Editor(str(tmp_path))
+    for i in range(10):
+        (tmp_path / ("f%d.py" % i)).write_text("a = 1\n" + "#" * (200 * 1024) + "\n")
+        ed.call({"command": "str_replace", "path": "f%d.py" % i, "old_str": "a = 1", "new_str": "a = 2"})
+        assert ed.history_bytes <= 1 << 20, (i, ed.history_bytes)
+    out, _ = ed.call({"command": "undo", "path": "f9.py"})
+    assert "undone" in out and (tmp_path / "f9.py").read_text().startswith("a = 1")
+    try:
+        ed.call({"command": "undo", "path": "f0.py"})
+        raise AssertionError("the oldest file's edit was kept past the bound")
+    except editor.EditorError as e:
+        assert "no edit history" in str(e) and "MiB in all" in str(e)
