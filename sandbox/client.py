@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from .errors import DiskQuotaExceeded, ToolTransportError
 from .log import log
+from .toolserver.toollog import clip
 from .toolserver.wire import HEADER, FrameError, check_length, decode_body, encode, recv_frame
 
 # Tools whose calls carry a timeout that the server enforces itself.
@@ -29,7 +30,7 @@ PURGE_TIMEOUT = 60.0
 
 def _purged(r: "ToolResult", socket_path: str) -> None:
     if r.error:
-        raise ToolTransportError("tool server at %s could not clear the sandbox: %s" % (socket_path, r.error))
+        raise ToolTransportError("tool server at %s could not clear the sandbox: %s" % (socket_path, clip(str(r.error))))
 
 
 @dataclass

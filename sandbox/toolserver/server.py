@@ -3,7 +3,8 @@
 Config is a JSON file written by the runtime before start (see sandbox/runtime.py):
   socket, workdir, home, shell, python, env, limits, apply_nproc, max_output,
   default_timeout, max_timeout, interrupt_grace, deadline (epoch s or null), ready_fd,
-  sandbox_id, job_id
+  sandbox_id, job_id; optional, with the defaults of toollog.py: log_max_bytes, log_max_line
+  (the caps of its host-side log)
 """
 from __future__ import annotations
 
@@ -20,21 +21,15 @@ from typing import Any, Callable, Dict, Optional
 from . import PROTOCOL_VERSION
 from .cancel import Canceller
 from .errors import Abandoned, ArgError, BusyError, ToolError
-from .wire import FrameError, recv_frame, send_frame
+from .toollog import clip, log
+from .wire import FrameError, encode, recv_frame
 
 # The tools (ptyprocess, subprocess, ctypes, re...) are imported by a background thread
 # after "ready" is signalled: half of the interpreter's start-up is those imports, and a
 # ping does not need them. The first tool call waits for them (see _tools_ready).
 DEFAULT_MAX_OUTPUT = 64 * 1024
-
-
-def log(event: str, **fields: Any) -> None:
-    fields.update(event=event, ts=round(time.time(), 3), pid=os.getpid())
-    try:
-        sys.stderr.write(json.dumps(fields, default=str) + "\n")
-        sys.stderr.flush()
-    except Exception:
-        pass
+# An error text in a reply (an exception's repr can hold a whole payload).
+MAX_ERROR = 4096
 
 
 def result(output: str = "", exit_code: Optional[int] = None, duration: float = 0.0, timed_out: bool = False,
@@ -74,6 +69,7 @@ class ToolServer:
         self._tools_error: Optional[str] = None
         self._grading = threading.Lock()  # one grade/purge at a time
         self.refused_inside = 0  # connections from the sandbox's own processes (closed)
+        self.ignored_signals = 0  # INT/TERM from inside (pid 1 ignores them)
         self._tl = threading.local()  # per connection thread: the restart notes of its last reply
         self.hardened = False
 
@@ -124,7 +120,7 @@ class ToolServer:
             # these no-op handlers (reset to default in children by exec) keep INT and TERM out.
             # The host stops us with SIGKILL (Runtime.destroy).
             for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda signum, _f: log("signal_ignored", signal=signum))
+                signal.signal(sig, self._ignored)
         else:
             signal.signal(signal.SIGTERM, lambda *_: self.shutdown("sigterm"))
         threading.Thread(target=self._start_tools, name="tools-start", daemon=True).start()
@@ -147,6 +143,11 @@ class ToolServer:
             startup_ms=round((time.time() - self.started) * 1000, 1))
         while True:  # the threads serve; shutdown() ends the process
             time.sleep(3600)
+
+    def _ignored(self, signum: int, _frame: Any) -> None:
+        self.ignored_signals += 1  # the agent can send them in a loop: a log line now and then
+        if _now_and_then(self.ignored_signals):
+            log("signal_ignored", signal=signum, count=self.ignored_signals)
 
     def _listen(self, path: str) -> None:
         """Bind the tool socket at path (replacing whatever is there) and accept on it."""
@@ -212,7 +213,7 @@ class ToolServer:
         if pid == 0:
             return False
         self.refused_inside += 1
-        if self.refused_inside in (1, 10, 100) or self.refused_inside % 10000 == 0:
+        if _now_and_then(self.refused_inside):
             log("tool_connection_from_inside_refused", pid=pid, count=self.refused_inside)
         return True
 
@@ -300,7 +301,7 @@ class ToolServer:
                 try:
                     req = recv_frame(conn)
                 except FrameError as e:
-                    send_frame(conn, result(error="bad frame: %s" % e, exit_code=None))
+                    conn.sendall(_encode(result(error="bad frame: %s" % e, exit_code=None)))
                     return
                 except ConnectionResetError:
                     # A Unix socket closed with unread data resets its peer: our last reply was
@@ -316,7 +317,7 @@ class ToolServer:
                     return
                 sent = self._tl.reported
                 try:
-                    send_frame(conn, resp)
+                    conn.sendall(_encode(resp))
                 except OSError:
                     self._unread(sent)
                     raise
@@ -358,7 +359,7 @@ class ToolServer:
                 resp = result(error=str(e), exit_code=1)
             except Exception as e:  # a tool bug must never take the server down
                 log("tool_internal_error", tool=tool, error=repr(e), traceback=traceback.format_exc())
-                resp = result(error="internal error in tool %s: %r" % (tool, e))
+                resp = result(error="internal error in tool %s: %s" % (tool, clip(repr(e), MAX_ERROR)))
         resp.setdefault("duration", time.monotonic() - t0)
         if not resp.get("duration"):
             resp["duration"] = time.monotonic() - t0
@@ -424,6 +425,7 @@ class ToolServer:
             "bash_restarts": self.bash.restarts if self.bash else 0,
             "python_restarts": self.python.restarts if self.python else 0,
             "abandoned": self.abandoned, "hardened": self.hardened, "refused_inside": self.refused_inside,
+            "ignored_signals": self.ignored_signals,
         }
         return result(output="pong", exit_code=0, info=info)
 
@@ -538,6 +540,25 @@ class ToolServer:
         return result(output=output, exit_code=0, duration=time.monotonic() - t0, truncated=truncated)
 
 
+def _now_and_then(n: int) -> bool:
+    """Log the 1st, 10th, 100th, ... of something the agent can repeat at will (the count is in
+    ping's info): a line per power of ten, however long it goes on."""
+    while n >= 10 and n % 10 == 0:
+        n //= 10
+    return n == 1
+
+
+def _encode(resp: Dict[str, Any]) -> bytes:
+    """The reply's frame; one over the frame limit becomes an error reply the client can read
+    (dropping the connection would fail the job for what is at most a tool's fault)."""
+    try:
+        return encode(resp)
+    except (FrameError, TypeError, ValueError) as e:
+        log("tool_reply_unsendable", error=repr(e), keys=sorted(map(str, resp)))
+        return encode(result(error="the tool's reply could not be sent: %s" % clip(str(e), MAX_ERROR),
+                             id=resp.get("id") if isinstance(resp.get("id"), (int, str)) else None))
+
+
 def _grade_home_parent() -> Optional[str]:
     """Where the grader's fresh HOME is made: /tmp, given back its mode first. The agent (our uid)
     owns /tmp and may have made it read-only (`chmod 555 /tmp`); after the purge no agent process
@@ -562,7 +583,12 @@ def main(argv=None) -> int:
     ns = parser.parse_args(argv)
     with open(ns.config, "r", encoding="utf-8") as f:
         cfg = json.load(f)
+    from . import toollog
+
+    # First, before any thread: every later write to stderr (the host's log file) is capped.
+    toollog.install(int(cfg.get("log_max_bytes") or toollog.MAX_BYTES), int(cfg.get("log_max_line") or toollog.MAX_LINE))
+    server = ToolServer(cfg)
     # PYTHONPATH only exists to find this package; keep it out of the agent's sessions.
     os.environ.pop("PYTHONPATH", None)
-    ToolServer(cfg).serve_forever()
+    server.serve_forever()
     return 0

@@ -148,6 +148,80 @@ def test_editor_lists_a_bounded_number_of_entries_per_directory(bwrap_rt):
     assert r.error is None and "not listed" in r.output, r.output[-300:]
 
 
+def test_signal_flood_does_not_grow_the_host_log(bwrap_rt):
+    """`kill -INT 1` in a loop: the tool server (pid 1) ignores each, and used to log each: the
+    sandbox's host-side log grew without bound (~100 bytes per signal)."""
+    h = bwrap_rt.create("sigflood")
+    c = bwrap_rt.client(h, timeout=30)
+    before = len(_log(h))
+    r = c.call("python", {"code": "import os, signal, time\nend = time.time() + 3\nn = 0\n"
+                                  "while time.time() < end:\n    os.kill(1, signal.SIGINT)\n    os.kill(1, signal.SIGTERM)\n"
+                                  "    n += 2\nprint(n)", "timeout": 30})
+    assert r.error is None and int(r.output.strip()) > 1000, r
+    assert c.call("bash", {"command": "true"}).ok
+    data = _log_ok(h)
+    lines = [json.loads(x) for x in data.splitlines() if x.startswith(b"{")]
+    ignored = [x for x in lines if x.get("event") == "signal_ignored"]
+    assert len(ignored) <= 8, "%d signal_ignored lines (%d bytes of log)" % (len(ignored), len(data) - before)
+    assert ignored and ignored[-1]["count"] >= 1
+
+
+# -- the mechanisms under those tests, on real files and sockets ---------------------------------
+
+def test_capped_log_cuts_long_lines_and_stops_at_its_total(tmp_path):
+    """The cap the tool server puts on its stderr (the sandbox's host-side log): a line over
+    max_line is cut and says so, the rest of that line is dropped; past max_bytes one log_capped
+    line is written and nothing after it."""
+    from rolloutd.sandbox.toolserver.toollog import CappedStream
+
+    path = tmp_path / "log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        s = CappedStream(fd, max_bytes=64 * 1024, max_line=1024)
+        s.write('{"event": "a"}\n')
+        s.write("x" * 5000)  # a line written in pieces, the newline last
+        s.write("Q" * 5000 + "\n")
+        s.write('{"event": "b"}\n')
+        lines = path.read_bytes().split(b"\n")
+        assert lines[0] == b'{"event": "a"}' and lines[2] == b'{"event": "b"}', lines[:3]
+        assert len(lines[1]) + 1 == 1024 and lines[1].endswith(b"[log line cut at 1024 bytes]"), lines[1][-60:]
+        assert b"Q" not in lines[1]
+        for i in range(10000):
+            s.write('{"event": "flood", "n": %d}\n' % i)
+        data = path.read_bytes()
+        assert len(data) <= 64 * 1024, len(data)
+        last = json.loads(data.splitlines()[-1])
+        assert last["event"] == "log_capped" and last["max_bytes"] == 64 * 1024, last
+        s.write('{"event": "late"}\n')
+        assert path.read_bytes() == data and s.dropped > 0
+    finally:
+        os.close(fd)
+
+
+def test_a_reply_over_the_frame_limit_becomes_an_error_reply():
+    """The socket protocol both ways is bounded by wire.MAX_FRAME: a reply the tool server cannot
+    send whole becomes an error reply on the same connection (before: the connection was dropped
+    and the client raised ToolTransportError, a failed job)."""
+    from rolloutd.sandbox.toolserver.server import ToolServer, result
+    from rolloutd.sandbox.toolserver.wire import MAX_FRAME, encode, recv_frame
+
+    server = ToolServer({"workdir": "/tmp"})
+    server.tools["huge"] = lambda args, canceller: result(output="x" * (MAX_FRAME + 1), exit_code=0)
+    a, b = socket.socketpair()
+    a.settimeout(30)
+    t = threading.Thread(target=server._serve_conn, args=(b,), daemon=True)
+    t.start()
+    try:
+        a.sendall(encode({"id": 7, "tool": "huge", "args": {}}))
+        r = recv_frame(a)
+        assert r["id"] == 7 and "could not be sent" in r["error"] and str(MAX_FRAME) in r["error"], r
+        a.sendall(encode({"id": 8, "tool": "nope", "args": {}}))
+        assert recv_frame(a)["id"] == 8  # the connection goes on
+    finally:
+        a.close()
+        t.join(10)
+
+
 def test_editor_undo_history_is_bounded_over_all_files(tmp_path, monkeypatch):
     """Edits of many large files: the history keeps the newest edits within HISTORY_BYTES (here
     1 MiB) over all files together; the oldest file's edits are gone and undo says so."""
