@@ -24,7 +24,7 @@ import time
 from typing import Callable, List, Optional, Tuple
 
 from .errors import ToolError
-from .procs import SPAWN_LOCK, _stat_rows, descendants, reap_orphans
+from .procs import SPAWN_LOCK, _stat_rows, descendants, reap_orphans, release_for_child
 
 PR_SET_DUMPABLE = 4
 _SEALED = threading.Event()
@@ -227,10 +227,16 @@ _UNSAFE = False  # the benchmark's baseline (harden)
 
 
 def child_filter() -> Callable[[], None]:
-    """The function a spawner calls in the child before exec."""
+    """The function a spawner calls in the child before exec: the tool server's own limits off
+    (procs.limit_self), then the seccomp filter."""
     global _FILTER
     if _UNSAFE:
-        return lambda: None
+        return release_for_child
     if _FILTER is None:
         _FILTER = _Filter()
-    return _FILTER.install
+    install = _FILTER.install
+
+    def prepare() -> None:
+        release_for_child()
+        install()
+    return prepare

@@ -29,6 +29,44 @@ _LIMIT_NAMES = {
 }
 
 
+# The tool server's own data segment (heap, anonymous mappings, thread stacks): RLIMIT_DATA, set
+# on itself at start (limit_self). Measured need: ~15 MiB idle; ~300 MiB with the relay full (256
+# threads of THREAD_STACK); 64 MiB host frames and 8 MiB editor files on top. The agent cannot
+# raise or lower it (guard.py's seccomp filter keeps prlimit64 off other processes).
+DEFAULT_DATA_MB = 1024
+THREAD_STACK = 1024 * 1024  # Python 3.8 needs ~600 KiB for 1000 nested calls; the default is 8 MiB
+_INHERITED: Dict[int, Tuple[int, int]] = {}  # rlimits as the tool server got them: its children's
+
+
+def limit_self(data_mb: Optional[float] = DEFAULT_DATA_MB) -> Optional[int]:
+    """Bound the tool server's own memory: its soft RLIMIT_DATA (the hard one stays, so children
+    get theirs back before exec: release_for_child). Returns the limit in bytes, None if unset."""
+    if resource is None or not data_mb:
+        return None
+    which = resource.RLIMIT_DATA
+    soft, hard = resource.getrlimit(which)
+    want = int(data_mb * 1024 * 1024)
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    if soft != resource.RLIM_INFINITY:
+        want = min(want, soft)
+    try:
+        resource.setrlimit(which, (want, hard))
+    except (OSError, ValueError):
+        return None
+    _INHERITED[which] = (soft, hard)
+    return want
+
+
+def release_for_child() -> None:
+    """In a child before exec: the limits the tool server put on itself are not the agent's."""
+    for which, lim in _INHERITED.items():
+        try:
+            resource.setrlimit(which, lim)
+        except (OSError, ValueError):
+            pass
+
+
 def become_subreaper() -> bool:
     """Orphans (double-forked daemons) re-parent to us, so we can still find and kill them."""
     try:
@@ -41,8 +79,8 @@ def become_subreaper() -> bool:
 def apply_limits(pid: int, limits: Dict[str, Optional[float]]) -> List[str]:
     """Set rlimits on a freshly spawned child (before it runs any user command).
 
-    The tool server itself stays unlimited so that a memory or process limit hit by user
-    code never takes down the server that has to report it.
+    The tool server's own bound (limit_self) is separate and larger, so a memory or process limit
+    hit by user code never takes down the server that has to report it.
     Returns the names of limits that could not be applied.
     """
     failed = []

@@ -3,8 +3,8 @@
 Config is a JSON file written by the runtime before start (see sandbox/runtime.py):
   socket, workdir, home, shell, python, env, limits, apply_nproc, max_output,
   default_timeout, max_timeout, interrupt_grace, deadline (epoch s or null), ready_fd,
-  sandbox_id, job_id; optional, with the defaults of toollog.py: log_max_bytes, log_max_line
-  (the caps of its host-side log)
+  sandbox_id, job_id; optional, with the defaults of procs.py and toollog.py: server_data_mb
+  (the tool server's own RLIMIT_DATA), log_max_bytes, log_max_line (its host-side log's caps)
 """
 from __future__ import annotations
 
@@ -72,6 +72,7 @@ class ToolServer:
         self.ignored_signals = 0  # INT/TERM from inside (pid 1 ignores them)
         self._tl = threading.local()  # per connection thread: the restart notes of its last reply
         self.hardened = False
+        self.data_limit: Optional[int] = None  # bytes of its own RLIMIT_DATA (main: procs.limit_self)
 
     def _load_tools(self) -> None:
         from . import editor, procs
@@ -139,7 +140,7 @@ class ToolServer:
                 os.close(int(ready_fd))
             except OSError:
                 pass
-        log("toolserver_ready", socket=path, sandbox_id=self.cfg.get("sandbox_id"),
+        log("toolserver_ready", socket=path, sandbox_id=self.cfg.get("sandbox_id"), data_limit=self.data_limit,
             startup_ms=round((time.time() - self.started) * 1000, 1))
         while True:  # the threads serve; shutdown() ends the process
             time.sleep(3600)
@@ -425,7 +426,7 @@ class ToolServer:
             "bash_restarts": self.bash.restarts if self.bash else 0,
             "python_restarts": self.python.restarts if self.python else 0,
             "abandoned": self.abandoned, "hardened": self.hardened, "refused_inside": self.refused_inside,
-            "ignored_signals": self.ignored_signals,
+            "data_limit": self.data_limit, "ignored_signals": self.ignored_signals,
         }
         return result(output="pong", exit_code=0, info=info)
 
@@ -583,11 +584,14 @@ def main(argv=None) -> int:
     ns = parser.parse_args(argv)
     with open(ns.config, "r", encoding="utf-8") as f:
         cfg = json.load(f)
-    from . import toollog
+    from . import procs, toollog
 
-    # First, before any thread: every later write to stderr (the host's log file) is capped.
+    # First, before any thread: every later write to stderr (the host's log file) is capped, and
+    # every thread gets a small stack (they count in RLIMIT_DATA).
     toollog.install(int(cfg.get("log_max_bytes") or toollog.MAX_BYTES), int(cfg.get("log_max_line") or toollog.MAX_LINE))
+    threading.stack_size(procs.THREAD_STACK)
     server = ToolServer(cfg)
+    server.data_limit = procs.limit_self(cfg.get("server_data_mb", procs.DEFAULT_DATA_MB))
     # PYTHONPATH only exists to find this package; keep it out of the agent's sessions.
     os.environ.pop("PYTHONPATH", None)
     server.serve_forever()

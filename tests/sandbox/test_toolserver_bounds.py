@@ -166,6 +166,66 @@ def test_signal_flood_does_not_grow_the_host_log(bwrap_rt):
     assert ignored and ignored[-1]["count"] >= 1
 
 
+def _sink(path: str):
+    """A Unix socket endpoint that accepts and never reads (the LLM endpoint, stalled)."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    os.chmod(path, 0o666)  # the sandbox's uid (nobody, when the tests run as root) connects
+    srv.listen(512)
+    held = []
+
+    def loop():
+        while True:
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=loop, daemon=True).start()
+    return srv, held
+
+
+def test_tool_server_memory_is_bounded_and_its_children_do_not_inherit_the_bound(bwrap_rt):
+    """The tool server limits its own data segment (RLIMIT_DATA) and keeps under it with the
+    relay full (128 connections pushing into an endpoint that never reads: 256 relay threads)
+    and fd 254 of the shell flooded; the host's calls still work. The agent's processes get
+    their own limits, not the tool server's."""
+    h = bwrap_rt.create("tsmem")
+    c = bwrap_rt.client(h, timeout=60)
+    ts = h.pids[1]
+    limit = _data_limit(ts)
+    assert limit is not None and limit <= DATA_LIMIT, limit
+    r = c.call("bash", {"command": "grep 'Max data size' /proc/self/limits; "
+                                   "python3 -c \"print(open('/proc/self/limits').read())\" | grep 'Max data size'"})
+    assert r.output.count("unlimited") == 4, r.output  # soft and hard, for bash and for its child
+    srv, held = _sink(str(Path(h.sandbox_dir) / "run" / "llm.sock"))
+    try:
+        r = c.call("relay", {"socket": "/run/rolloutd/llm.sock"})
+        assert r.error is None, r
+        port = int(r.output.rsplit(":", 1)[1])
+        flood = ("import socket, threading\nsocks = []\n"
+                 "for _ in range(160):\n"
+                 "    try:\n"
+                 "        s = socket.create_connection(('127.0.0.1', %d)); s.setblocking(False); socks.append(s)\n"
+                 "    except OSError:\n        pass  # past the relay's bound: reset\n"
+                 "for s in socks:\n"
+                 "    try:\n        s.send(b'x' * (4 << 20))\n    except OSError:\n        pass\n"
+                 "print(len(socks))" % port)
+        r = c.call("python", {"code": flood, "timeout": 60})
+        assert r.error is None and int(r.output.strip()) >= 128, r
+        wait_for(lambda: len(held) >= 128, 30, what="128 relayed connections at the endpoint")
+        # fd 254 of the shell: 64 MiB of junk without the call's report in it, then the call ends.
+        r = c.call("bash", {"command": "head -c 67108864 /dev/zero | tr '\\0' x >&254; echo done", "timeout": 60})
+        assert r.output.strip() == "done", r
+        st = _status(ts)
+        assert st["VmData"] < limit and st["VmHWM"] < RSS_BOUND, st
+        assert c.call("ping").ok and c.call("bash", {"command": "true"}).ok
+    finally:
+        srv.close()
+        for s in held:
+            s.close()
+
+
 # -- the mechanisms under those tests, on real files and sockets ---------------------------------
 
 def test_capped_log_cuts_long_lines_and_stops_at_its_total(tmp_path):
