@@ -26,7 +26,14 @@ class ToolTransportError(SandboxError, ConnectionError):
 
     This is an infrastructure failure (the sandbox is gone or wedged), never something to
     show the agent as a tool observation.
+
+    ``agent_caused``: True on the subclasses whose cause is something the agent did inside its
+    sandbox (it must cost the agent reward 0, not drop the job: RELIABILITY.md); False here.
+    What the agent does to a tool (a flooded Python reply pipe, a FIFO for the editor) is a tool
+    error in the reply instead, never a ToolTransportError.
     """
+
+    agent_caused = False
 
 
 class DiskQuotaExceeded(ToolTransportError):
@@ -35,3 +42,5 @@ class DiskQuotaExceeded(ToolTransportError):
     A ToolTransportError (the sandbox is gone), named for the cause so the job's
     error.type says why.
     """
+
+    agent_caused = True
