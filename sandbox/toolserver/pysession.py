@@ -60,6 +60,10 @@ class _FrameReader:
             return None
         body = bytes(self.buf[HEADER.size: HEADER.size + n])
         del self.buf[: HEADER.size + n]
+        if body.count(b"{") + body.count(b"[") > 1:
+            # Replies are flat objects. Nesting is what a parser recurses into: on Python >= 3.12
+            # the C recursion limit (up to 10,000) can outlast a thread's 1 MiB stack.
+            raise NotAReply("a frame with nested JSON")
         try:
             reply = json.loads(body.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError):

@@ -92,13 +92,14 @@ def test_python_reply_pipe_flood_is_a_tool_error_not_a_dropped_job(bwrap_rt):
 
 
 def test_python_reply_pipe_garbage_and_forged_replies_restart_the_session(bwrap_rt):
-    """Small frames too: a frame that is not UTF-8 JSON, a JSON list, and a reply whose
-    exit_code is not an integer (host code compares it with 0) each restart the session with a
-    tool error. Before: a UnicodeDecodeError / AttributeError surfaced as 'internal error' and a
+    """Small frames too: a frame that is not UTF-8 JSON, a JSON list, a reply whose exit_code is
+    not an integer (host code compares it with 0) and one nested 20,000 deep (a parser's
+    recursion) each restart the session with a tool error. Before: a UnicodeDecodeError / AttributeError surfaced as 'internal error' and a
     string exit_code reached the host."""
     h = bwrap_rt.create("pygarbage")
     c = bwrap_rt.client(h, timeout=30)
-    for body in (b"\xff" * 100, b"[1, 2]", b'{"status": "ok", "exit_code": "' + b"A" * 5000 + b'"}'):
+    deep = b'{"status": "ok", "exit_code": 0, "x": ' + b"[" * 20000 + b"]" * 20000 + b"}"
+    for body in (b"\xff" * 100, b"[1, 2]", b'{"status": "ok", "exit_code": "' + b"A" * 5000 + b'"}', deep):
         code = ("import os, struct\nargs = [a for a in open('/proc/self/cmdline', 'rb').read().split(b'\\0') if a]\n"
                 "os.write(int(args[-1]), struct.pack('!I', %d) + %r)\nimport time; time.sleep(5)" % (len(body), body))
         r = c.call("python", {"code": code})
