@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict
 
 from .cancel import Canceller
 from .errors import ArgError
+from .files import open_regular
 
 DEFAULT_TAIL = 16 * 1024
 MAX_TAIL = 1024 * 1024
@@ -114,7 +115,8 @@ def run_agent(a: Dict[str, Any], base_env: Dict[str, str], default_cwd: str, lim
     env.update(a["env"])
     cwd = a["cwd"] or default_cwd
     tail = TailBuffer(a["tail"])
-    log_f = open(a["log"], "ab") if a["log"] else None
+    # Not blocking, regular only: the agent may have left a FIFO there (files.py).
+    log_f = os.fdopen(open_regular(a["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab") if a["log"] else None
     t0 = time.monotonic()
     try:
         with SPAWN_LOCK:  # registered in MANAGED before the orphan reaper can see it

@@ -5,13 +5,12 @@ Every failure is an EditorError whose message is meant for the agent to read.
 """
 from __future__ import annotations
 
-import errno
 import os
-import stat
 import sys
 from typing import Dict, List, Optional, Tuple
 
 from .errors import ToolError
+from .files import open_regular
 
 SNIPPET_CONTEXT = 4
 HISTORY_DEPTH = 20
@@ -21,7 +20,6 @@ HISTORY_BYTES = 64 * 1024 * 1024
 # Directory entries one listing reads, over all its directories (a directory of millions of
 # files would otherwise be read, sorted and joined in the tool server).
 MAX_LIST_ENTRIES = 10000
-_OPEN = os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
 
 
 class EditorError(ToolError):
@@ -121,30 +119,12 @@ class Editor:
         return handlers[command](path, args)
 
     # -- helpers ---------------------------------------------------------------------
-    @staticmethod
-    def _open_regular(path: str, flags: int) -> int:
-        """Open without blocking and only a regular file: a FIFO the agent left where a file was
-        expected would block the tool (or feed it without end), /dev/zero never ends."""
-        try:
-            fd = os.open(path, flags | _OPEN, 0o666)
-        except OSError as e:
-            if e.errno == errno.ENXIO:  # opened for writing: a FIFO with no reader
-                raise EditorError("%s is not a regular file (a FIFO); use bash" % path) from None
-            raise
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            if stat.S_ISDIR(st.st_mode):
-                raise EditorError("%s is a directory" % path)
-            raise EditorError("%s is not a regular file (a FIFO, a device or a socket); use bash" % path)
-        return fd
-
     def _read(self, path: str) -> str:
         if not os.path.exists(path):
             raise EditorError("%s does not exist" % path)
         if os.path.isdir(path):
             raise EditorError("%s is a directory" % path)
-        fd = self._open_regular(path, os.O_RDONLY)
+        fd = open_regular(path, os.O_RDONLY)
         with os.fdopen(fd, "rb") as f:
             data = f.read(MAX_FILE_BYTES + 1)  # the file may grow after any size check
         if len(data) > MAX_FILE_BYTES:
@@ -158,7 +138,7 @@ class Editor:
             raise EditorError("%s is not UTF-8 text" % path) from None
 
     def _write(self, path: str, text: str) -> None:
-        fd = self._open_regular(path, os.O_WRONLY | os.O_CREAT)
+        fd = open_regular(path, os.O_WRONLY | os.O_CREAT)
         os.ftruncate(fd, 0)  # only now: the type is known
         with open(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)

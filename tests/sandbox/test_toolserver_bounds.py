@@ -136,6 +136,22 @@ def test_editor_refuses_fifos_and_devices_and_reads_no_more_than_its_bound(bwrap
     assert c.call("editor", {"command": "view", "path": "/workspace"}).error is None
 
 
+def test_an_agent_log_path_that_is_a_fifo_is_an_error_not_a_hang(bwrap_rt):
+    """The agent tool's `log` (the whole output of a harness agent) at a path the agent made a
+    FIFO. Before: open() blocked with no reader, the call never answered (ToolTransportError)."""
+    h = bwrap_rt.create("agentlog")
+    c = bwrap_rt.client(h, timeout=30)
+    assert c.call("bash", {"command": "mkfifo /workspace/agent.log && echo ok"}).output.strip() == "ok"
+    try:
+        r = c.call("agent", {"argv": ["echo", "hi"], "timeout": 5, "log": "/workspace/agent.log"}, timeout=10)
+    except ToolTransportError as e:
+        raise AssertionError("the agent tool hung on the FIFO: %s" % e)
+    assert r.error and "not a regular file" in r.error, r
+    r = c.call("agent", {"argv": ["echo", "hi"], "timeout": 5, "log": "/workspace/real.log"}, timeout=10)
+    assert r.exit_code == 0 and r.output.strip() == "hi", r
+    assert c.call("bash", {"command": "cat /workspace/real.log"}).output.strip() == "hi"
+
+
 def test_editor_lists_a_bounded_number_of_entries_per_directory(bwrap_rt):
     """50,000 files in one directory: the listing stops at its bound and says so (before: every
     name was read, sorted and joined in the tool server)."""
