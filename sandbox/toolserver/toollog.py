@@ -25,6 +25,8 @@ class CappedStream:
     """A text stream over a file descriptor that never writes more than ``max_bytes`` in all
     nor a line longer than ``max_line`` bytes (newline included)."""
 
+    encoding, errors = "utf-8", "replace"  # what code that inspects sys.stderr may read
+
     def __init__(self, fd: int, max_bytes: int = MAX_BYTES, max_line: int = MAX_LINE) -> None:
         if max_line < 256 or max_bytes < 4 * max_line:
             raise ValueError("log caps too small: max_line >= 256, max_bytes >= 4 * max_line")
