@@ -304,6 +304,11 @@ class ToolServer:
                 except FrameError as e:
                     conn.sendall(_encode(result(error="bad frame: %s" % e, exit_code=None)))
                     return
+                except MemoryError:  # a request too big to decode within the server's own bound
+                    log("tool_request_over_memory_bound", data_limit=self.data_limit)
+                    conn.sendall(_encode(result(error="the request did not fit in the tool server's memory "
+                                                      "bound (%s bytes of data)" % self.data_limit)))
+                    return
                 except ConnectionResetError:
                     # A Unix socket closed with unread data resets its peer: our last reply was
                     # never read, so its restart notes go to the next one (Session.defer).

@@ -317,3 +317,43 @@ def test_editor_undo_history_is_bounded_over_all_files(tmp_path, monkeypatch):
         raise AssertionError("the oldest file's edit was kept past the bound")
     except editor.EditorError as e:
         assert "no edit history" in str(e) and "MiB in all" in str(e)
+
+
+def test_past_its_memory_bound_the_tool_server_answers_and_stays_up(tmp_path):
+    """The tool server started as the runtimes start it, with server_data_mb = 160: a 60 MiB
+    request (a frame within the 64 MiB limit, whose decoding needs more than 160 MiB) gets an
+    error reply, and the server answers the next connection. No sandbox: the bound is the tool
+    server's own (the local runtime's way of running it, bash in a scratch dir)."""
+    import subprocess
+    import sys
+
+    from rolloutd.sandbox import ToolClient
+    from rolloutd.sandbox.toolserver.wire import encode, recv_frame
+
+    sock = str(tmp_path / "t.sock")
+    cfg = {"socket": sock, "workdir": str(tmp_path), "home": str(tmp_path / "home"), "server_data_mb": 160,
+           "env": {}, "limits": {}}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "rolloutd.sandbox.toolserver", "--config", str(tmp_path / "cfg.json")],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: os.path.exists(sock), 20, what="the tool server's socket")
+        with ToolClient(sock, timeout=20) as c:
+            assert c.ping().info["data_limit"] == 160 * MiB
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(60)
+        try:
+            s.connect(sock)
+            s.sendall(encode({"id": 1, "tool": "bash", "args": {"command": "#" + "\u00e9" * (30 * MiB)}}))
+            r = recv_frame(s)
+        finally:
+            s.close()
+        assert r is not None, "no reply: the connection was dropped"
+        assert r["error"] and "memory bound" in r["error"], {k: str(v)[:200] for k, v in r.items()}
+        with ToolClient(sock, timeout=20) as c:
+            assert c.ping().ok and c.call("bash", {"command": "echo up"}).output == "up\n"
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        proc.stderr.close()
