@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -103,9 +104,12 @@ def main() -> None:
     ns = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rldm", dir="/tmp"))
     os.chmod(root, 0o755)
-    measure("ours", root, None, ns.flood_mb)
-    if ns.ref_toolserver:
-        measure("ref", root, ns.ref_toolserver, ns.flood_mb)
+    try:
+        measure("ours", root, None, ns.flood_mb)
+        if ns.ref_toolserver:
+            measure("ref", root, ns.ref_toolserver, ns.flood_mb)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
