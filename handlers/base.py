@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import time
 from typing import Any, Callable
 
@@ -44,23 +45,18 @@ class AgentFault(Exception):
 
 
 def check_reward(value: Any, what: str = "reward") -> float:
-    """``value`` as a float, or InvalidReward if it is not a finite number within +-REWARD_BOUND."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        try:
-            import numpy as np
-
-            ok = isinstance(value, (np.integer, np.floating))
-        except ImportError:  # pragma: no cover - numpy is a dependency
-            ok = False
-        if not ok:
-            raise InvalidReward(f"{what} must be a number, got {type(value).__name__}")
+    """``value`` as a float, or InvalidReward if it is not a real number (bool and numpy scalars
+    count), finite and within +-REWARD_BOUND."""
+    if not isinstance(value, numbers.Real):
+        raise InvalidReward(f"{what} must be a number, got {type(value).__name__}")
     try:
         r = float(value)
     except OverflowError:  # an int past float's range
-        raise InvalidReward(f"{what} {value!r:.40} is outside [-{REWARD_BOUND:g}, {REWARD_BOUND:g}]") from None
-    if not math.isfinite(r) or abs(r) > REWARD_BOUND:
-        raise InvalidReward(f"{what} {r!r} is {'not finite' if not math.isfinite(r) else 'outside'}"
-                            f"{'' if not math.isfinite(r) else f' [-{REWARD_BOUND:g}, {REWARD_BOUND:g}]'}")
+        r = math.inf if value > 0 else -math.inf
+    if not math.isfinite(r):
+        raise InvalidReward(f"{what} {r!r} is not finite")
+    if abs(r) > REWARD_BOUND:
+        raise InvalidReward(f"{what} {r!r} is outside [-{REWARD_BOUND:g}, {REWARD_BOUND:g}]")
     return r
 
 
