@@ -11,7 +11,8 @@ Instance (every key is checked; unknown keys are an error)::
       "setup": {"domain": "swe", "instance": {"task_id": "..."},   # an existing task domain, or
                 "files": {"README.md": "..."}, "repository": "<name>", "image": "/path/rootfs"},
       "limits": {"max_llm_calls": 30, "max_context": 16384, "max_tokens": 1024, "wall_s": 600},
-      "eval": {"command": ["python3", "-m", "pytest", "-q"], "timeout_s": 120, "reward": "exit_code"}
+      "eval": {"pytest": ["tests"], "timeout_s": 120, "files": {...}, "restore": ["tests"]}
+              # or {"command": [...], "reward": "exit_code" | "stdout"} (no pytest hardening: warned)
               # or {"scorer": "swe" | "math" | "code"} (default: the setup's domain)
       "tokenizer": "...", "parser": "hermes", "cwd": "/workspace", "task_tag": true
     }
@@ -22,8 +23,10 @@ and mounts the agent virtual environment (``[handlers.harness] agent_venv`` or
 endpoint (rolloutd.llm.openai_endpoint) on a Unix socket in the sandbox's run directory, which
 the run daemon's LLM lease serves; the tool server's ``relay`` makes it ``127.0.0.1:<port>``
 inside the sandbox, and its ``agent`` tool runs the command with ``OPENAI_BASE_URL`` /
-``OPENAI_API_KEY`` set, to its end or its wall budget. eval runs the command (reward 1 when it
-exits 0, or the float on its last stdout line) or the domain's scorer.
+``OPENAI_API_KEY`` set, to its end or its wall budget. eval writes ``eval.files`` and restores
+``eval.restore`` after the purge, then runs pytest with the shared hardening (reward 1 when every
+test passed), the command (reward 1 when it exits 0, or the finite number on its last stdout line)
+or the domain's scorer (docs/HARNESS.md, "Grading").
 
 Host paths never come from a request: the venv and the named repositories come from the
 handler's config (``agent_venv``, ``repositories = {name = "/path"}``).
@@ -92,7 +95,10 @@ def _env(v: Any, what: str) -> dict[str, str]:
 
 
 def _number(v: Any, cast, what: str):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (cast is int and int(v) != v):
+    import math
+
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+            or (cast is int and int(v) != v)):
         _fail(f"{what} must be a positive {'integer' if cast is int else 'number'}, got {v!r}")
     return cast(v)
 
@@ -191,7 +197,7 @@ def validate(instance: Any, config: dict) -> dict:
     ev = instance.get("eval")
     if ev is None:
         if domain is None:
-            _fail("'eval' is required without setup.domain: {\"command\": [...]} or {\"scorer\": ...}")
+            _fail("'eval' is required without setup.domain: {\"pytest\": [...]}, {\"command\": [...]} or {\"scorer\": ...}")
         ev = {"scorer": domain}
     if not isinstance(ev, dict):
         _fail("'eval' must be an object")
@@ -278,6 +284,12 @@ def _in_files(rel: str, files: dict) -> bool:
     return any(k == rel or k.startswith(rel + "/") for k in (f.strip("/") for f in files))
 
 
+# pytest options whose value is the next argument (not a path to restore)
+VALUE_OPTIONS = {"-k", "-m", "-p", "-o", "-c", "-W", "-r", "--tb", "--maxfail", "--durations", "--deselect", "--ignore",
+                 "--ignore-glob", "--rootdir", "--confcutdir", "--basetemp", "--junitxml", "--log-level", "--import-mode",
+                 "--capture", "--color", "--override-ini", "--pythonwarnings", "--config-file"}
+
+
 def default_restore(args: list[str], setup: dict, written: dict) -> list[str]:
     """``eval.pytest``'s default ``eval.restore``: the tree of each path argument (before ``::``),
     whole: a directory, or for a file the directory holding it (its ``__init__.py``, conftest.py and
@@ -286,8 +298,8 @@ def default_restore(args: list[str], setup: dict, written: dict) -> list[str]:
     from rolloutd.handlers.pytest_grader import check_rel
 
     out: list[str] = []
-    for a in args:
-        if a.startswith("-"):
+    for i, a in enumerate(args):
+        if a.startswith("-") or (i and args[i - 1] in VALUE_OPTIONS):
             continue
         try:
             rel = check_rel(a.split("::", 1)[0])

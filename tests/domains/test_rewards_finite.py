@@ -90,3 +90,11 @@ def test_check_reward_messages():
         check_reward(float("nan"))
     with pytest.raises(InvalidReward, match="outside"):
         check_reward(2e6)
+
+
+def test_a_synthetic_reward_past_the_bound_fails_its_job():
+    from rolloutd.handlers.synthetic import SyntheticHandler
+
+    r = asyncio.run(run_local(SyntheticHandler(), {"reward": 1e308}))
+    assert r["status"] == "failed" and r["error"]["type"] == "InvalidReward", r
+    assert asyncio.run(run_local(SyntheticHandler(), {"reward": 0.75}))["reward"] == 0.75

@@ -249,3 +249,14 @@ def test_harness_stdout_reward_is_never_non_finite_or_out_of_range(bwrap_rt, pri
     ctx.trajectory["eval_details"].clear()
     asyncio.run(handler.eval(ctx))
     assert ctx.trajectory["reward"] == 0.25 and "reason" not in ctx.trajectory["eval_details"], ctx.trajectory
+
+
+@pytest.mark.parametrize("calc, why", [("import os\nos.kill(os.getpid(), 9)\n", "killed by signal 9"),
+                                       ("import time\ntime.sleep(60)\n", "ran out of time")])
+def test_harness_a_grader_the_agents_code_kills_or_stalls_is_reward_zero_with_a_reason(bwrap_rt, calc, why):
+    inst = dict(DOC_INSTANCE, eval={"pytest": ["tests"], "timeout_s": 5})
+    handler, ctx, h, c = _harness(bwrap_rt, inst)
+    _as_agent(c, f"printf '{calc.encode('unicode_escape').decode()}' > calc.py")
+    asyncio.run(handler.eval(ctx))
+    t = ctx.trajectory
+    assert t["status"] == "ok" and t["reward"] == 0.0 and why in t["eval_details"]["reason"], t["eval_details"]
