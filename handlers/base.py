@@ -9,6 +9,7 @@ worker thread so they cannot stall other jobs).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
@@ -368,51 +369,43 @@ class AgentHandler:
         return traj
 
 
-def _phase_guard(fn, phase: str):
-    """``run``/``eval`` of a handler class: the outermost call (not a subclass's ``super()``) turns
-    an agent's fault into a score of 0; an eval after one is skipped."""
-    import inspect
-
-    def enter(ctx) -> bool:
-        outer = not getattr(ctx, "_rolloutd_in_phase", False)
-        ctx._rolloutd_in_phase = True
-        return outer
-
-    def caught(ctx, e: Exception, outer: bool) -> bool:
+@contextlib.contextmanager
+def _fault_scope(ctx: JobContext, phase: str):
+    """Around a phase: in the outermost call (not a subclass's ``super()``), an agent's fault
+    becomes a score of 0 (JobContext.agent_fault); anything else goes on up."""
+    outer = not getattr(ctx, "_rolloutd_in_phase", False)
+    ctx._rolloutd_in_phase = True
+    try:
+        yield
+    except Exception as e:
         reason = agent_fault_reason(e) if outer else None
         if reason is None:
-            return False
+            raise
         ctx.agent_fault(phase, reason, e)
-        return True
+    finally:
+        if outer:
+            ctx._rolloutd_in_phase = False
+
+
+def _phase_guard(fn, phase: str):
+    """``run``/``eval`` of a handler class under _fault_scope; an eval after a fault is skipped."""
+    import inspect
+
+    def skip(ctx) -> bool:
+        return phase == "eval" and ctx.state.get("agent_fault") is not None
 
     if inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)
         async def guarded(self, ctx):
-            if phase == "eval" and ctx.state.get("agent_fault") is not None:
-                return None
-            outer = enter(ctx)
-            try:
-                return await fn(self, ctx)
-            except Exception as e:
-                if not caught(ctx, e, outer):
-                    raise
-            finally:
-                if outer:
-                    ctx._rolloutd_in_phase = False
+            if not skip(ctx):
+                with _fault_scope(ctx, phase):
+                    return await fn(self, ctx)
     else:
         @functools.wraps(fn)
         def guarded(self, ctx):
-            if phase == "eval" and ctx.state.get("agent_fault") is not None:
-                return None
-            outer = enter(ctx)
-            try:
-                return fn(self, ctx)
-            except Exception as e:
-                if not caught(ctx, e, outer):
-                    raise
-            finally:
-                if outer:
-                    ctx._rolloutd_in_phase = False
+            if not skip(ctx):
+                with _fault_scope(ctx, phase):
+                    return fn(self, ctx)
     guarded._rolloutd_checked = True
     return guarded
 

@@ -663,6 +663,9 @@ class HarnessHandler(AgentHandler):
         if prepared is None:
             return 0.0, details
         details.update(prepared)
+        if not ev["restore"] and not ev["files"]:  # eval.restore = [], or a setup.domain (no setup copy)
+            details["eval_warning"] = ("eval.pytest restored and wrote nothing: the tests it ran were the agent's "
+                                       "to change (name eval.files or eval.restore)")
         inside = workspace_inside(ctx.sandbox)
         end = f"ROLLOUTD-PYTEST-END-{secrets.token_hex(16)}"
         argv = pytest_grader.argv(ev["pytest"], rootdir=inside, config=prepared["pytest_config"])

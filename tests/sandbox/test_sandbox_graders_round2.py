@@ -21,25 +21,8 @@ from rolloutd.handlers.base import JobContext, Services
 
 
 # -- swe ---------------------------------------------------------------------------------------------
-def _swe(bwrap_rt):
-    """A swe sandbox of the first task (boltons, tests/test_strutils.py), its repository copied in."""
-    from rolloutd.handlers.swe import SWEHandler
-    from rolloutd.handlers.swe_tasks import DownloadError, build_task, get_task, task_ids
-
-    task_id = sorted(task_ids())[0]
-    try:
-        build_task(task_id)
-    except DownloadError as e:  # only a cold cache with no package index
-        pytest.skip(f"swe task sdist not cached and the package index cannot be reached: {e}")
-    handler = SWEHandler()
-    ctx = JobContext(Job(job_id=1, attempt=1, handler="swe", instance={"task_id": task_id}, sandbox=None),
-                     Services(lambda: bwrap_rt.rt))
-    ctx.phase = "eval"
-    handler.setup_task(ctx)
-    h = bwrap_rt.create("swe", handler.sandbox_spec(ctx))
-    ctx.job.sandbox = h.to_dict()
-    handler.prepare_sandbox(ctx)
-    return handler, ctx, h, bwrap_rt.client(h, timeout=60), get_task(task_id)
+# A swe sandbox of the first task (boltons, tests/test_strutils.py), its repository copied in.
+from tests.sandbox.test_sandbox_redteam_swe import FORCE_PASS, _swe  # noqa: E402
 
 
 # Imported by pytest as the tests package (rootdir-based import) before any test runs: every report
@@ -114,15 +97,6 @@ DOC_INSTANCE = {"command": ["my-agent", "--task-file", "{task_file}"], "task_via
                 "setup": {"files": {"calc.py": CALC_WRONG, "tests/test_calc.py": TESTS}},
                 "eval": {"pytest": ["tests"], "timeout_s": 120}}
 
-FORCE_PASS = '''
-import pytest
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    rep = outcome.get_result()
-    rep.outcome, rep.longrepr = "passed", None
-'''
 FAKE_PYTEST = "import sys\nprint('1 passed')\nsys.exit(0)\n"
 
 # Each was reward 1 with a wrong calc.py against the documented eval.command example.
@@ -260,3 +234,11 @@ def test_harness_a_grader_the_agents_code_kills_or_stalls_is_reward_zero_with_a_
     asyncio.run(handler.eval(ctx))
     t = ctx.trajectory
     assert t["status"] == "ok" and t["reward"] == 0.0 and why in t["eval_details"]["reason"], t["eval_details"]
+
+
+def test_harness_pytest_that_restores_nothing_warns(bwrap_rt):
+    inst = dict(DOC_INSTANCE, eval={"pytest": ["tests"], "restore": [], "timeout_s": 60})
+    handler, ctx, h, c = _harness(bwrap_rt, inst)
+    asyncio.run(handler.eval(ctx))
+    d = ctx.trajectory["eval_details"]
+    assert ctx.trajectory["reward"] == 0.0 and "restored and wrote nothing" in d["eval_warning"], d
