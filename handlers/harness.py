@@ -157,6 +157,8 @@ def validate(instance: Any, config: dict) -> dict:
     files = setup.get("files", {})
     if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
         _fail("setup.files maps workspace-relative paths to file contents (strings)")
+    for k in files:  # eval copies them back on the host: never a path out of the workspace
+        _rel(k, "setup.files")
     repo = setup.get("repository")
     repos = config.get("repositories") or {}
     if repo is not None:
@@ -593,6 +595,7 @@ class HarnessHandler(AgentHandler):
                 for root, files in ((pristine, h["setup"]["files"]), (written, ev.get("files") or {})):
                     root.mkdir()
                     for rel, text in files.items():
+                        rel = pytest_grader.check_rel(rel)  # validated at init; a host path never escapes tmp
                         (root / rel).parent.mkdir(parents=True, exist_ok=True)
                         (root / rel).write_text(text, encoding="utf-8")
                 repo = h["setup"]["repository"]

@@ -50,3 +50,9 @@ def test_restore_needs_the_setups_files_or_repository():
     with pytest.raises(HarnessInstanceError, match="not from a setup.domain"):
         validate(inst, {})
     assert ev(pytest=["tests"], pytest_config="tests/pytest.ini")["pytest_config"] == "tests/pytest.ini"
+
+
+@pytest.mark.parametrize("key", ["../escape.py", "/etc/passwd", "a/../../b"])
+def test_setup_files_never_name_a_path_outside_the_workspace(key):
+    with pytest.raises(HarnessInstanceError, match="setup.files"):
+        validate(dict(BASE, setup={"files": {key: "x"}}, eval={"pytest": ["tests"]}), {})
