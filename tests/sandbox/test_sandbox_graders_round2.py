@@ -124,10 +124,10 @@ class _Runtime:
         return self.t.create(job_id, spec)
 
 
-def _harness(bwrap_rt, instance):
+def _harness(bwrap_rt, instance, config=None):
     from rolloutd.handlers.harness import HarnessHandler
 
-    handler = HarnessHandler({})
+    handler = HarnessHandler(config or {})
     ctx = JobContext(Job(job_id=7, attempt=1, handler="harness", instance=instance, sandbox=None),
                      Services(lambda: _Runtime(bwrap_rt)))
     ctx.phase = "init"
@@ -242,3 +242,21 @@ def test_harness_pytest_that_restores_nothing_warns(bwrap_rt):
     asyncio.run(handler.eval(ctx))
     d = ctx.trajectory["eval_details"]
     assert ctx.trajectory["reward"] == 0.0 and "restored and wrote nothing" in d["eval_warning"], d
+
+
+def test_harness_pytest_restores_from_a_setup_repository(bwrap_rt, tmp_path):
+    """eval.restore's other source: a repository named in the config, copied back after the purge."""
+    repo = tmp_path / "lib"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "calc.py").write_text(CALC_WRONG)
+    (repo / "tests" / "test_calc.py").write_text(TESTS)
+    inst = {"command": ["agent"], "task": "fix calc", "task_via": "stdin", "setup": {"repository": "lib"},
+            "eval": {"pytest": ["tests/test_calc.py"], "timeout_s": 60}}
+    handler, ctx, h, c = _harness(bwrap_rt, inst, {"repositories": {"lib": str(repo)}})
+    _as_agent(c, ATTACKS["overwritten_test"] + " && " + ATTACKS["tests_init"])
+    asyncio.run(handler.eval(ctx))
+    d = ctx.trajectory["eval_details"]
+    assert ctx.trajectory["reward"] == 0.0 and d["restored"] == ["tests"] and "1 failed" in d["eval_output"], d
+    _as_agent(c, "printf 'def add(a, b):\\n    return a + b\\n' > calc.py")
+    asyncio.run(handler.eval(ctx))
+    assert ctx.trajectory["reward"] == 1.0, ctx.trajectory["eval_details"]
