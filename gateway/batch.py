@@ -58,7 +58,7 @@ from rolloutd.gateway.client import GatewayError, GatewayTimeout, RolloutClient
 __all__ = [
     "Batch", "BatchClient", "collate", "to_torch", "group_by_instance", "group_advantages", "filter_ok",
     "status_counts", "placeholder", "to_message_log", "GatewayError", "GatewayTimeout", "GroupSample",
-    "has_reward_variance", "segments_of", "expand_segments",
+    "has_reward_variance", "segments_of", "expand_segments", "trainable", "reward_of",
 ]
 
 SUBMIT_CHUNK = 1024           # tasks per submit request (keeps requests far below max_request_bytes)
@@ -138,10 +138,28 @@ class GroupSample:
         return [t for g in self.groups for t in g]
 
 
+def trainable(t: dict) -> bool:
+    """A trajectory that counts for training: ``status == "ok"`` and a finite reward. The handlers
+    never send a non-finite one (docs/HANDLERS.md, "Rewards"); one that arrives anyway (a worker
+    from before that rule) counts as failed here, in groups, advantages, batches and the trainer
+    adapters: masked and out of its group, never a NaN in a trainer's tensor."""
+    if t.get("status") != "ok":
+        return False
+    try:
+        return math.isfinite(float(t.get("reward", 0.0)))
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
+def reward_of(t: dict) -> float:
+    """The reward a trainer sees: the trajectory's when ``trainable``, else 0.0."""
+    return float(t.get("reward", 0.0)) if trainable(t) else 0.0
+
+
 def has_reward_variance(group: Sequence[dict]) -> bool:
     """DAPO's filter: at least two ``ok`` members and not all their rewards equal (a group whose
     rewards are all equal has zero GRPO advantage: no gradient)."""
-    r = [float(t.get("reward", 0.0)) for t in group if t.get("status") == "ok"]
+    r = [reward_of(t) for t in group if trainable(t)]
     return len(r) >= 2 and max(r) > min(r)
 
 
@@ -646,8 +664,8 @@ class BatchClient:
 # Pure helpers
 # ---------------------------------------------------------------------------------------
 def filter_ok(trajs: Iterable[dict]) -> list[dict]:
-    """Only the trajectories that count for training (``status == "ok"``)."""
-    return [t for t in trajs if t.get("status") == "ok"]
+    """Only the trajectories that count for training (``status == "ok"``, a finite reward)."""
+    return [t for t in trajs if trainable(t)]
 
 
 def status_counts(trajs: Iterable[dict]) -> dict[str, int]:
@@ -680,13 +698,13 @@ def group_advantages(trajs: Sequence[dict], *, key: str = "instance_id", normali
     # are one sample of the group, counted once in its mean and std and given the same advantage.
     members: dict[Any, dict[Any, list[int]]] = {}
     for i, t in enumerate(trajs):
-        if t.get("status") == "ok":
+        if trainable(t):
             members.setdefault(t[key], {}).setdefault(t.get("job_id", ("row", i)), []).append(i)
     for jobs in members.values():
         if len(jobs) < 2:
             continue
         rows = list(jobs.values())
-        r = np.asarray([float(trajs[idx[0]]["reward"]) for idx in rows], np.float64)
+        r = np.asarray([reward_of(trajs[idx[0]]) for idx in rows], np.float64)
         a = r - r.mean()
         if normalize == "std":
             a = a / (r.std(ddof=1) + eps)
@@ -855,7 +873,7 @@ def collate(trajs: Sequence[dict], *, pad_id: int = 0, prompt_length: int | None
                 raise ValueError(f"trajectory {t.get('job_id')}: response of {len(r)} tokens > response_length {R}")
             r, lm, lp = r[:R], lm[:R], lp[:R]
             truncated[i] = True
-        ok = t.get("status") == "ok"
+        ok = trainable(t)
         status[i] = ok
         plen[i], rlen[i] = len(p), len(r)
         if len(p):
@@ -869,7 +887,7 @@ def collate(trajs: Sequence[dict], *, pad_id: int = 0, prompt_length: int | None
             if ok:
                 loss_mask[i, :len(r)] = (lm > 0)
         if ok:
-            rewards[i] = float(t.get("reward", 0.0))
+            rewards[i] = reward_of(t)
             if len(r):
                 token_rewards[i, len(r) - 1] = rewards[i]
         pv = t.get("policy_version")

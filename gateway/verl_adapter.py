@@ -102,7 +102,7 @@ from typing import Any
 
 import numpy as np
 
-from rolloutd.gateway.batch import BatchClient, segments_of, token_arrays, token_policy_versions
+from rolloutd.gateway.batch import BatchClient, reward_of, segments_of, token_arrays, token_policy_versions, trainable
 
 try:  # the real interface: no stand-ins, the adapter is only ever tested against veRL itself
     from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
@@ -353,7 +353,7 @@ class RolloutdAgentLoop(AgentLoopBase):
         return [self._segment_output(traj, seg, global_steps) for seg in segs]
 
     def _segment_output(self, traj: dict, seg: dict, global_steps) -> AgentLoopOutput:
-        ok = traj.get("status") == "ok"
+        ok = trainable(traj)  # status ok and a finite reward: never a NaN into veRL
         prompt, resp, mask, lps = token_arrays(seg)
         truncated = False
         if self.prompt_length and len(prompt) > int(self.prompt_length):
@@ -410,7 +410,7 @@ class RolloutdAgentLoop(AgentLoopBase):
             response_ids=resp.tolist(),
             response_mask=mask.tolist(),
             response_logprobs=lps.tolist(),
-            reward_score=float(traj.get("reward", 0.0)) if ok else 0.0,
+            reward_score=reward_of(traj),
             num_turns=count_turns(seg),
             metrics=metrics,
             extra_fields=extra,

@@ -9,10 +9,18 @@ worker thread so they cannot stall other jobs).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
+import numbers
 import time
 from typing import Any, Callable
 
 from rolloutd.bus.messages import Job, empty_trajectory
+
+# Every reward that leaves a handler is a finite number within +-REWARD_BOUND (docs/HANDLERS.md,
+# "Rewards"): one NaN makes a whole GRPO group's advantages NaN, and 1e308 overflows its std.
+REWARD_BOUND = 1e6
 
 
 class PhaseTimeout(Exception):
@@ -22,6 +30,50 @@ class PhaseTimeout(Exception):
         super().__init__(f"{phase} exceeded its time limit of {limit_s:.3g}s")
         self.phase = phase
         self.limit_s = limit_s
+
+
+class InvalidReward(ValueError):
+    """A handler's reward is not a finite number within +-REWARD_BOUND: the grader is broken, the
+    job fails (``error.type == "InvalidReward"``)."""
+
+
+class AgentFault(Exception):
+    """Grading cannot run because of what the agent did inside its sandbox (a tree too deep to walk,
+    a workspace it filled or made unreadable, its sandbox stopped for its disk quota). Raised in run
+    or eval, it scores the job reward 0 with ``eval_details.reason`` = the message, never ``failed``:
+    a failed job is dropped from training, so failing would let an agent that will score 0 abstain
+    (docs/RELIABILITY.md, "No abstention")."""
+
+
+def check_reward(value: Any, what: str = "reward") -> float:
+    """``value`` as a float, or InvalidReward if it is not a real number (bool and numpy scalars
+    count), finite and within +-REWARD_BOUND."""
+    if not isinstance(value, numbers.Real):
+        raise InvalidReward(f"{what} must be a number, got {type(value).__name__}")
+    try:
+        r = float(value)
+    except OverflowError:  # an int past float's range
+        r = math.inf if value > 0 else -math.inf
+    if not math.isfinite(r):
+        raise InvalidReward(f"{what} {r!r} is not finite")
+    if abs(r) > REWARD_BOUND:
+        raise InvalidReward(f"{what} {r!r} is outside [-{REWARD_BOUND:g}, {REWARD_BOUND:g}]")
+    return r
+
+
+def agent_fault_reason(exc: BaseException) -> str | None:
+    """Why ``exc`` is the agent's doing (then the job is scored 0 with this reason), or None (then it
+    stays a failure: host, daemon, backend, a handler bug). Only causes the agent alone can produce
+    are listed; anything unknown fails the job (docs/RELIABILITY.md, the table under "No abstention")."""
+    if isinstance(exc, AgentFault):
+        return str(exc)
+    try:
+        from rolloutd.sandbox import DiskQuotaExceeded
+    except ImportError:  # pragma: no cover
+        return None
+    if isinstance(exc, DiskQuotaExceeded):
+        return f"the agent's workspace outgrew its disk quota and the node stopped the sandbox ({exc})"
+    return None
 
 
 class JobContext:
@@ -124,8 +176,20 @@ class JobContext:
         return r
 
     def set_reward(self, reward: float, **details: Any):
-        self.trajectory["reward"] = float(reward)
+        """Score the job. A reward that is not finite or is outside +-REWARD_BOUND raises
+        InvalidReward (the job fails: a handler must turn what the agent printed into a valid
+        reward or 0 itself, as harness's ``reward: "stdout"`` does)."""
+        self.trajectory["reward"] = check_reward(reward)
         self.trajectory["eval_details"].update(details)
+
+    def agent_fault(self, phase: str, reason: str, exc: BaseException | None = None):
+        """Score the job 0 because of what the agent did (AgentFault): status ``ok``, reward 0,
+        ``eval_details.reason``; a later eval of the job is skipped."""
+        self.trajectory.update(status="ok", failed_phase=None, error=None, reward=0.0)
+        self.trajectory["eval_details"].update(reason=reason[:2000], agent_fault={
+            "phase": phase, "type": type(exc).__name__ if exc is not None else "AgentFault"})
+        self.state["agent_fault"] = reason[:2000]
+        self.keep_conversation()
 
     def fail(self, phase: str, exc: BaseException, status: str = "failed"):
         self.trajectory["status"] = status
@@ -265,6 +329,20 @@ class AgentHandler:
     def __init__(self, config: dict | None = None):
         self.config = config or {}
 
+    def __init_subclass__(cls, **kw):
+        # Every handler, custom ones included, goes through these checks whatever it overrides:
+        # an AgentFault (or a cause agent_fault_reason names) raised in run or eval scores the job
+        # 0 instead of failing it, an eval after such a score is skipped, and a final result's
+        # reward is finite and bounded (a handler that wrote NaN into ctx.trajectory fails its job).
+        super().__init_subclass__(**kw)
+        for phase in ("run", "eval"):
+            fn = cls.__dict__.get(phase)
+            if fn is not None and not getattr(fn, "_rolloutd_checked", False):
+                setattr(cls, phase, _phase_guard(fn, phase))
+        fn = cls.__dict__.get("final_result")
+        if fn is not None and not getattr(fn, "_rolloutd_checked", False):
+            cls.final_result = _checked_result(fn)
+
     async def init(self, ctx: JobContext) -> None:
         return None
 
@@ -289,6 +367,70 @@ class AgentHandler:
         traj["timing"] = dict(ctx.job.timing)
         traj["attempts"] = ctx.attempt
         return traj
+
+
+@contextlib.contextmanager
+def _fault_scope(ctx: JobContext, phase: str):
+    """Around a phase: in the outermost call (not a subclass's ``super()``), an agent's fault
+    becomes a score of 0 (JobContext.agent_fault); anything else goes on up."""
+    outer = not getattr(ctx, "_rolloutd_in_phase", False)
+    ctx._rolloutd_in_phase = True
+    try:
+        yield
+    except Exception as e:
+        reason = agent_fault_reason(e) if outer else None
+        if reason is None:
+            raise
+        ctx.agent_fault(phase, reason, e)
+    finally:
+        if outer:
+            ctx._rolloutd_in_phase = False
+
+
+def _phase_guard(fn, phase: str):
+    """``run``/``eval`` of a handler class under _fault_scope; an eval after a fault is skipped."""
+    import inspect
+
+    def skip(ctx) -> bool:
+        return phase == "eval" and ctx.state.get("agent_fault") is not None
+
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def guarded(self, ctx):
+            if not skip(ctx):
+                with _fault_scope(ctx, phase):
+                    return await fn(self, ctx)
+    else:
+        @functools.wraps(fn)
+        def guarded(self, ctx):
+            if not skip(ctx):
+                with _fault_scope(ctx, phase):
+                    return fn(self, ctx)
+    guarded._rolloutd_checked = True
+    return guarded
+
+
+def _checked_result(fn):
+    @functools.wraps(fn)
+    def final_result(self, ctx):
+        traj = fn(self, ctx)
+        if not isinstance(traj, dict):
+            return traj
+        try:
+            traj["reward"] = check_reward(traj.get("reward"))
+        except InvalidReward as e:
+            if traj.get("status") != "ok":
+                traj["reward"] = 0.0  # a failed job's reward is 0 whatever the handler left there
+                return traj
+            ctx.trajectory = traj
+            ctx.fail("eval", e)
+            traj = ctx.trajectory
+        return traj
+    final_result._rolloutd_checked = True
+    return final_result
+
+
+AgentHandler.final_result = _checked_result(AgentHandler.final_result)
 
 
 def _status_of(exc: BaseException) -> str:

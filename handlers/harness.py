@@ -11,7 +11,8 @@ Instance (every key is checked; unknown keys are an error)::
       "setup": {"domain": "swe", "instance": {"task_id": "..."},   # an existing task domain, or
                 "files": {"README.md": "..."}, "repository": "<name>", "image": "/path/rootfs"},
       "limits": {"max_llm_calls": 30, "max_context": 16384, "max_tokens": 1024, "wall_s": 600},
-      "eval": {"command": ["python3", "-m", "pytest", "-q"], "timeout_s": 120, "reward": "exit_code"}
+      "eval": {"pytest": ["tests"], "timeout_s": 120, "files": {...}, "restore": ["tests"]}
+              # or {"command": [...], "reward": "exit_code" | "stdout"} (no pytest hardening: warned)
               # or {"scorer": "swe" | "math" | "code"} (default: the setup's domain)
       "tokenizer": "...", "parser": "hermes", "cwd": "/workspace", "task_tag": true
     }
@@ -22,8 +23,10 @@ and mounts the agent virtual environment (``[handlers.harness] agent_venv`` or
 endpoint (rolloutd.llm.openai_endpoint) on a Unix socket in the sandbox's run directory, which
 the run daemon's LLM lease serves; the tool server's ``relay`` makes it ``127.0.0.1:<port>``
 inside the sandbox, and its ``agent`` tool runs the command with ``OPENAI_BASE_URL`` /
-``OPENAI_API_KEY`` set, to its end or its wall budget. eval runs the command (reward 1 when it
-exits 0, or the float on its last stdout line) or the domain's scorer.
+``OPENAI_API_KEY`` set, to its end or its wall budget. eval writes ``eval.files`` and restores
+``eval.restore`` after the purge, then runs pytest with the shared hardening (reward 1 when every
+test passed), the command (reward 1 when it exits 0, or the finite number on its last stdout line)
+or the domain's scorer (docs/HARNESS.md, "Grading").
 
 Host paths never come from a request: the venv and the named repositories come from the
 handler's config (``agent_venv``, ``repositories = {name = "/path"}``).
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutd.handlers.base import AgentHandler, JobContext, PhaseTimeout
+from rolloutd.handlers.pytest_grader import AGENT_ERRNOS
 from rolloutd.handlers.harness_presets import AGENT_DIR, PRESETS, agent_script_binds, node_bin, record_requests
 
 TOP_KEYS = {"preset", "command", "env", "task_via", "task", "setup", "limits", "eval", "tokenizer", "parser",
@@ -53,12 +57,12 @@ TOP_KEYS = {"preset", "command", "env", "task_via", "task", "setup", "limits", "
 SETUP_KEYS = {"domain", "instance", "files", "repository", "image"}
 LIMIT_KEYS = {"max_llm_calls": int, "max_context": int, "max_tokens": int, "wall_s": float, "memory_mb": int,
               "address_space_mb": int}
-EVAL_KEYS = {"command", "timeout_s", "reward", "scorer"}
+EVAL_KEYS = {"command", "pytest", "scorer", "timeout_s", "reward", "files", "restore", "pytest_config"}
 DOMAINS = ("swe", "math", "code")
 TASK_VIA = ("arg", "file", "stdin")
 TASK_FILE = ".rolloutd_task.md"
 LLM_SOCKET = "llm.sock"
-TAIL_CHARS = 4000
+TAIL_CHARS = 16384  # output_tail and eval_output: the last 16 KiB, as the agent tool's tail_bytes
 
 
 class HarnessInstanceError(ValueError):
@@ -91,7 +95,10 @@ def _env(v: Any, what: str) -> dict[str, str]:
 
 
 def _number(v: Any, cast, what: str):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (cast is int and int(v) != v):
+    import math
+
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+            or (cast is int and int(v) != v)):
         _fail(f"{what} must be a positive {'integer' if cast is int else 'number'}, got {v!r}")
     return cast(v)
 
@@ -150,6 +157,8 @@ def validate(instance: Any, config: dict) -> dict:
     files = setup.get("files", {})
     if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
         _fail("setup.files maps workspace-relative paths to file contents (strings)")
+    for k in files:  # eval copies them back on the host: never a path out of the workspace
+        _rel(k, "setup.files")
     repo = setup.get("repository")
     repos = config.get("repositories") or {}
     if repo is not None:
@@ -190,29 +199,27 @@ def validate(instance: Any, config: dict) -> dict:
     ev = instance.get("eval")
     if ev is None:
         if domain is None:
-            _fail("'eval' is required without setup.domain: {\"command\": [...]} or {\"scorer\": ...}")
+            _fail("'eval' is required without setup.domain: {\"pytest\": [...]}, {\"command\": [...]} or {\"scorer\": ...}")
         ev = {"scorer": domain}
     if not isinstance(ev, dict):
         _fail("'eval' must be an object")
     unknown = set(ev) - EVAL_KEYS
     if unknown:
         _fail(f"unknown eval keys {sorted(unknown)}; allowed: {sorted(EVAL_KEYS)}")
-    if ("command" in ev) == ("scorer" in ev):
-        _fail("'eval' takes exactly one of 'command' and 'scorer'")
+    modes = [k for k in ("command", "pytest", "scorer") if k in ev]
+    if len(modes) != 1:
+        _fail("'eval' takes exactly one of 'command', 'pytest' and 'scorer'")
     if "scorer" in ev:
         if ev["scorer"] not in DOMAINS:
             _fail(f"eval.scorer must be one of {DOMAINS}, got {ev['scorer']!r}")
         if ev["scorer"] != domain:
             _fail(f"eval.scorer {ev['scorer']!r} needs setup.domain {ev['scorer']!r} (its task and answer)")
         if set(ev) - {"scorer"}:
-            _fail("eval.timeout_s and eval.reward go with eval.command")
+            _fail("eval.timeout_s, eval.reward, eval.files, eval.restore and eval.pytest_config go with "
+                  "eval.command or eval.pytest")
         out["eval"] = {"scorer": ev["scorer"]}
     else:
-        reward = ev.get("reward", "exit_code")
-        if reward not in ("exit_code", "stdout"):
-            _fail("eval.reward must be 'exit_code' (1 if the command exits 0) or 'stdout' (its last line, a number)")
-        out["eval"] = {"command": _strs(ev["command"], "eval.command"),
-                       "timeout_s": _number(ev.get("timeout_s", 300.0), float, "eval.timeout_s"), "reward": reward}
+        out["eval"] = _grading(ev, out["setup"])
     for k in ("tokenizer", "parser"):
         if k in instance and not isinstance(instance[k], str):
             _fail(f"'{k}' must be a string")
@@ -224,6 +231,86 @@ def validate(instance: Any, config: dict) -> dict:
                   f"not {out['tokenizer']!r}: a request never gives a host path")
         out["tokenizer"] = str(allowed[out["tokenizer"]])
     out["task_tag"] = instance.get("task_tag", True)
+    return out
+
+
+def _rel(v: Any, what: str) -> str:
+    from rolloutd.handlers.pytest_grader import check_rel
+
+    try:
+        return check_rel(v)
+    except ValueError:
+        _fail(f"{what}: {v!r:.200} is not a relative path inside the workspace (no '..')")
+
+
+def _grading(ev: dict, setup: dict) -> dict:
+    """``eval.command`` / ``eval.pytest`` with the files written and restored after the purge."""
+    out: dict[str, Any] = {"timeout_s": _number(ev.get("timeout_s", 300.0), float, "eval.timeout_s")}
+    files = ev.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        _fail("eval.files maps workspace-relative paths to file contents (strings)")
+    out["files"] = {_rel(k, "eval.files"): v for k, v in files.items()}
+    restore = ev.get("restore")
+    if restore is not None:
+        restore = [_rel(r, "eval.restore") for r in _strs(restore, "eval.restore", empty_ok=True)]
+        if restore and setup["domain"] is not None:
+            _fail("eval.restore copies paths back from setup.files or setup.repository, not from a setup.domain")
+        for r in restore:
+            if setup["repository"] is None and not _in_files(r, setup["files"]):
+                _fail(f"eval.restore: {r!r} is not in setup.files (nor is there a setup.repository)")
+    if "command" in ev:
+        reward = ev.get("reward", "exit_code")
+        if reward not in ("exit_code", "stdout"):
+            _fail("eval.reward must be 'exit_code' (1 if the command exits 0) or 'stdout' (its last line, a number)")
+        if "pytest_config" in ev:
+            _fail("eval.pytest_config goes with eval.pytest")
+        out.update(command=_strs(ev["command"], "eval.command"), reward=reward, restore=restore or [])
+        return out
+    if "reward" in ev:
+        _fail("eval.reward goes with eval.command (eval.pytest: reward 1 when every test passes)")
+    out["pytest"] = _strs(ev["pytest"], "eval.pytest")
+    if restore is None:  # the default: the test paths pytest is given, as the setup wrote them
+        restore = [] if setup["domain"] is not None else default_restore(out["pytest"], setup, out["files"])
+    out["restore"] = restore
+    cfg = ev.get("pytest_config")
+    if cfg is not None:
+        cfg = _rel(cfg, "eval.pytest_config")
+        if cfg not in out["files"] and not any(cfg == r or cfg.startswith(r + "/") for r in restore):
+            _fail(f"eval.pytest_config {cfg!r} must be one of eval.files or under eval.restore "
+                  "(written by the host after the purge)")
+    out["pytest_config"] = cfg
+    return out
+
+
+def _in_files(rel: str, files: dict) -> bool:
+    return any(k == rel or k.startswith(rel + "/") for k in (f.strip("/") for f in files))
+
+
+# pytest options whose value is the next argument (not a path to restore)
+VALUE_OPTIONS = {"-k", "-m", "-p", "-o", "-c", "-W", "-r", "--tb", "--maxfail", "--durations", "--deselect", "--ignore",
+                 "--ignore-glob", "--rootdir", "--confcutdir", "--basetemp", "--junitxml", "--log-level", "--import-mode",
+                 "--capture", "--color", "--override-ini", "--pythonwarnings", "--config-file"}
+
+
+def default_restore(args: list[str], setup: dict, written: dict) -> list[str]:
+    """``eval.pytest``'s default ``eval.restore``: the tree of each path argument (before ``::``),
+    whole: a directory, or for a file the directory holding it (its ``__init__.py``, conftest.py and
+    helpers are imported with it), or the file alone at the workspace root. Restored from the setup,
+    or removed where the setup has none (then ``eval.files`` are written into it)."""
+    from rolloutd.handlers.pytest_grader import check_rel
+
+    out: list[str] = []
+    for i, a in enumerate(args):
+        if a.startswith("-") or (i and args[i - 1] in VALUE_OPTIONS):
+            continue
+        try:
+            rel = check_rel(a.split("::", 1)[0])
+        except ValueError:
+            continue
+        is_file = rel in setup["files"] or rel in written or rel.endswith(".py")
+        tree = os.path.dirname(rel) if is_file and os.path.dirname(rel) else rel
+        if tree not in out and not any(tree.startswith(t + "/") for t in out):
+            out = [t for t in out if not t.startswith(tree + "/")] + [tree]
     return out
 
 
@@ -352,6 +439,11 @@ class HarnessHandler(AgentHandler):
             spec.image = setup["image"]
         spec.workspace_files = dict(spec.workspace_files, **setup["files"])
         spec.binds = list(spec.binds) + [(p, p, True) for p in self.agent_mounts()] + agent_script_binds()
+        if "pytest" in h["eval"] and ctx.services.runtime().name != "local":
+            # the grader's pytest (and its requirements), read-only, as the swe domain has it
+            from rolloutd.handlers.tasks import pytest_binds
+
+            spec.binds += [b for b in pytest_binds() if not any(b[1] == x[1] for x in spec.binds)]
         ctx.create_sandbox(spec)
         from rolloutd.handlers.tasks import give_to_sandbox
 
@@ -477,29 +569,168 @@ class HarnessHandler(AgentHandler):
             v = self.view(ctx)
             ctx.state["final_text"] = final_text(ctx.trajectory, await self.tokenizer_async(ctx))
             reward, details = await d.evaluate(v)
+        elif "pytest" in ev:
+            reward, details = await self._eval_pytest(ctx, ev)
         else:
             reward, details = await self._eval_command(ctx, ev)
         ctx.set_reward(reward, **details)
 
+    def _prepare_grade(self, ctx: JobContext, ev: dict, pytest_mode: bool) -> dict:
+        """After the purge (no agent process alive): put ``eval.restore`` back from the setup, write
+        ``eval.files``, and for pytest sweep every conftest.py the host did not put there and pin
+        the ini file. Raises AgentFault when the agent's tree stops it (full, too deep, unreadable)."""
+        import errno
+        import tempfile
+
+        from rolloutd.handlers import pytest_grader
+        from rolloutd.handlers.base import AgentFault
+        from rolloutd.handlers.tasks import give_to_sandbox
+
+        h = self.spec(ctx)
+        ws = Path(ctx.sandbox["workspace"])
+        out: dict[str, Any] = {"restored": [], "written": sorted(ev.get("files") or {})}
+        try:
+            with tempfile.TemporaryDirectory(prefix="rolloutd-eval-") as tmp:
+                pristine, written = Path(tmp, "setup"), Path(tmp, "files")
+                for root, files in ((pristine, h["setup"]["files"]), (written, ev.get("files") or {})):
+                    root.mkdir()
+                    for rel, text in files.items():
+                        rel = pytest_grader.check_rel(rel)  # validated at init; a host path never escapes tmp
+                        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                        (root / rel).write_text(text, encoding="utf-8")
+                repo = h["setup"]["repository"]
+                restore = list(ev.get("restore") or [])
+                if repo:  # the repository overlays setup.files, as in init
+                    root = Path(self.config["repositories"][repo])
+                    pytest_grader.restore_paths(root, pristine, [r for r in restore if os.path.lexists(root / r)])
+                out["restored"] = pytest_grader.restore_paths(pristine, ws, restore)
+                pytest_grader.restore_paths(written, ws, out["written"])
+                if pytest_mode:
+                    keep = {r for r in out["written"] if os.path.basename(r) == "conftest.py"}
+                    for r in out["restored"]:
+                        base = pristine / r
+                        keep |= ({r} if base.name == "conftest.py" else
+                                 {f"{r}/{q.relative_to(base)}" for q in base.rglob("conftest.py")} if base.is_dir() else set())
+                    out["conftests_removed"] = pytest_grader.sweep_conftests(ws, keep)
+                    out["pytest_config"] = pytest_grader.pin_config(ws, ev.get("pytest_config"))
+        except OSError as e:
+            if e.errno not in AGENT_ERRNOS:
+                raise
+            raise AgentFault(f"the grader's files could not be put into the agent's workspace: {e.strerror or e}") from e
+        paths = out["restored"] + out["written"] + ([out["pytest_config"]] if pytest_mode else [])
+        give_to_sandbox(ctx.sandbox, [ws / r for r in paths])
+        return out
+
+    async def _graded_files(self, ctx: JobContext, ev: dict, pytest_mode: bool) -> tuple[dict | None, dict]:
+        """(what _prepare_grade did, or None when the agent's tree stopped it; details so far)."""
+        from rolloutd.handlers.base import AgentFault
+
+        if not pytest_mode and not ev.get("files") and not ev.get("restore"):
+            return {}, {}
+        await ctx.purge()  # no agent process may see or rewrite what the host writes next
+        try:
+            return await asyncio.to_thread(self._prepare_grade, ctx, ev, pytest_mode), {}
+        except AgentFault as e:
+            return None, {"reason": str(e)}
+
     async def _eval_command(self, ctx: JobContext, ev: dict) -> tuple[float, dict]:
         from rolloutd.handlers.tasks import SANDBOX_PATH, workspace_inside
 
+        prepared, details = await self._graded_files(ctx, ev, False)
+        if prepared is None:
+            return 0.0, details
+        details.update(prepared)
+        warning = command_warning(ev)
+        if warning:
+            details["eval_warning"] = warning
         # The grade tool: the agent's processes are all dead first, the output is the eval
         # command's own (issue 24).
         r = await ctx.grade(ev["command"], timeout=ev["timeout_s"], cwd=workspace_inside(ctx.sandbox),
                             env={"PATH": SANDBOX_PATH, "HOME": "/tmp", "OPENAI_API_KEY": ""})
         out = r.output or ""
-        details = {"eval_exit_code": r.exit_code, "eval_timed_out": r.timed_out, "eval_output": out[-TAIL_CHARS:]}
+        details.update(eval_exit_code=r.exit_code, eval_timed_out=r.timed_out, eval_output=out[-TAIL_CHARS:])
         if r.error:
             details["eval_error"] = r.error
-        if ev["reward"] == "exit_code":
+        why = grade_failure(r)
+        if ev.get("reward", "exit_code") == "exit_code":
+            if why and r.exit_code != 0:
+                details["reason"] = why
             return (1.0 if r.exit_code == 0 and not r.timed_out and not r.error else 0.0), details
-        lines = out.strip().splitlines()
-        try:
-            return float(lines[-1]), details
-        except (IndexError, ValueError):
-            details["eval_reward_error"] = "the eval command's last stdout line is not a number"
+        return stdout_reward(out, details, why)
+
+    async def _eval_pytest(self, ctx: JobContext, ev: dict) -> tuple[float, dict]:
+        from rolloutd.handlers import pytest_grader
+        from rolloutd.handlers.tasks import workspace_inside
+
+        prepared, details = await self._graded_files(ctx, ev, True)
+        if prepared is None:
             return 0.0, details
+        details.update(prepared)
+        if not ev["restore"] and not ev["files"]:  # eval.restore = [], or a setup.domain (no setup copy)
+            details["eval_warning"] = ("eval.pytest restored and wrote nothing: the tests it ran were the agent's "
+                                       "to change (name eval.files or eval.restore)")
+        inside = workspace_inside(ctx.sandbox)
+        end = f"ROLLOUTD-PYTEST-END-{secrets.token_hex(16)}"
+        argv = pytest_grader.argv(ev["pytest"], rootdir=inside, config=prepared["pytest_config"])
+        r = await ctx.grade(argv, timeout=ev["timeout_s"], cwd=inside, env=pytest_grader.env(ctx.sandbox, end))
+        output, status = pytest_grader.split_at_end(r.output or "", end)
+        details.update(eval_exit_code=r.exit_code, eval_timed_out=r.timed_out, eval_status=status,
+                       eval_output=(output or r.output or "")[-TAIL_CHARS:])
+        if r.error:
+            details["eval_error"] = r.error
+        passed = status == 0 and r.exit_code == 0 and not r.timed_out and not r.error
+        if not passed:
+            why = grade_failure(r) or (None if status is not None else "pytest ended without its end line")
+            if why:
+                details["reason"] = why
+        return (1.0 if passed else 0.0), details
+
+
+
+
+def command_warning(ev: dict) -> str | None:
+    """Why an ``eval.command`` grade is open to the agent (docs/HARNESS.md, "Grading"), or None."""
+    runs_pytest = any(os.path.basename(a) in ("pytest", "py.test") or a == "pytest" for a in ev["command"])
+    if runs_pytest:
+        return ("eval.command runs pytest without the grader's hardening: a conftest.py, pytest.ini, pytest.py "
+                "or edited test of the agent's decides its result; use eval.pytest")
+    if not ev.get("files") and not ev.get("restore"):
+        return ("eval.command ran over a workspace the agent could edit, with nothing written (eval.files) or "
+                "restored (eval.restore) after the purge: its tests were the agent's to change")
+    return None
+
+
+def grade_failure(r) -> str | None:
+    """Why a grade gave no result the grader chose (a killed or timed-out grader, one that could not
+    start in the agent's workspace): each the agent's doing or its code's, so reward 0 with this."""
+    if r.timed_out:
+        return "the grader ran out of time (the code under test did not finish)"
+    if r.error:
+        return f"the grader could not run in the agent's workspace: {r.error}"
+    if (r.exit_code or 0) < 0:
+        return f"the grader was killed by signal {-r.exit_code} (the code under test)"
+    return None
+
+
+def stdout_reward(out: str, details: dict, why: str | None) -> tuple[float, dict]:
+    """``reward: "stdout"``: the number on the last line. What the agent's code made of that line (no
+    number, NaN, inf, past +-REWARD_BOUND) is reward 0 with the reason, never a NaN reward."""
+    from rolloutd.handlers.base import InvalidReward, check_reward
+
+    lines = out.strip().splitlines()
+    if why:
+        details["reason"] = why
+        return 0.0, details
+    try:
+        value = float(lines[-1])
+    except (IndexError, ValueError):
+        details["eval_reward_error"] = details["reason"] = "the eval command's last stdout line is not a number"
+        return 0.0, details
+    try:
+        return check_reward(value, "the eval command's last stdout line"), details
+    except InvalidReward as e:
+        details["eval_reward_error"] = details["reason"] = str(e)
+        return 0.0, details
 
 
 def _copy_trajectory(ctx: JobContext, session) -> None:

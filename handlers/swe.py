@@ -11,27 +11,26 @@ daemon's own environment is bind-mounted read-only at ``/opt/rolloutd-pytest`` a
 runtime, which has no mounts, gets a directory of symlinks instead).
 
 eval captures the agent's patch (``git diff``, no program-running config of the agent's),
-restores the test files and the repository's own conftest.py files (deleting any other), runs
-the task's ``test_cmd`` in the sandbox through the ``grade`` tool (every process the agent
-started is killed first; the output is the test run's own, on fresh pipes) with a clean
-environment and the task's timeout, pytest imported before the workspace is on ``sys.path`` and
-ended by our plugin's end line, and grades the output before that line: reward 1 only if every
-FAIL_TO_PASS and every PASS_TO_PASS test passes and pytest's status agrees with the exit code.
+restores the test tree, the repository's own conftest.py files and its pytest ini file (deleting
+every other conftest.py), runs the task's ``test_cmd`` in the sandbox through the ``grade`` tool
+(every process the agent started is killed first; the output is the test run's own, on fresh
+pipes) with the shared pytest hardening (handlers/pytest_grader.py) and the task's timeout, and
+grades the output before our plugin's end line: reward 1 only if every FAIL_TO_PASS and every
+PASS_TO_PASS test passes and pytest's status agrees with the exit code. A tree the agent made
+unrestorable (full, too deep, unreadable) is graded 0 with ``reason``, never a failed job.
 
 ``[handlers.swe]`` config (besides the common keys): ``cache_dir`` (the swe_tasks cache).
 """
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import os
 import secrets
-import shutil
-import stat
 from pathlib import Path
 
-from rolloutd.handlers.base import JobContext
+from rolloutd.handlers import pytest_grader
+from rolloutd.handlers.base import AgentFault, JobContext
 from rolloutd.handlers.tasks import (PYTEST_MOUNT, DomainHandler, clean_env, eval_sandbox, give_to_sandbox, pytest_binds,
                             pytest_link_dir, workspace_inside)
 
@@ -48,63 +47,14 @@ GIT_DIFF = ["git", "--no-pager", "-c", "core.fsmonitor=false", "-c", "core.hooks
 GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_ATTR_NOSYSTEM": "1",
            "GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0"}
 
-# pytest as the grader runs it: `python3 -B -c PYTEST_BOOT <args>`. The boot takes the workspace
-# (-c's '') off sys.path until pytest is imported (a pytest.py of the agent's is not the grader), then the
-# workspace goes first, as `-m pytest` would put it. Our plugin runs last: after pytest's own
-# summary it prints an end line (a per-run token from the environment, removed before any
-# workspace code runs) with the session's exit status and leaves with os._exit, so nothing the
-# code under test registered (atexit) prints after it. Outcomes are read only before that line.
-PYTEST_BOOT = r"""
-import sys
-sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # what -P does, for Pythons before 3.11
-import os
-import pytest
-END = os.environ.pop("ROLLOUTD_PYTEST_END", "")
-
-
-class RolloutdEnd:
-    status = None
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_sessionfinish(self, session, exitstatus):
-        self.status = int(exitstatus)
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_unconfigure(self, config):
-        if self.status is None or not END:
-            return
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.write(1, ("\n%s %d\n" % (END, self.status)).encode())
-        os._exit(self.status)
-
-
-sys.path.insert(0, os.getcwd())
-sys.exit(pytest.main(sys.argv[1:], plugins=[RolloutdEnd()]))
-"""
-
-
-def grader_argv(task: dict) -> list[str]:
-    """The task's ``test_cmd`` (``python3 -B -m pytest <args>``) as the grader runs it."""
+def grader_argv(task: dict, rootdir: str, config: str) -> list[str]:
+    """The task's ``test_cmd`` (``python3 -B -m pytest <args>``) as the grader runs it: the shared
+    pytest hardening (handlers/pytest_grader.py), rootdir the workspace, ``config`` the repository's
+    own ini file (restored) or the host's empty one (``pytest_grader.pin_config``)."""
     argv = list(task["test_cmd"])
     if argv[:4] != ["python3", "-B", "-m", "pytest"]:
         raise ValueError(f"{task['task_id']}: test_cmd must start with python3 -B -m pytest, not {argv[:4]}")
-    return ["python3", "-B", "-c", PYTEST_BOOT] + argv[4:]
-
-
-def split_at_end(output: str, end: str) -> tuple[str, int | None]:
-    """The output before the LAST end line of our plugin, and the status on it (None: no end
-    line, or text after it: then nothing of the output counts)."""
-    i = output.rfind("\n" + end + " ")
-    if i < 0:
-        return "", None
-    line, _, rest = output[i + 1:].partition("\n")
-    if rest.strip():
-        return "", None
-    try:
-        return output[:i], int(line.split()[-1])
-    except ValueError:
-        return "", None
+    return pytest_grader.argv(argv[4:], rootdir=rootdir, config=config)
 
 
 class SWEHandler(DomainHandler):
@@ -158,23 +108,31 @@ class SWEHandler(DomainHandler):
         copy_repo(ctx.state["task_id"], ws, self.cache_dir)
         give_to_sandbox(ctx.sandbox, [ws])
 
-    def _restore(self, task: dict, ws: Path) -> list[str]:
-        """Put the task's tests and the repository's own conftest.py files back (whatever the
-        agent left in their place: a symlink, a FIFO, a directory), delete every other
-        conftest.py, and return the restored paths. No agent process is alive (the diff's grade
-        purged)."""
+    def _restore(self, task: dict, ws: Path) -> tuple[list[str], str]:
+        """Put the task's test tree, the repository's own conftest.py files and its pytest ini file
+        back (whatever the agent left in their place: a symlink, a FIFO, a directory, a patched
+        ``__init__.py``, added files), delete every other conftest.py, and return the restored paths
+        and the ini file. No agent process is alive (the diff's grade purged). What the agent made
+        of the tree that stops this (too deep, full, unreadable) is an AgentFault."""
         from rolloutd.handlers.swe_tasks import build_task, restore_tests
 
-        own = _conftests(str(build_task(task["task_id"], self.cache_dir)))
-        extra = [c for c in own if not any(c == t or c.startswith(t.rstrip("/") + "/") for t in task["test_files"])]
-        rels = restore_tests(task["task_id"], ws, self.cache_dir, also=extra)
-        _sweep_conftests(ws, set(own))
-        return rels
+        src = str(build_task(task["task_id"], self.cache_dir))
+        own = _conftests(src)
+        config = pytest_grader.config_of(src)
+        try:
+            rels = restore_tests(task["task_id"], ws, self.cache_dir, also=list(own) + ([config] if config else []))
+            pytest_grader.sweep_conftests(ws, set(own))
+            config = pytest_grader.pin_config(ws, config)
+        except OSError as e:
+            if e.errno not in pytest_grader.AGENT_ERRNOS:
+                raise
+            raise AgentFault(f"the tests could not be restored into the agent's workspace: "
+                             f"{e.strerror or e} ({os.path.basename(e.filename or '') or 'workspace'})") from e
+        except pytest_grader.WorkspaceUnfit as e:
+            raise AgentFault(f"the tests could not be restored into the agent's workspace: {e}") from e
+        return rels, config
 
     # -- eval ----------------------------------------------------------------------------------
-    def _pythonpath(self, sb: dict) -> str:
-        return pytest_link_dir() if sb.get("runtime") == "local" else PYTEST_MOUNT
-
     async def evaluate(self, ctx: JobContext) -> tuple[float, dict]:
         from rolloutd.handlers.swe_tasks import get_task, grade
 
@@ -189,21 +147,17 @@ class SWEHandler(DomainHandler):
         # way may send that write elsewhere on the host (tests -> /etc, say); no conftest.py but
         # the repository's own may load (it could report every test passed).
         try:
-            restored = await asyncio.to_thread(self._restore, task, ws)
-        except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise
-            # The agent filled its disk: a failed grade, not a failed job.
+            restored, config = await asyncio.to_thread(self._restore, task, ws)
+        except AgentFault as e:  # the agent's doing: a grade of 0 with the reason, not a failed job
             return 0.0, {"task_id": task["task_id"], "resolved": False, "exit_code": None, "timed_out": False,
-                         "counts": {"parsed": 0}, "error": f"the tests could not be restored: {e.strerror}",
+                         "counts": {"parsed": 0}, "error": str(e), "reason": str(e),
                          "FAIL_TO_PASS_failed": list(task["FAIL_TO_PASS"])[:20], "PASS_TO_PASS_failed": []}
-        await asyncio.to_thread(give_to_sandbox, sb, [ws / r for r in restored])
+        await asyncio.to_thread(give_to_sandbox, sb, [ws / r for r in restored + [config]])
         end = f"ROLLOUTD-PYTEST-END-{secrets.token_hex(16)}"
-        env = clean_env({"PYTHONPATH": self._pythonpath(sb), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-                         "ROLLOUTD_PYTEST_END": end})
-        r = await ctx.grade(grader_argv(task), cwd=inside, env=env, timeout=float(task["timeout_s"]))
+        argv = grader_argv(task, inside, config)
+        r = await ctx.grade(argv, cwd=inside, env=pytest_grader.env(sb, end), timeout=float(task["timeout_s"]))
         exit_code = 124 if r.timed_out else r.exit_code
-        output, status = split_at_end(r.output or "", end)
+        output, status = pytest_grader.split_at_end(r.output or "", end)
         result = grade(task, output, exit_code)
         if result["resolved"] and (status != exit_code or status not in (0, 1)):
             # pytest's own end (our plugin's last line, then os._exit) must agree with the exit code.
@@ -232,22 +186,3 @@ def _conftests(src_root: str) -> tuple[str, ...]:
         if "conftest.py" in filenames:
             out.append(os.path.relpath(os.path.join(dirpath, "conftest.py"), src_root))
     return tuple(sorted(out))
-
-
-def _sweep_conftests(ws: Path, keep: set[str]) -> None:
-    """Delete every conftest.py (of any type) under ``ws`` but those in ``keep``; by directory fd,
-    never following a symlink."""
-    for dirpath, dirnames, filenames, dirfd in os.fwalk(ws):
-        rel_dir = os.path.relpath(dirpath, ws)
-        if rel_dir == ".":
-            dirnames[:] = [d for d in dirnames if d != ".git"]
-        if "conftest.py" not in dirnames and "conftest.py" not in filenames:
-            continue
-        st = os.stat("conftest.py", dir_fd=dirfd, follow_symlinks=False)
-        if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree("conftest.py", dir_fd=dirfd)
-            dirnames.remove("conftest.py")
-        elif not stat.S_ISREG(st.st_mode) or os.path.normpath(os.path.join(rel_dir, "conftest.py")) not in keep:
-            os.unlink("conftest.py", dir_fd=dirfd)
-            if "conftest.py" in dirnames:  # a symlink to a directory
-                dirnames.remove("conftest.py")

@@ -63,13 +63,13 @@ def rolloutd_reward(completions, rolloutd_reward, **kwargs):
 
 def trajectories_to_trl(trajs, pad_id: int) -> dict:
     """rolloutd trajectories as TRL's rollout_func output (one entry per trajectory)."""
-    from rolloutd.gateway.batch import token_arrays, token_policy_versions
+    from rolloutd.gateway.batch import reward_of, token_arrays, token_policy_versions, trainable
 
     out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "rolloutd_reward": [],
            "rolloutd_status": [], "rolloutd_policy_version": [], "token_policy_versions": []}
     for t in trajs:
         prompt, resp, mask, lps = token_arrays(t)
-        ok = t.get("status") == "ok"
+        ok = trainable(t)  # status ok and a finite reward: TRL never sees a NaN
         tokver = [int(v) for v in token_policy_versions(t)]  # TRL's loss has no per-token version: for rewards/logs
         if not ok or len(resp) == 0:  # TRL has no status: one masked token, reward 0
             resp, mask, lps, tokver = [pad_id], [0], [0.0], [-1]
@@ -78,7 +78,7 @@ def trajectories_to_trl(trajs, pad_id: int) -> dict:
         out["completion_ids"].append([int(x) for x in resp])
         out["logprobs"].append([float(x) if m else 0.0 for x, m in zip(lps, mask)])
         out["env_mask"].append([int(m > 0) for m in mask])
-        out["rolloutd_reward"].append(float(t.get("reward", 0.0)) if ok else 0.0)
+        out["rolloutd_reward"].append(reward_of(t))
         out["rolloutd_status"].append(t.get("status"))
         out["rolloutd_policy_version"].append(t.get("policy_version"))
         out["token_policy_versions"].append(tokver)

@@ -1,5 +1,5 @@
 """Limits.disk_mb. Measured (no root, or disk_quota="measured"): a sandbox whose workspace
-outgrows its quota is stopped by the node, its job fails with error.type DiskQuotaExceeded, its
+outgrows its quota is stopped by the node, its job is scored 0 with the reason (DiskQuotaExceeded), its
 neighbours are untouched (issue 17.1). Hard (root: a loop-mounted image per workspace, issue
 24.3): a write past the quota gets ENOSPC and the job goes on."""
 from __future__ import annotations
@@ -97,7 +97,9 @@ def test_a_plain_dead_sandbox_is_still_a_transport_error(bwrap_rt):
     assert not isinstance(ei.value, DiskQuotaExceeded)
 
 
-def test_agent_writing_until_stopped_fails_its_job_neighbour_ok(up_factory, bwrap_required, diskhog_entry_point):
+def test_agent_writing_until_stopped_is_scored_zero_neighbour_ok(up_factory, bwrap_required, diskhog_entry_point):
+    """The agent's own doing: reward 0 with the reason, never a failed (dropped) job (issue 35 item 6;
+    before, status failed / DiskQuotaExceeded). The handler's eval, which rewards 1, is skipped."""
     up = up_factory("sandbox.runtime=bwrap", "sandbox.quota_interval_s=0.2", "sandbox.disk_quota=measured")
     with up.client(timeout_s=10) as c:
         hog, calm = c.submit([
@@ -107,10 +109,10 @@ def test_agent_writing_until_stopped_fails_its_job_neighbour_ok(up_factory, bwra
         ])
         results = {r["job_id"]: r for r in c.gather([hog, calm], timeout_s=120)}
     bad, good = results[hog], results[calm]
-    assert bad["status"] == "failed", bad
-    assert bad["failed_phase"] == "run"
-    assert bad["error"]["type"] == "DiskQuotaExceeded", bad["error"]
-    assert "disk quota of 16 MB" in bad["error"]["message"]
+    assert bad["status"] == "ok" and bad["reward"] == 0.0, bad
+    assert bad["failed_phase"] is None and bad["error"] is None, bad
+    assert bad["eval_details"]["agent_fault"] == {"phase": "run", "type": "DiskQuotaExceeded"}, bad["eval_details"]
+    assert "disk quota of 16 MB" in bad["eval_details"]["reason"]
     assert good["status"] == "ok", good
     assert good["eval_details"]["output"].strip() == "4000000"
     assert "sandbox_disk_quota_exceeded" in up.log()
