@@ -226,7 +226,12 @@ class BwrapRuntime(Runtime):
         self.run_as = resolve_run_as(run_as)
         span = parse_uid_range(uid_range)
         if span is not None and run_as == "auto" and os.geteuid() == 0:
-            self.uids = UidAllocator(span[0], span[1], uid_state_dir)
+            try:
+                self.uids = UidAllocator(span[0], span[1], uid_state_dir)
+            except OSError as e:  # no writable /run: this root's own state (unique per deployment only)
+                log.warning("sandbox_uid_state_fallback", wanted=uid_state_dir or "/run/rolloutd-uids",
+                            used=str(self.root_dir / "uids"), error=str(e))
+                self.uids = UidAllocator(span[0], span[1], self.root_dir / "uids")
         version = bwrap_version(path) or (0, 0)
         if version < (0, 5):  # --size: bubblewrap >= 0.5 (Debian 12 has 0.8)
             raise RuntimeUnavailable("bubblewrap %s is too old: /tmp and /dev/shm could not be bounded "

@@ -277,3 +277,18 @@ def test_doctor_reports_whether_sandboxes_share_a_uid(short_root):
         assert "the test sandbox ran as uid 20000" in own.detail, own  # verified on a real sandbox
     else:
         assert not own.ok and own.detail.startswith("not root"), own
+
+
+@root_only
+def test_an_unwritable_state_dir_falls_back_to_the_sandbox_root(short_root):
+    from tests.conftest import require_bwrap
+
+    require_bwrap()
+    rt = get_runtime("bwrap", root_dir=short_root, uid_state_dir="/proc/rolloutd-uids")  # mkdir: ENOENT
+    assert rt.uids.state_dir == short_root / "uids"
+    h = rt.create("fallback")
+    try:
+        assert str(h.extra["uid"]) in rt.uids.allocated()
+    finally:
+        rt.destroy(h)
+    assert not rt.uids.allocated()
