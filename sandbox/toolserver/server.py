@@ -574,14 +574,18 @@ def _empty_dir(top: str) -> None:
 
     def scan(dfd: int) -> list:
         subdirs = []
-        for e in os.scandir(dfd):
-            try:
-                if e.is_dir(follow_symlinks=False):
-                    subdirs.append(e.name)
-                else:
-                    os.unlink(e.name, dir_fd=dfd)
-            except OSError:
-                pass
+        try:  # lazily: a rootless scratch may hold millions of entries
+            with os.scandir(dfd) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            subdirs.append(e.name)
+                        else:
+                            os.unlink(e.name, dir_fd=dfd)
+                    except OSError:
+                        pass
+        except OSError:
+            pass
         return subdirs
 
     try:
