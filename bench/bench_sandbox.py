@@ -1,7 +1,8 @@
 """Sandbox benchmarks: bash action latency vs tmux and SWE-ReX, bwrap start-up, 128 sandboxes.
 
     .venv/bin/python bench/bench_sandbox.py [--quick] [--json out.json] [--ref-toolserver DIR]
-                                            [--hardening-only | --pty-only | --disk-only [--disk-mb MB] [--rounds N]]
+                                            [--hardening-only | --pty-only | --disk-only [--disk-mb MB] [--rounds N]
+                                             | --uids-only [--ref-bwrap FILE] [--rounds N]]
 
 1. Action latency of one bash call, client to result, for `true` (pure overhead) and
    `ls -la /usr/bin | head`:
@@ -31,6 +32,14 @@
    --ref-bounds FILE adds `loop_ref`: another revision's sandbox/bounds.py (one with
    make_ext4_image + mount_ext4_image, e.g. `git show a6f7d4d:sandbox/bounds.py > FILE`, the
    code before the pool) doing the loop workspace on the start's path: a true before/after.
+7. Issue 35 (--uids-only runs just this), interleaved round by round: sandbox ready (create ->
+   ping), the first bash `true` and destroy, then the `true` round trip (one sandbox per kind held,
+   calls interleaved call by call), with a host uid per sandbox,
+   host-made tmpfs (/tmp, /dev/shm with an inode bound) and the grader's scratch mount (`now`, the
+   default) vs the same code with `uid_range=""` (`shared_uid`: isolates the allocator's cost);
+   --ref-bwrap FILE adds `before`: another revision's sandbox/bwrap.py (e.g. `git show
+   fe23baf:sandbox/bwrap.py > FILE`: every sandbox as nobody, bwrap's own tmpfs, no scratch) on
+   this revision's runtime.py.
 Medians are the headline (the machine is shared and noisy); p99 is reported too.
 """
 from __future__ import annotations
@@ -370,8 +379,8 @@ def _ref_bounds_runtime(path: Path, root: Path):
     spec.loader.exec_module(ref)  # type: ignore[union-attr]
 
     class RefBounds(BwrapRuntime):
-        def _bound_dirs(self, d: Path, disk_mb: Optional[float]) -> Dict[str, str]:
-            uid, gid = self._owner()
+        def _bound_dirs(self, d: Path, disk_mb: Optional[float], owner) -> Dict[str, str]:
+            uid, gid = owner
             size = int(float(disk_mb) * 2**20) // 4096 * 4096
             ref.make_ext4_image(d / "disk.img", size, uid, gid, templates=self.root_dir / "disk-templates")
             ref.mount_ext4_image(d / "disk.img", d / "workspace")
@@ -455,6 +464,78 @@ def bench_disk_ready(root: Path, n: int, disk_mb: int, ref_bounds: Optional[Path
     return out
 
 
+def _ref_bwrap_runtime(path: Path, root: Path):
+    """A runtime from another revision's sandbox/bwrap.py, imported as a module of this package
+    (its relative imports resolve here: runtime.py, bounds.py, uids.py are this revision's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rolloutd.sandbox._ref_bwrap", str(path))
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)  # type: ignore[union-attr]
+    return ref.BwrapRuntime(root, ready_timeout=60)
+
+
+def bench_uids(root: Path, n: int, calls: int, ref_bwrap: Optional[Path] = None) -> Dict[str, object]:
+    """Section 7: what a uid per sandbox (+ host tmpfs, grader's scratch) costs a start and a call."""
+    rts = {"now": get_runtime("bwrap", root_dir=root / "uid-now", ready_timeout=60),
+           "shared_uid": get_runtime("bwrap", root_dir=root / "uid-shared", ready_timeout=60, uid_range="")}
+    if ref_bwrap is not None:
+        rts["before"] = _ref_bwrap_runtime(ref_bwrap, root / "uid-before")
+    samples: Dict[str, Dict[str, List[float]]] = {k: {"ready": [], "first_true": [], "true": [], "destroy": []}
+                                                  for k in rts}
+    uids: Dict[str, set] = {k: set() for k in rts}
+    for k, rt in rts.items():  # warm-up: tool library, page cache
+        rt.destroy(rt.create("warm", SandboxSpec()))
+    order = list(rts)
+    for i in range(n):  # start-up: a fresh sandbox per kind per round, the order rotated
+        for k in order[i % len(order):] + order[:i % len(order)]:
+            rt, sm = rts[k], samples[k]
+            t0 = time.perf_counter()
+            h = rt.create("uid-%d" % i, SandboxSpec())
+            t1 = time.perf_counter()
+            uids[k].add(h.extra.get("uid"))
+            with ToolClient(h.tool_socket) as c:
+                assert c.call("bash", {"command": "true", "timeout": 30}).exit_code == 0
+            t2 = time.perf_counter()
+            rt.destroy(h)
+            sm["ready"].append(t1 - t0)
+            sm["first_true"].append(t2 - t0)
+            sm["destroy"].append(time.perf_counter() - t2)
+    # the `true` round trip: one sandbox per kind held, calls interleaved call by call
+    hs = {k: rt.create("uid-true", SandboxSpec()) for k, rt in rts.items()}
+    try:
+        cs = {k: ToolClient(h.tool_socket) for k, h in hs.items()}
+        for c in cs.values():
+            for _ in range(10):
+                c.call("bash", {"command": "true", "timeout": 30})
+        for _ in range(n * calls):
+            for k, c in cs.items():
+                t = time.perf_counter()
+                c.call("bash", {"command": "true", "timeout": 30})
+                samples[k]["true"].append(time.perf_counter() - t)
+        for c in cs.values():
+            c.close()
+    finally:
+        for k, h in hs.items():
+            rts[k].destroy(h)
+    return {"n": n, "calls": n * calls, "kinds": {k: {w: summarize(v) for w, v in sm.items()} for k, sm in samples.items()},
+            "distinct_uids": {k: len(v) for k, v in uids.items()}, "root": os.geteuid() == 0}
+
+
+def report_uids(u: Dict[str, object]) -> None:
+    ks = u["kinds"]
+    print("issue 35, same run, interleaved, %d rounds of start-ups, %d `true` calls per kind (now = a uid per sandbox + host tmpfs + "
+          "grader's scratch; shared_uid = uid_range=\"\"; before = --ref-bwrap)%s:"
+          % (u["n"], u["calls"], "" if u["root"] else " [not root: no uid switch, no host tmpfs]"))
+    for k, m in ks.items():
+        vs = "".join("  ready %.2fx / true %.2fx %s" % (m["ready"]["median_ms"] / ks[o]["ready"]["median_ms"],
+                                                        m["true"]["median_ms"] / ks[o]["true"]["median_ms"], o)
+                     for o in ("before", "shared_uid") if o in ks and o != k and k == "now")
+        print("  %-10s ready %6.1f (p99 %6.1f)  first true %6.1f  true %5.2f (p99 %5.2f)  destroy %5.1f  uids %d%s" % (
+            k, m["ready"]["median_ms"], m["ready"]["p99_ms"], m["first_true"]["median_ms"], m["true"]["median_ms"],
+            m["true"]["p99_ms"], m["destroy"]["median_ms"], u["distinct_uids"][k], vs))
+
+
 def report_disk_ready(d: Dict[str, object]) -> None:
     ks = d["kinds"]
     base = ks["measured"]["ready"]
@@ -512,6 +593,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--disk-only", action="store_true", help="only section 6 (ready per workspace-quota mechanism)")
     ap.add_argument("--disk-mb", type=int, default=4096, help="section 6's workspace quota (default 4096)")
     ap.add_argument("--rounds", type=int, default=None, help="section 6's rounds (default 40, --quick 5)")
+    ap.add_argument("--uids-only", action="store_true", help="only section 7 (a uid per sandbox, issue 35)")
+    ap.add_argument("--ref-bwrap", type=Path, metavar="FILE",
+                    help="section 7 also times this bwrap.py (before/after), e.g. from "
+                         "`git show fe23baf:sandbox/bwrap.py > FILE` (every sandbox as nobody, before issue 35)")
     ap.add_argument("--ref-bounds", type=Path, metavar="FILE",
                     help="section 6 also times this bounds.py (before/after), e.g. from "
                          "`git show a6f7d4d:sandbox/bounds.py > FILE` (the code before the workspace pool)")
@@ -523,7 +608,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     t_all = time.perf_counter()
     out: Dict[str, object] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
                                           "loadavg_at_start": os.getloadavg()}}
-    only = ns.pty_only or ns.hardening_only or ns.disk_only
+    only = ns.pty_only or ns.hardening_only or ns.disk_only or ns.uids_only
     try:
         if ns.pty_only:
             out["pty_userns"] = bench_pty_userns(root, n_start)
@@ -536,6 +621,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             out["pty_userns"] = bench_pty_userns(root, n_start)
         if ns.disk_only or not only:
             out["disk_ready"] = bench_disk_ready(root, ns.rounds or (5 if ns.quick else 40), ns.disk_mb, ns.ref_bounds)
+        if ns.uids_only or not only:
+            out["uids"] = bench_uids(root, ns.rounds or (5 if ns.quick else 40), 5 if ns.quick else 20, ns.ref_bwrap)
     finally:
         from rolloutd.sandbox.runtime import _remove_sandbox_dir
 
@@ -549,6 +636,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         report_pty_userns(out["pty_userns"])
     if "disk_ready" in out:
         report_disk_ready(out["disk_ready"])
+    if "uids" in out:
+        report_uids(out["uids"])
     if ns.json:
         ns.json.write_text(json.dumps(out, indent=1))
     return 0

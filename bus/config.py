@@ -51,7 +51,10 @@ DEFAULTS: dict = {
                 "quota_interval_s": 1.0, "disk_low_mb": 1024,
                 "disk_quota": "auto",   # auto | loop | tmpfs | measured (docs/SANDBOX.md "Disk quota")
                 "shm_size_mb": 64,      # bwrap: /dev/shm is a tmpfs of this size
-                "disk_pool": 2},        # loop quota: workspaces made ahead, per recent size (0: off)
+                "disk_pool": 2,         # loop quota: workspaces made ahead, per recent size (0: off)
+                # bwrap as root: each sandbox runs as a host uid of its own from this range (per-uid
+                # kernel limits per sandbox); "" = every sandbox as nobody (docs/SANDBOX.md "Round 2")
+                "uid_range": "2000000000-2000065535"},
     "handlers": {},                # per-handler config, by name
 }
 

@@ -61,6 +61,7 @@ class PhaseDaemon(Daemon):
         opts = {"disk_quota": sb["disk_quota"], "disk_pool": sb["disk_pool"]}
         if sb["runtime"] in ("auto", "bwrap"):  # auto drops it again if it falls back to local
             opts["shm_size_mb"] = int(sb["shm_size_mb"])
+            opts["uid_range"] = sb["uid_range"]
         return get_runtime(sb["runtime"], root_dir=self.cfg.sandbox_root(), **opts)
 
     async def setup(self):

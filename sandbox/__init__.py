@@ -23,7 +23,8 @@ from .runtime import Runtime, default_root
 from .spec import Limits, SandboxHandle, SandboxSpec
 
 RUNTIMES = ("auto", "bwrap", "apptainer", "singularity", "local")
-_BWRAP_ONLY = ("bwrap", "run_as", "tmp_size_mb", "shm_size_mb", "cgroup", "max_ptys")
+_BWRAP_ONLY = ("bwrap", "run_as", "tmp_size_mb", "shm_size_mb", "cgroup", "max_ptys", "uid_range", "uid_state_dir",
+               "grade_scratch_mb")
 _probe_cache: Dict[Tuple[Any, ...], Tuple[bool, str]] = {}
 _probe_lock = threading.Lock()
 

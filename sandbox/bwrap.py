@@ -7,9 +7,10 @@ the namespace, so nothing can escape destroy(). --die-with-parent is deliberatel
 sandboxes survive a daemon restart; state.json records the pids (with start times, to be
 safe against pid reuse) so any process on the node can destroy or reap them later.
 
-When the daemon runs as root, the sandbox is started as an unprivileged uid (default
-65534): RLIMIT_NPROC is never enforced for real uid 0, and a mapped root has no business
-reading the host's root-owned files through the read-only mounts.
+When the daemon runs as root, the sandbox is started as an unprivileged uid: by default one of
+its own from the node's uid range (uids.py: per-uid kernel limits are then per sandbox), else
+65534. RLIMIT_NPROC is never enforced for real uid 0, and a mapped root has no business reading
+the host's root-owned files through the read-only mounts.
 """
 from __future__ import annotations
 
@@ -29,12 +30,18 @@ from .cgroups import CgroupV2
 from .errors import RuntimeUnavailable, SandboxSpecError, SandboxStartError
 from .log import log
 from .runtime import LaunchContext, Runtime
+from .uids import DEFAULT_UID_RANGE, UidAllocator, parse_uid_range
 
 # Paths inside the sandbox.
 WORKSPACE = "/workspace"
 RUN_DIR = "/run/rolloutd"
 LIB_DIR = "/run/rolloutd-lib"
 CONFIG = RUN_DIR + "/config.json"
+# The grader's scratch (its HOME and TMPDIR): a mount of its own, so an agent that fills /tmp (bytes
+# or inodes) cannot make grading fail. The agent can write there too (same uid): the grade tool
+# empties it after the purge. As root a host-made tmpfs with an inode bound; else bwrap's --size.
+GRADE_DIR = "/run/rolloutd-grade"
+GRADE_SCRATCH_INODES = 16384
 
 # (op, src, dst) with op in {"ro-bind", "bind", "symlink"}; the pure argv builder takes these.
 FsOp = Tuple[str, str, str]
@@ -109,6 +116,8 @@ def build_argv(
     hostname: str = "sandbox",
     devpts: Optional[str] = None,
     disable_userns: bool = True,
+    grade_scratch_mb: Optional[int] = None,
+    host_tmpfs: Optional[Dict[str, str]] = None,
 ) -> List[str]:
     """The exact bwrap command line (pure: no filesystem access, golden-testable)."""
     # --disable-userns (needs a user namespace of its own, hence --unshare-user, not --unshare-all's
@@ -131,7 +140,13 @@ def build_argv(
     argv += ["--proc", "/proc", "--dev", "/dev"]
     if devpts:  # a host-made devpts instance with max= over bwrap's unbounded one (ptmx -> pts/ptmx)
         argv += ["--dev-bind", devpts, "/dev/pts"]  # --bind would add nodev: ptmx could not open
-    for size_mb, path in ((shm_size_mb, "/dev/shm"), (tmp_size_mb, "/tmp")):
+    # host_tmpfs: tmpfs the host made (root: with an inode bound, which bwrap's --size lacks), bound in.
+    for size_mb, path in ((shm_size_mb, "/dev/shm"), (tmp_size_mb, "/tmp"), (grade_scratch_mb, GRADE_DIR)):
+        if path in (host_tmpfs or {}):
+            argv += ["--bind", (host_tmpfs or {})[path], path]
+            continue
+        if path == GRADE_DIR and not size_mb:
+            continue
         if size_mb:
             argv += ["--size", str(int(size_mb) * 1024 * 1024)]
         argv += ["--tmpfs", path]
@@ -201,22 +216,31 @@ class BwrapRuntime(Runtime):
 
     def __init__(self, root_dir=None, *, bwrap: str = "bwrap", run_as: Any = "auto",
                  tmp_size_mb: Optional[int] = 512, shm_size_mb: Optional[int] = 64, cgroup: Any = "auto",
-                 max_ptys: Optional[int] = 16, **kw: Any) -> None:
+                 max_ptys: Optional[int] = 16, uid_range: Any = DEFAULT_UID_RANGE,
+                 uid_state_dir: Optional[str] = None, grade_scratch_mb: Optional[int] = 128, **kw: Any) -> None:
         super().__init__(root_dir, **kw)
         path = shutil.which(bwrap)
         if path is None:
             raise RuntimeUnavailable("bubblewrap (%s) is not installed" % bwrap)
         self.bwrap = path
         self.run_as = resolve_run_as(run_as)
+        span = parse_uid_range(uid_range)
+        if span is not None and run_as == "auto" and os.geteuid() == 0:
+            try:
+                self.uids = UidAllocator(span[0], span[1], uid_state_dir)
+            except OSError as e:  # no writable /run: this root's own state (unique per deployment only)
+                log.warning("sandbox_uid_state_fallback", wanted=uid_state_dir or "/run/rolloutd-uids",
+                            used=str(self.root_dir / "uids"), error=str(e))
+                self.uids = UidAllocator(span[0], span[1], self.root_dir / "uids")
         version = bwrap_version(path) or (0, 0)
         if version < (0, 5):  # --size: bubblewrap >= 0.5 (Debian 12 has 0.8)
             raise RuntimeUnavailable("bubblewrap %s is too old: /tmp and /dev/shm could not be bounded "
                                      "(--size needs >= 0.5)" % ".".join(map(str, version)))
         self.disable_userns = version >= (0, 8)  # --disable-userns: bubblewrap >= 0.8 (SANDBOX.md)
-        for name, v in (("tmp_size_mb", tmp_size_mb), ("shm_size_mb", shm_size_mb)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        for name, v in (("tmp_size_mb", tmp_size_mb), ("shm_size_mb", shm_size_mb), ("grade_scratch_mb", grade_scratch_mb)):
+            if (v is not None or name != "grade_scratch_mb") and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise SandboxSpecError("%s must be a positive number of MB, got %r" % (name, v))
-        self.tmp_size_mb, self.shm_size_mb = tmp_size_mb, shm_size_mb
+        self.tmp_size_mb, self.shm_size_mb, self.grade_scratch_mb = tmp_size_mb, shm_size_mb, grade_scratch_mb
         if max_ptys is not None and (isinstance(max_ptys, bool) or not isinstance(max_ptys, int) or max_ptys <= 0):
             raise SandboxSpecError("max_ptys must be a positive number or None, got %r" % (max_ptys,))
         self.max_ptys = max_ptys  # per sandbox, as root (a devpts instance with max=); see SANDBOX.md
@@ -230,7 +254,7 @@ class BwrapRuntime(Runtime):
     def _inside(self, ctx: LaunchContext) -> Dict[str, str]:
         # per-call scratch files live on the sandbox's private tmpfs: half the latency of disk
         return {"socket": RUN_DIR + "/tool.sock", "ctl_dir": "/tmp/.rolloutd", "workdir": ctx.spec.workdir,
-                "home": "/tmp/home", "python": None}
+                "home": "/tmp/home", "python": None, "grade_scratch": GRADE_DIR if self.grade_scratch_mb else None}
 
     def _owner(self) -> Tuple[int, int]:
         return self.run_as if (self.run_as is not None and os.geteuid() == 0) else (os.geteuid(), os.getegid())
@@ -244,16 +268,31 @@ class BwrapRuntime(Runtime):
         _bind_listen(fd, str(ctx.run_dir / "tool.sock"))  # no sandbox sees the dir yet
         os.chmod(ctx.run_dir / "tool.sock", 0o600)  # not os.umask: process-wide, and create() runs in threads
         ctx.extra["socket_fd"] = fd
-        if self.max_ptys and self.disk_quota != "measured":  # root, in the host's mount namespace
+        mounts = self.disk_quota != "measured"  # root, in the host's mount namespace
+        if self.max_ptys and mounts:
             pts = ctx.dir / "pts"
             pts.mkdir(mode=0o755)
             bounds.mount_devpts(pts, self.max_ptys)  # unmounted with the sandbox dir (mount table)
             ctx.extra["devpts"] = str(pts)
+        if mounts:  # /dev/shm, /tmp and the grader's scratch as host-made tmpfs, unmounted with the dir
+            host: Dict[str, str] = {}
+            for name, inside, mb, inodes in (("shm", "/dev/shm", self.shm_size_mb, 0), ("tmp", "/tmp", self.tmp_size_mb, 0),
+                                             ("grade", GRADE_DIR, self.grade_scratch_mb, GRADE_SCRATCH_INODES)):
+                if mb:
+                    p = ctx.dir / name
+                    p.mkdir(mode=0o755)
+                    # one inode per 4 KiB page: every file that holds a byte takes a page anyway, so
+                    # only empty files and dirs meet the bound (millions of them used to fit, at ~1 KiB
+                    # of kernel memory each: bwrap's --size sets no nr_inodes, the kernel's default
+                    # is half the RAM's pages)
+                    bounds.mount_tmpfs(p, mb << 20, *ctx.owner, nr_inodes=inodes or max(1024, (mb << 20) // 4096))
+                    host[inside] = str(p)
+            ctx.extra["host_tmpfs"] = host
 
     def _prepare_dirs(self, ctx: LaunchContext) -> None:
-        if self.run_as is None or os.geteuid() != 0:
+        if os.geteuid() != 0 or ctx.owner[0] == 0:
             return
-        uid, gid = self.run_as
+        uid, gid = ctx.owner
         os.chown(ctx.workspace, uid, gid)
         for dirpath, dirnames, filenames in os.walk(ctx.workspace):
             for name in dirnames + filenames:
@@ -287,11 +326,12 @@ class BwrapRuntime(Runtime):
             lib_dir=str(ctx.lib_dir), binds=spec.binds, network=spec.network, workdir=spec.workdir,
             env=server_env, python=self.python, info_fd=info_w, seccomp_fd=seccomp_r, tmp_size_mb=self.tmp_size_mb,
             shm_size_mb=self.shm_size_mb, devpts=ctx.extra.get("devpts"), disable_userns=self.disable_userns,
+            grade_scratch_mb=self.grade_scratch_mb, host_tmpfs=ctx.extra.get("host_tmpfs"),
         )
         pass_fds = [info_w, ctx.extra["socket_fd"]] + [fd for fd in (ctx.ready_fd, seccomp_r) if fd is not None]
         kw: Dict[str, Any] = {}
         cg_path = cg_fd = None
-        drop = self.run_as if (self.run_as is not None and os.geteuid() == 0) else None
+        drop = ctx.owner if (os.geteuid() == 0 and ctx.owner[0] != 0) else None
         if self.cgroup is not None and (spec.limits.memory_mb or spec.limits.nproc):
             cg_path = self.cgroup.create(ctx.sandbox_id, spec.limits.memory_mb, spec.limits.nproc)
             cg_fd = CgroupV2.open_procs(cg_path)

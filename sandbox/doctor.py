@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from .runtime import MAX_SOCKET_PATH, _remove_sandbox_dir, default_root, free_space, resolve_disk_quota
+from .uids import DEFAULT_UID_RANGE
 
 MIN_FREE_GB = 10.0
 
@@ -70,7 +71,8 @@ def _python() -> Check:
 
 
 def _bwrap(root_dir: Path, deep: bool, disk_quota: str = "auto", shm_size_mb: int = 64,
-           in_root: bool = False, seen: Optional[Dict[str, object]] = None) -> List[Check]:
+           in_root: bool = False, seen: Optional[Dict[str, object]] = None,
+           uid_range: str = DEFAULT_UID_RANGE) -> List[Check]:
     from . import bwrap as bw
 
     out = []
@@ -92,7 +94,7 @@ def _bwrap(root_dir: Path, deep: bool, disk_quota: str = "auto", shm_size_mb: in
             os.chmod(where, 0o711)  # the sandbox uid (nobody, as root) must get through
         try:
             rt = BwrapRuntime(where, ready_timeout=30, disk_quota=disk_quota, shm_size_mb=shm_size_mb,
-                              disk_pool=0)  # one sandbox: filesystems made ahead would go unused
+                              disk_pool=0, uid_range=uid_range)  # one sandbox: filesystems made ahead would go unused
             h = rt.create("doctor", SandboxSpec(loopback=False, limits=Limits(disk_mb=16)))
             try:
                 with ToolClient(h.tool_socket) as c:
@@ -105,6 +107,7 @@ def _bwrap(root_dir: Path, deep: bool, disk_quota: str = "auto", shm_size_mb: in
                     rows = [ln.split() for ln in lines[1:]]
                     seen["df"] = {f[-1]: int(f[1]) for f in rows if len(f) == 6 and f[1].isdigit()}
                     seen["bounds"] = dict(rt._read_state(Path(h.sandbox_dir)) or {}).get("bounds")
+                    seen["uid"] = h.extra.get("uid")
                 out.append(Check("bwrap_sandbox", good, "created in %s, ran `echo ok` through the tool server, destroyed"
                                  % ("the sandbox root" if in_root else "a temporary root (removed)")
                                  if good else "tool server answered %r" % r))
@@ -190,6 +193,42 @@ def _disk_quota(disk_quota: str, seen: Dict[str, object]) -> Check:
     return Check("disk_quota", True, "%s=%s: %s" % (disk_quota, mode, what))
 
 
+def _uids(uid_range: str, seen: Dict[str, object]) -> Check:
+    """One host uid per sandbox (root), or what is shared when every sandbox has the same one."""
+    from .uids import STATE_DIR, parse_uid_range, passwd_uids
+
+    shared = ("so per-uid kernel limits (epoll and inotify watches, inotify instances, pipe pages, "
+              "RLIMIT_NPROC's host count, mqueue bytes, keys) are shared by every sandbox of the node: one "
+              "sandbox can use them up for all (docs/SANDBOX.md \"Round 2: one host uid per sandbox\")")
+    try:
+        span = parse_uid_range(uid_range)
+    except Exception as e:
+        return Check("sandbox_uids", False, str(e))
+    if os.geteuid() != 0:
+        return Check("sandbox_uids", False, "not root: every sandbox runs as uid %d (the daemons'), %s"
+                     % (os.geteuid(), shared), optional=True)
+    if span is None:
+        return Check("sandbox_uids", False, "sandbox.uid_range is off: every sandbox runs as nobody (65534), %s"
+                     % shared, optional=True)
+    first, last = span
+    notes = []
+    named = passwd_uids(first, last)
+    if named:
+        notes.append("%d uid(s) of the range are accounts in /etc/passwd (skipped)" % len(named))
+    for f in ("/etc/subuid", "/etc/subgid"):
+        for line in (_read(f) or "").splitlines():
+            parts = line.split(":")
+            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+                lo, n = int(parts[1]), int(parts[2])
+                if lo <= last and first < lo + n:
+                    notes.append("overlaps %s's range in %s" % (parts[0], f))
+    uid = seen.get("uid")
+    ok = not notes and (uid is None or first <= int(uid) <= last)
+    tested = "; the test sandbox ran as uid %s" % uid if uid is not None else ""
+    return Check("sandbox_uids", ok, "each sandbox runs as a host uid of its own from %d-%d (%d uids, state in %s)%s%s"
+                 % (first, last, last - first + 1, STATE_DIR, tested, ("; " + "; ".join(notes)) if notes else ""))
+
+
 def _apptainer() -> List[Check]:
     from .apptainer import binary_version
 
@@ -261,13 +300,20 @@ def _socket_path(root_dir: Path) -> Check:
     return Check("socket_path", n <= MAX_SOCKET_PATH, "%s is %d bytes (limit %d)" % (example, n, MAX_SOCKET_PATH))
 
 
-def _traversable(root_dir: Path) -> Check:
+def _traversable(root_dir: Path, uid_range: str = DEFAULT_UID_RANGE) -> Check:
     """Every existing directory from / down to the sandbox root must let the sandbox uid
-    through (it is nobody when the daemons run as root); the rest is created traversable."""
+    through (as root: one of the uid range, or nobody); the rest is created traversable."""
     from .bwrap import resolve_run_as
+    from .uids import parse_uid_range
 
     run_as = resolve_run_as("auto")
     uid, gid = run_as if run_as else (os.geteuid(), os.getegid())
+    try:
+        span = parse_uid_range(uid_range)
+    except Exception:
+        span = None
+    if run_as and span:
+        uid = gid = span[0]
     if uid == 0:
         return Check("sandbox_root_traversable", True, "sandboxes run as root here")
     path = Path("/")
@@ -290,10 +336,11 @@ def _traversable(root_dir: Path) -> Check:
 
 
 def check(root_dir: Optional[os.PathLike] = None, deep: bool = True, runtime_dir: Optional[os.PathLike] = None,
-          *, disk_quota: str = "auto", shm_size_mb: int = 64, in_root: bool = False) -> List[Check]:
+          *, disk_quota: str = "auto", shm_size_mb: int = 64, in_root: bool = False,
+          uid_range: str = DEFAULT_UID_RANGE) -> List[Check]:
     """Creates nothing that outlives it unless in_root (then the full start runs in root_dir)."""
     root = Path(root_dir or default_root())
-    checks = [_python(), _userns(), _traversable(root)]
+    checks = [_python(), _userns(), _traversable(root, uid_range)]
     if runtime_dir is not None:
         rt, sb = Path(runtime_dir).resolve(), root.resolve()
         nested = rt == sb or rt in sb.parents or sb in rt.parents
@@ -301,8 +348,8 @@ def check(root_dir: Optional[os.PathLike] = None, deep: bool = True, runtime_dir
             rt, sb, "nest: set [sandbox] root_dir or --runtime-dir so neither contains the other" if nested
             else "are apart")))
     seen: Dict[str, object] = {}
-    checks += _bwrap(root, deep, disk_quota, shm_size_mb, in_root, seen)
-    checks += [_ptrace(seen, deep), _shm(shm_size_mb, seen), _disk_quota(disk_quota, seen)]
+    checks += _bwrap(root, deep, disk_quota, shm_size_mb, in_root, seen, uid_range)
+    checks += [_ptrace(seen, deep), _shm(shm_size_mb, seen), _disk_quota(disk_quota, seen), _uids(uid_range, seen)]
     checks += _apptainer()
     checks += [_fakeroot(), _cgroup(), _disk(root), _socket_path(root)]
     bw_ok = all(c.ok for c in checks if c.name in ("bwrap", "bwrap_unshare_all", "bwrap_sandbox", "host_python3"))
@@ -343,7 +390,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     root = ns.root_dir or cfg.sandbox_root()
     sb = cfg.section("sandbox")
     checks = check(root, deep=not ns.quick, runtime_dir=cfg.runtime_dir, disk_quota=sb["disk_quota"],
-                   shm_size_mb=int(sb["shm_size_mb"]), in_root=ns.in_root)
+                   shm_size_mb=int(sb["shm_size_mb"]), in_root=ns.in_root, uid_range=sb["uid_range"])
     checks += disk_checks({"sandboxes": root, "images": ns.images_dir, "journal": cfg.section("gateway")["journal"]},
                           float(cfg.section("sandbox")["disk_low_mb"]))
     if ns.json:

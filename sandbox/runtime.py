@@ -9,6 +9,7 @@ Layout under root_dir (one dir per sandbox, the source of truth for the janitor)
   sb/<sandbox_id>/log          stderr of the runtime and the tool server
   lib/<hash>/                  tool server + ptyprocess, mounted read-only (toollib.py)
   loopback.json/.lock          the loopback allocator
+  /run/rolloutd-uids/          as root: the node's uid allocator, one host uid per sandbox (uids.py)
 A subclass provides _launch (start processes), _kill (stop them) and _inside (paths as the
 tool server sees them).
 """
@@ -35,6 +36,7 @@ from .client import ToolClient
 from .errors import SandboxError, SandboxNoSpace, SandboxSpecError, SandboxStartError, ToolTransportError
 from .log import log
 from .loopback import LoopbackAllocator
+from .uids import UidAllocator
 from .spec import SandboxHandle, SandboxSpec
 
 # sockaddr_un.sun_path is 108 bytes including the NUL.
@@ -66,6 +68,7 @@ class LaunchContext:
     loopback: Optional[str]
     deadline: Optional[float]
     lib_dir: Path
+    owner: Tuple[int, int]          # host uid/gid the sandbox runs as
     ready_fd: Optional[int] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
@@ -107,6 +110,7 @@ class Runtime(abc.ABC):
         first, last = tuple(loopback_range)
         self.loopback = LoopbackAllocator(self.root_dir, first, last)
         self._children: Dict[str, subprocess.Popen] = {}
+        self.uids: Optional[UidAllocator] = None  # one host uid per sandbox (bwrap as root sets it)
         self.disk_quota, self.disk_quota_reason = resolve_disk_quota(disk_quota)
         # Loop workspaces made ahead of demand, `disk_pool` of each recent size (0: off). Only a
         # runtime that creates loop sandboxes ever fills it; closed with the runtime.
@@ -144,13 +148,24 @@ class Runtime(abc.ABC):
         return 0
 
     def _owner(self) -> Tuple[int, int]:
-        """uid/gid the sandbox's processes run as (owner of the mounted workspace)."""
+        """uid/gid the sandbox's processes run as when they do not get one of their own."""
         return os.geteuid(), os.getegid()
 
-    def _bound_dirs(self, d: Path, disk_mb: Optional[float]) -> Dict[str, str]:
+    def _sandbox_owner(self, sid: str, d: Path) -> Tuple[int, int]:
+        """This sandbox's uid/gid (owner of the mounted workspace): its own from the node's uid
+        range where the runtime has one (held while d exists), else the runtime's."""
+        if self.uids is None:
+            return self._owner()
+        uid = self.uids.allocate(sid, d)
+        return uid, uid
+
+    def _bound_dirs(self, d: Path, disk_mb: Optional[float], owner: Tuple[int, int]) -> Dict[str, str]:
         """Mount the hard bounds (root): the workspace on an image/tmpfs of disk_mb, a writable run
         dir on a tiny tmpfs. Returns how each writable host dir is bounded (kept in state.json)."""
-        uid, gid = self._owner()
+        uid, gid = owner
+        # With a uid per sandbox, images are made root-owned (one template and pool kind for all
+        # sandboxes of a size) and the workspace root is given to the sandbox once mounted.
+        iuid, igid = (0, 0) if self.uids is not None else owner
         out = {"workspace": "none" if not disk_mb else "measured",
                "run": "read-only" if self.run_dir_read_only else "measured"}
         if self.disk_quota == "measured":
@@ -159,10 +174,12 @@ class Runtime(abc.ABC):
             size = int(float(disk_mb) * 2**20) // 4096 * 4096
             mode = "tmpfs" if size < bounds.MIN_IMAGE_BYTES else self.disk_quota  # a few MB of RAM at most
             if mode == "loop":  # made ahead by the pool when it has one of this kind, else here
-                ready = self._disk_pool.take(size, uid, gid) if self._disk_pool is not None else None
+                ready = self._disk_pool.take(size, iuid, igid) if self._disk_pool is not None else None
                 if ready is None:
-                    ready = bounds.prepare_ext4(self.root_dir / "disk-templates", size, uid, gid, image=d / "disk.img")
+                    ready = bounds.prepare_ext4(self.root_dir / "disk-templates", size, iuid, igid, image=d / "disk.img")
                 ready.install(d / "workspace", d / "disk.img")
+                if (iuid, igid) != (uid, gid):
+                    os.chown(d / "workspace", uid, gid)
             else:
                 bounds.mount_tmpfs(d / "workspace", size, uid, gid, nr_inodes=max(1024, size // 16384))
             out["workspace"] = mode
@@ -189,17 +206,23 @@ class Runtime(abc.ABC):
         d.mkdir(mode=0o755)
         _chmod_traversable(d)
         sock = d / "run" / "tool.sock"
+        try:
+            owner = self._sandbox_owner(sid, d)
+        except BaseException:
+            _rmtree(d)
+            raise
         state: Dict[str, Any] = {
             "status": "starting", "runtime": self.name, "job_id": job_id, "sandbox_id": sid,
             "created_at": time.time(), "creator_pid": os.getpid(),
             "creator_start": procs.start_time(os.getpid()), "pids": [], "extra": {},
             "workspace": str(d / "workspace"), "tool_socket": str(sock), "loopback": None, "deadline": None,
-            "disk_mb": spec.limits.disk_mb, "bounds": {},
+            "disk_mb": spec.limits.disk_mb, "bounds": {}, "owner": list(owner), "own_uid": self.uids is not None,
         }
         try:
             self._write_state(d, state)
         except OSError as e:  # a full sandbox root: leave nothing half-made behind
             _rmtree(d)
+            self._release_uid(d, state)
             raise _start_error(self.name, job_id, self.root_dir, e) from e
         ready_r = ready_w = None
         ctx: Optional[LaunchContext] = None
@@ -210,7 +233,7 @@ class Runtime(abc.ABC):
             for sub in ("workspace", "run"):
                 (d / sub).mkdir(mode=0o755)
             # Before any file lands there; unmounted by destroy/reap from the mount table alone.
-            state["bounds"] = self._bound_dirs(d, spec.limits.disk_mb)
+            state["bounds"] = self._bound_dirs(d, spec.limits.disk_mb, owner)
             self._write_workspace(d / "workspace", spec.workspace_files)
             if spec.loopback:
                 state["loopback"] = self.loopback.allocate(sid, path=str(d))
@@ -222,7 +245,7 @@ class Runtime(abc.ABC):
             ctx = LaunchContext(
                 sandbox_id=sid, job_id=job_id, spec=spec, dir=d, workspace=d / "workspace", run_dir=d / "run",
                 log_path=d / "log", config_path=d / "run" / "config.json", loopback=state["loopback"],
-                deadline=state["deadline"], lib_dir=toollib.prepare(self.root_dir), ready_fd=ready_w,
+                deadline=state["deadline"], lib_dir=toollib.prepare(self.root_dir), owner=owner, ready_fd=ready_w,
                 extra={"bounds": state["bounds"]},
             )
             self._pre_launch(ctx)
@@ -324,6 +347,8 @@ class Runtime(abc.ABC):
                 log.info("sandbox_reaped", job_id=state.get("job_id"), sandbox_id=d.name, runtime=self.name, reason=why)
                 reaped.append(str(state.get("job_id")))
         self.loopback.reclaim_stale()
+        if self.uids is not None:
+            self.uids.reclaim_stale()
         self._poll_children()
         return reaped
 
@@ -393,6 +418,13 @@ class Runtime(abc.ABC):
             _remove_sandbox_dir(d)
             if state.get("loopback"):
                 self.loopback.release(state["loopback"], owner=str(state.get("sandbox_id")))
+            self._release_uid(d, state)
+
+    def _release_uid(self, d: Path, state: Dict[str, Any]) -> None:
+        # Only once its dir (the workspace it owns) is gone: a dir left behind (a mount that would
+        # not go) keeps the uid held until the janitor removes it and reclaims it as stale.
+        if state.get("own_uid") and self.uids is not None and state.get("owner") and not d.exists():
+            self.uids.release(int(state["owner"][0]), owner=str(state.get("sandbox_id")))
 
     def _poll_children(self) -> None:
         # Reap exited launchers we are the parent of (sandboxes killed by their watchdog).
@@ -464,6 +496,7 @@ class Runtime(abc.ABC):
             "apply_nproc": self.nproc_scoped, "max_output": self.max_output,
             "default_timeout": self.default_timeout, "interrupt_grace": self.interrupt_grace,
             "deadline": ctx.deadline, "ready_fd": ctx.ready_fd, "sandbox_id": ctx.sandbox_id, "job_id": ctx.job_id,
+            "grade_scratch": inside.get("grade_scratch"),
         }
         if ctx.extra.get("socket_fd") is not None:
             cfg["socket_fd"] = ctx.extra["socket_fd"]

@@ -520,7 +520,8 @@ class ToolServer:
             import shutil
             import tempfile
 
-            env["HOME"] = tempfile.mkdtemp(prefix=".rolloutd-grade-", dir=_grade_home_parent())
+            env["HOME"] = tempfile.mkdtemp(prefix=".rolloutd-grade-", dir=_grade_home_parent(self.cfg.get("grade_scratch")))
+            env.setdefault("TMPDIR", env["HOME"])
             env.setdefault("PYTHONNOUSERSITE", "1")
             # Bytecode only from a cache no agent process wrote: a planted __pycache__/*.pyc whose
             # header matches a restored source's mtime and size would otherwise run instead of it.
@@ -565,10 +566,15 @@ def _encode(resp: Dict[str, Any]) -> bytes:
                              id=resp.get("id") if isinstance(resp.get("id"), (int, str)) else None))
 
 
-def _grade_home_parent() -> Optional[str]:
-    """Where the grader's fresh HOME is made: /tmp, given back its mode first. The agent (our uid)
-    owns /tmp and may have made it read-only (`chmod 555 /tmp`); after the purge no agent process
-    is left to change it again. A /tmp we cannot fix (not ours: the local runtime) is left alone."""
+def _grade_home_parent(scratch: Optional[str] = None) -> Optional[str]:
+    """Where the grader's fresh HOME is made: the grader's scratch mount where the runtime made one
+    (bwrap: an agent that fills /tmp, bytes or inodes, cannot stop grading), emptied first; else
+    /tmp, given back its mode first. The agent (our uid) owns both and may have filled them or made
+    them read-only (`chmod 555 /tmp`); after the purge no agent process is left to do it again. A
+    /tmp we cannot fix (not ours: the local runtime) is left alone."""
+    if scratch and os.path.isdir(scratch):
+        _empty_dir(scratch)
+        return scratch
     if not os.path.isdir("/tmp"):
         return None
     try:
@@ -579,6 +585,62 @@ def _grade_home_parent() -> Optional[str]:
     except OSError:
         pass
     return "/tmp"
+
+
+def _empty_dir(top: str) -> None:
+    """Delete everything under top, never following a symlink, at any depth, with one directory
+    fd open at a time (an agent's 10,000-deep tree must not recurse or run out of fds); dirs the
+    agent made unreadable are given back their mode first. Errors leave an entry behind."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        os.chmod(top, 0o755)
+        fd = os.open(top, flags)
+    except OSError:
+        return
+    stack = []  # (name of the current dir in its parent, subdirs of the parent still to empty)
+
+    def scan(dfd: int) -> list:
+        subdirs = []
+        try:  # lazily: a rootless scratch may hold millions of entries
+            with os.scandir(dfd) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            subdirs.append(e.name)
+                        else:
+                            os.unlink(e.name, dir_fd=dfd)
+                    except OSError:
+                        pass
+        except OSError:
+            pass
+        return subdirs
+
+    try:
+        pending = scan(fd)
+        while True:
+            if pending:
+                name = pending.pop()
+                try:
+                    os.chmod(name, 0o700, dir_fd=fd)
+                    child = os.open(name, flags, dir_fd=fd)
+                except OSError:
+                    continue
+                stack.append((name, pending))
+                os.close(fd)
+                fd, pending = child, scan(child)
+            elif stack:
+                parent = os.open("..", flags, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                name, pending = stack.pop()
+                try:
+                    os.rmdir(name, dir_fd=fd)
+                except OSError:
+                    pass
+            else:
+                break
+    finally:
+        os.close(fd)
 
 
 def main(argv=None) -> int:

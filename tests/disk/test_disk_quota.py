@@ -20,6 +20,8 @@ from rolloutd.sandbox.spec import SandboxSpecError
 
 from tests.conftest import alive, remove_tree as _remove_tree, short_tmpdir
 
+HOST_MOUNTS = ["grade", "pts", "shm", "tmp", "workspace"]  # what a bwrap sandbox mounts on the host as root
+
 
 def remove_tree(root) -> None:
     """Reap and unmount first: a test that failed midway may leave a sandbox (and, as root, its
@@ -158,8 +160,9 @@ def test_destroy_and_reap_unmount_even_after_a_crash(bwrap_required):
     try:
         rt = get_runtime("bwrap", root_dir=root, ready_timeout=20.0)
         h = rt.create("5.1", SandboxSpec(limits=Limits(disk_mb=8)))
-        # the workspace image and, as root, the sandbox's own devpts instance (run/ is read-only)
-        assert sorted(os.path.basename(m) for m in bounds.mounts_under(h.sandbox_dir)) == ["pts", "workspace"]
+        # the workspace image and, as root, the sandbox's own devpts instance and tmpfs (/tmp, /dev/shm,
+        # the grader's scratch; run/ is read-only)
+        assert sorted(os.path.basename(m) for m in bounds.mounts_under(h.sandbox_dir)) == HOST_MOUNTS
         rt.destroy(h)
         assert not bounds.mounts_under(root) and not os.path.exists(h.sandbox_dir)
         # a dir left by a create() that died after mounting, before its first state write
@@ -231,7 +234,7 @@ def test_a_killed_creator_leaves_no_pooled_loop_device_or_image(bwrap_required):
         # the sandbox's image (named, mounted) and the two pooled ones (nameless, mounted nowhere)
         held = loop_backing_files(root)
         assert len(held) == 3 and sum(p.endswith(" (deleted)") for p in held) == 2, held
-        assert sorted(bounds.mounts_under(root)) == [os.path.join(info["sandbox_dir"], m) for m in ("pts", "workspace")]
+        assert sorted(bounds.mounts_under(root)) == [os.path.join(info["sandbox_dir"], m) for m in HOST_MOUNTS]
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
         wait_for(lambda: len(loop_backing_files(root)) == 1, 30, "the pooled loop devices to go with their holder")

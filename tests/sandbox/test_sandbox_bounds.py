@@ -20,7 +20,7 @@ from tests.conftest import require_bwrap
 from tests.sandbox.conftest import Tracker, _make
 
 MB = 1 << 20
-DISK_MB, TMP_MB, SHM_MB = 8, 16, 4
+DISK_MB, TMP_MB, SHM_MB, GRADE_MB = 8, 16, 4, 8
 SLACK = 4 * MB           # the probe writes this far past a bound before giving up
 UNKNOWN_CAP = 64 * MB    # enough to show a path is unbounded without filling the host
 
@@ -74,7 +74,7 @@ def _q(s: str) -> str:
 @pytest.fixture
 def bounded_rt(short_root):
     require_bwrap()
-    t = Tracker(_make("bwrap", short_root, tmp_size_mb=TMP_MB, shm_size_mb=SHM_MB))
+    t = Tracker(_make("bwrap", short_root, tmp_size_mb=TMP_MB, shm_size_mb=SHM_MB, grade_scratch_mb=GRADE_MB))
     if os.environ.get("ROLLOUTD_TEST_STRICT") == "1" and os.geteuid() == 0:  # CI: the hard bound must be in use
         assert t.rt.disk_quota == "loop", "ROLLOUTD_TEST_STRICT=1 as root, but %s" % t.rt.disk_quota_reason
     yield t
@@ -84,7 +84,8 @@ def bounded_rt(short_root):
 def test_every_writable_mount_is_known_and_bounded(bounded_rt):
     t = bounded_rt
     h = t.create("walk", SandboxSpec(limits=Limits(disk_mb=DISK_MB)))
-    known = {"/workspace": DISK_MB * MB, "/tmp": TMP_MB * MB, "/dev/shm": SHM_MB * MB}
+    known = {"/workspace": DISK_MB * MB, "/tmp": TMP_MB * MB, "/dev/shm": SHM_MB * MB,
+             "/run/rolloutd-grade": GRADE_MB * MB}  # the grader's scratch (emptied by grade after the purge)
     caps = {mp: b + SLACK for mp, b in known.items()}
     caps["*"] = UNKNOWN_CAP
     hard = getattr(t.rt, "disk_quota", "measured") in ("loop", "tmpfs")
@@ -93,7 +94,7 @@ def test_every_writable_mount_is_known_and_bounded(bounded_rt):
     unknown = {mp: r for mp, r in res.items() if mp not in known}
     assert not unknown, "writable paths the sandbox's bounds do not cover: %s" % unknown
     assert set(res) == set(known), res  # each known path is writable (else the walk proves nothing)
-    for mp in ("/tmp", "/dev/shm"):
+    for mp in ("/tmp", "/dev/shm", "/run/rolloutd-grade"):
         assert res[mp]["error"] == "ENOSPC" and res[mp]["written"] <= known[mp], (mp, res[mp])
     ws = res["/workspace"]
     if hard:
@@ -206,8 +207,9 @@ def test_measured_fallback_counts_deleted_files_held_open_and_denies_fallocate(s
 
 def test_pooled_workspaces_have_their_own_size_and_start_empty(bounded_rt):
     """As root the loop workspaces come from a pool made ahead of demand (bounds.WorkspacePool),
-    one queue per (size, owner): a sandbox must get an empty filesystem of exactly its own
-    disk_mb, owned by the sandbox uid, even when sizes alternate, and the bound must hold."""
+    one queue per (size, owner; root-owned where each sandbox has a uid of its own): a sandbox must
+    get an empty filesystem of exactly its own disk_mb, owned by the sandbox's uid, even when sizes
+    alternate, and the bound must hold."""
     from tests.conftest import wait_for
 
     t = bounded_rt
@@ -225,7 +227,7 @@ def test_pooled_workspaces_have_their_own_size_and_start_empty(bounded_rt):
         size, listing, owner, rest = r.output.split("\n", 3)
         blocks, bsize = map(int, size.split())
         assert (mb - 1) * MB < blocks * bsize <= mb * MB, r.output  # its own size, less ext4's metadata
-        assert (listing, int(owner)) == ("task.md", t.rt._owner()[0]), r.output
+        assert (listing, int(owner)) == ("task.md", h.extra["uid"]), r.output
         assert "No space left on device" in rest and "rc=1" in rest, r.output
         assert os.stat(os.path.join(h.sandbox_dir, "disk.img")).st_blocks * 512 <= mb * MB
         t.rt.destroy(h)
