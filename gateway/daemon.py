@@ -144,7 +144,9 @@ class Gateway(Daemon):
             self._error(route, codec.peek_req_id(rest), "too_large", f"request of {size} bytes exceeds the limit of {self.gcfg['max_request_bytes']}")
             return
         try:
-            msg = from_wire(codec.decode(rest), expect=CLIENT_REQUESTS)
+            header = codec.decode(rest)
+            self._check_counts(header)
+            msg = from_wire(header, expect=CLIENT_REQUESTS)
         except (codec.CodecError, MessageError) as e:
             self.malformed["requests"] += 1  # req_id read only here: a second decode of every request cost time
             self._error(route, codec.peek_req_id(rest), getattr(e, "code", "malformed"), str(e))
@@ -162,6 +164,22 @@ class Gateway(Daemon):
             for r, frames in self.replies[held:]:
                 self.front.send_multipart(r + frames, copy=False)
             del self.replies[held:]
+
+    def _check_counts(self, header):
+        """Refuse a cancel naming more than ``max_request_ids`` jobs or a submit of more than
+        ``max_request_jobs`` tasks before their fields are checked one by one (1,000,000 ids cost
+        ~100 ms to check); the sum of a submit's ``n`` is bounded in ``_op_submit``."""
+        if not isinstance(header, dict) or header.get("v") != PROTOCOL_VERSION:
+            return  # from_wire says what is wrong with it
+        kind, cap = header.get("kind"), None
+        if kind == "cancel":
+            field, items, cap = "cancel.job_ids", header.get("job_ids"), int(self.gcfg["max_request_ids"])
+        elif kind == "submit":
+            field, items, cap = "submit.tasks", header.get("tasks"), int(self.gcfg["max_request_jobs"])
+        if cap is not None and isinstance(items, list) and len(items) > cap:
+            raise MessageError("invalid", f"{field} has {len(items)} entries; at most {cap} per request "
+                               f"(gateway.{'max_request_ids' if kind == 'cancel' else 'max_request_jobs'}): "
+                               "split it over several requests")
 
     def _reply(self, route, req_id: int, **body):
         frames = codec.encode(Reply(req_id=req_id, body=body).to_wire())
@@ -207,6 +225,10 @@ class Gateway(Daemon):
         if key and key in self.table.idem:
             self._reply(route, msg.req_id, job_ids=self.table.idem[key], duplicate=True)
             return
+        cap, n = int(self.gcfg["max_request_jobs"]), sum(t.get("n", 1) for t in msg.tasks)
+        if n > cap:
+            raise MessageError("invalid", f"submit would create {n} jobs (the sum of its tasks' n); at most {cap} per "
+                               "request (gateway.max_request_jobs): split the tasks over several submits")
         for i, t in enumerate(msg.tasks):
             if t["handler"] not in self.handlers:
                 raise MessageError("unknown_handler", f"tasks[{i}]: no handler named {t['handler']!r}; "
@@ -248,6 +270,7 @@ class Gateway(Daemon):
         acked = self.table.ack(msg.client_id, msg.after)
         if acked:
             self.journal.ack(msg.client_id, msg.after)
+        msg.max_results = min(msg.max_results, int(self.gcfg["max_poll_results"]))
         recs = self.table.ready_after(msg.client_id, msg.after, msg.max_results)
         if recs or msg.wait_s <= 0 or self.table.client(msg.client_id).pending == 0:
             self._poll_reply(route, msg, recs)
@@ -284,18 +307,24 @@ class Gateway(Daemon):
         """Idempotent: the answer is the job's outcome, not what this call did, so a retried
         cancel says the same (or, once the job finished, what it finished as)."""
         self._refuse_if_journal_full()
+        cap = int(self.gcfg["max_request_ids"])
+        if len(msg.job_ids) > cap:
+            raise MessageError("invalid", f"cancel.job_ids names {len(msg.job_ids)} jobs; at most {cap} per request "
+                               "(gateway.max_request_ids): send them in several cancels")
         out, outcome = {}, {}
         to_broadcast = []
+        jobs = self.table.jobs
+        # Unknown here: its result was delivered and acknowledged (or dropped unclaimed), or it never existed.
+        journalled = self.journal.job_states([j for j in msg.job_ids if j not in jobs])
         for jid in msg.job_ids:
             key = str(jid)
-            rec = self.table.jobs.get(jid)
+            rec = jobs.get(jid)
             if rec is None:
-                # Its result was delivered and acknowledged (or dropped unclaimed), or it never existed.
-                known = self.journal.job_state(jid) in ("acked", "dropped")
-                out[key] = "already_finished" if known else "not_found"
+                out[key] = "already_finished" if journalled.get(jid) in ("acked", "dropped") else "not_found"
                 continue
             if rec.state == "queued":
-                self.table.queue.remove(jid)
+                # Left in the queue: _dispatch skips what is no longer queued (deque.remove walked
+                # the whole queue per job: O(cancelled x queued)).
                 self._finish_locally(rec, "cancelled", "queue", "JobCancelled", "cancelled while queued in the gateway")
             if rec.state == "done":
                 status = self._status_of(rec)
@@ -720,6 +749,11 @@ class Gateway(Daemon):
             if t.valid and now - hb_seen.get(who, 0.0) > lease and not self._busy(who, wall):  # no complete
                 # heartbeat for a whole lease (a busy holder keeps its jobs until daemon_hung_s)
                 self._unvouch(f"{who}#{t.incarnation}", t.jobs.items(), hb_seen.get(who, 0.0))
+        # A busy holder (its loop stalled) cannot list what it took just before the stall: a job
+        # unlisted since then may be in its slot, so its lease waits for that holder's next
+        # complete heartbeat (or for it to be judged hung or dead: then its jobs come back).
+        busy = [hb_seen.get(who, 0.0) for who in self.held if self._busy(who, wall)]
+        busy_since = min(busy) - float(self.dcfg["heartbeat_s"]) if busy else float("inf")
         jobs = self.table.jobs
         for jid in list(unvouched):
             rec = jobs.get(jid)
@@ -734,7 +768,7 @@ class Gateway(Daemon):
                     unvouched.discard(jid)  # a current holder lists it: its heartbeats renew it
                     continue
                 rec.last_seen = max(rec.last_seen, seen)
-            if now - rec.last_seen > lease:
+            if now - rec.last_seen > lease and rec.last_seen < busy_since:
                 self._redispatch(jid, rec.attempt, f"unseen in any heartbeat for {lease:.0f}s")
 
     def _expire_clients(self, wall: float):
