@@ -334,6 +334,8 @@ class AddLLMServer(Message):
         _http_url("add_llm_server.address", self.address)
         _positive("capacity", self.capacity)
         _positive("weight", self.weight, allow_zero=False)
+        if self.policy_version < 0:  # versions count checkpoints; staleness is a difference of them
+            raise MessageError("invalid", f"add_llm_server.policy_version must be >= 0, got {self.policy_version}")
 
 
 @message("clear_llm_server")
