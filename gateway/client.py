@@ -22,7 +22,7 @@ from rolloutd.bus.sockets import Sockets
 
 # The gateway's default bounds on work per request (docs/PROTOCOL.md, "Bounds"): larger calls are split.
 SUBMIT_JOBS = 4096
-CANCEL_IDS = 1000
+CANCEL_IDS = 10000
 
 
 class GatewayError(RuntimeError):
