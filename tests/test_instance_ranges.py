@@ -44,3 +44,27 @@ def test_a_negative_policy_version_is_refused_by_the_gateway_and_the_router(shar
         reply = codec.decode(frames[1:])
     assert reply["kind"] == "error" and reply["code"] == "invalid" and reply["req_id"] == 5, reply
     assert "policy_version" in reply["message"]
+
+
+SAMPLING_BAD = [{"max_tokens": -5}, {"max_tokens": 10**18}, {"temperature": float("nan")},
+                {"top_p": 1.5}, {"top_k": "5"}, {"stop_token_ids": [-1]}]
+
+
+def test_sampling_numbers_out_of_range_fail_the_job_before_any_llm_call(shared_up, backends):
+    b = backends()
+    with shared_up.client() as c:
+        c.add_backend(b.url, policy_version=0)
+        try:
+            tasks = [{"handler": "toy", "instance": {"prompt_ids": [1, 2, 3], "target_ids": [1], "sampling": sp},
+                      "timeout_s": 60}
+                     for sp in SAMPLING_BAD + [{"max_tokens": 2, "temperature": 0.5}]]
+            ids = c.submit(tasks)
+            got = {r["job_id"]: r for r in c.gather(ids, timeout_s=90)}
+        finally:
+            c.clear_backends()
+    for jid, sp in zip(ids, SAMPLING_BAD):
+        r = got[jid]
+        assert r["status"] == "failed" and r["error"]["type"] == "InstanceError", (sp, r["status"], r["error"])
+        assert f"sampling.{next(iter(sp))}" in r["error"]["message"], r["error"]
+    assert got[ids[-1]]["status"] == "ok", got[ids[-1]]["error"]  # in range: sampled as before
+    assert b.stats["requests"] == 1  # the refused ones never reached the backend
