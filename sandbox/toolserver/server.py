@@ -424,6 +424,7 @@ class ToolServer:
             "bash_restarts": self.bash.restarts if self.bash else 0,
             "python_restarts": self.python.restarts if self.python else 0,
             "abandoned": self.abandoned, "hardened": self.hardened, "refused_inside": self.refused_inside,
+            "unreported": sum(len(t.unreported) for t in (self.bash, self.python) if t),  # notes of unread replies
         }
         return result(output="pong", exit_code=0, info=info)
 
