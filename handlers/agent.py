@@ -106,7 +106,7 @@ class ToolAgentHandler(AgentHandler):
         # keep|drop, and the parser of the tokenizer's family unless one is configured
         opt = lambda k, d=None: ctx.instance.get(k, self.config.get(k, d))  # noqa: E731
         conv = ctx.conversation = Conversation(tok, self.messages(ctx), tools=specs or None,
-                                               max_context=int(ctx.instance.get("max_context", self.max_context)),
+                                               max_context=instance_int(ctx.instance, "max_context", self.max_context),
                                                template_kwargs=opt("template_kwargs"), reasoning=opt("reasoning", "keep"))
         fam = conv.renderer.family
         parser = self.config.get("parser") or (fam.parser if fam is not None and self.parser == "hermes" else self.parser)
@@ -126,7 +126,7 @@ class ToolAgentHandler(AgentHandler):
 
         try:
             res = await run_agent_loop(ctx.llm, conv, get_parser(parser), execute, params,
-                                       int(ctx.instance.get("max_turns", self.max_turns)), tok,
+                                       instance_int(ctx.instance, "max_turns", self.max_turns), tok,
                                        tool_timeout=self.tool_timeout_s + 10)
         finally:
             if client is not None:
@@ -159,9 +159,19 @@ def instance_number(where: str, v, lo: float, hi: float, integer: bool):
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (not integer or isinstance(v, int) or
                                                                       (isinstance(v, float) and v.is_integer()))
     if not ok or not lo <= v <= hi:  # NaN fails both comparisons
-        raise InstanceError(f"instance {where} is {v!r}; expected {'an integer' if integer else 'a number'} "
-                            f"in [{lo:g}, {hi:g}]")
+        span = f"[{lo}, {hi}]" if integer else f"[{lo:g}, {hi:g}]"
+        raise InstanceError(f"instance {where} is {v!r}; expected {'an integer' if integer else 'a number'} in {span}")
     return int(v) if integer else float(v)
+
+
+# Other instance numbers of the agent handlers (and dialogue): (low, high)
+INT_RANGES = {"max_context": (1, 1 << 21), "max_turns": (1, 10000)}
+
+
+def instance_int(instance: dict, key: str, default: int) -> int:
+    """``instance[key]`` (``default`` when absent) checked against INT_RANGES."""
+    v = instance.get(key)
+    return int(default) if v is None else instance_number(key, v, *INT_RANGES[key], True)
 
 
 def sampling_map(instance: dict) -> dict:

@@ -50,18 +50,25 @@ SAMPLING_BAD = [{"max_tokens": -5}, {"max_tokens": 10**18}, {"temperature": floa
                 {"top_p": 1.5}, {"top_k": "5"}, {"stop_token_ids": [-1]}]
 
 
-def test_sampling_numbers_out_of_range_fail_the_job_before_any_llm_call(shared_up, backends):
+def test_sampling_numbers_out_of_range_fail_the_job_before_any_llm_call(shared_up, backends, tiny_tokenizer_dir):
     b = backends()
+    dialogue = {"messages": [{"role": "user", "content": "hi"}], "tokenizer": str(tiny_tokenizer_dir)}
     with shared_up.client() as c:
         c.add_backend(b.url, policy_version=0)
         try:
             tasks = [{"handler": "toy", "instance": {"prompt_ids": [1, 2, 3], "target_ids": [1], "sampling": sp},
                       "timeout_s": 60}
                      for sp in SAMPLING_BAD + [{"max_tokens": 2, "temperature": 0.5}]]
+            extra = c.submit([{"handler": "dialogue", "instance": dict(dialogue, max_context=v), "timeout_s": 60}
+                              for v in (0, "4096", 10**12)])
             ids = c.submit(tasks)
-            got = {r["job_id"]: r for r in c.gather(ids, timeout_s=90)}
+            got = {r["job_id"]: r for r in c.gather(ids + extra, timeout_s=90)}
         finally:
             c.clear_backends()
+    for jid in extra:
+        r = got[jid]
+        assert r["status"] == "failed" and r["error"]["type"] == "InstanceError", (r["status"], r["error"])
+        assert "max_context" in r["error"]["message"], r["error"]
     for jid, sp in zip(ids, SAMPLING_BAD):
         r = got[jid]
         assert r["status"] == "failed" and r["error"]["type"] == "InstanceError", (sp, r["status"], r["error"])
