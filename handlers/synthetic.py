@@ -65,7 +65,7 @@ def _range(key: str, path: str) -> tuple[float, float]:
             return (-50.0, math.log(MAX_LATENCY_S)) if leaf == "mu" else (0.0, 5.0)
         return 0.0, MAX_LATENCY_S  # a bare latency, value, low, high, scale
     if key == "llm_calls":
-        return 0.0, 1000.0
+        return 0.0, 1e6
     if key in ("max_tokens", "prompt_len"):
         return 1.0, 1 << 20
     return -_INF, _INF  # reward (finite), seed
