@@ -11,6 +11,7 @@ bound of docs/PROTOCOL.md ("Bounds") lets through, plus the refused ones just ov
 """
 from __future__ import annotations
 
+import shutil
 import statistics
 import sys
 import tempfile
@@ -30,7 +31,15 @@ def main() -> None:
     gen = _up_factory()
     make = next(gen)
     j = tempfile.mkdtemp(prefix="rd-bench-gw-")
-    up = make(f"gateway.journal={j}/journal.db")
+    try:
+        run(make(f"gateway.journal={j}/journal.db"))
+    finally:  # rolloutd up stopped and its directories removed, whatever broke
+        for _ in gen:
+            pass
+        shutil.rmtree(j, ignore_errors=True)
+
+
+def run(up) -> None:
     lat: list[tuple[float, float]] = []
     stop = threading.Event()
 
@@ -88,8 +97,6 @@ def main() -> None:
         worst("start", lambda: c.resume())
     stop.set()
     th.join()
-    for _ in gen:
-        pass
 
 
 if __name__ == "__main__":
