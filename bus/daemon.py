@@ -93,8 +93,7 @@ class Daemon:
             self.log.info("daemon_started", pid=os.getpid(), incarnation=self.incarnation)
             self.events.publish("daemon.started", incarnation=self.incarnation)
             hb = asyncio.create_task(self._heartbeats())
-            alive = threading.Thread(target=self._liveness, args=(Publisher(self.sockets, self.name, self.node),
-                                                                  alive_stop), name="liveness", daemon=True)
+            alive = threading.Thread(target=self._liveness, args=(alive_stop,), name="liveness", daemon=True)
             alive.start()
             await self.serve()
         except Exception as e:  # noqa: BLE001 - the death notice must go out whatever broke
@@ -118,16 +117,31 @@ class Daemon:
             self.sockets.close()
         return rc
 
-    def _liveness(self, pub: Publisher, stop: threading.Event):
-        """A thread apart from the loop, with its own PUB socket: while the loop's heartbeat is
-        late (the loop is busy: a long callback, a GIL-holding call), it publishes
-        ``daemon.busy`` with the loop's lag, so the gateway can tell a busy daemon from a dead
-        one (docs/RELIABILITY.md). A stopped or hung process sends nothing at all."""
+    def _liveness(self, stop: threading.Event):
+        """A thread apart from the loop: while the loop's heartbeat is late (the loop is busy: a
+        long callback, a GIL-holding call), it publishes ``daemon.busy`` with the loop's lag, so
+        the gateway can tell a busy daemon from a dead one (docs/RELIABILITY.md). A stopped or
+        hung process sends nothing at all.
+
+        It owns a sync context and PUB socket, made and closed in this thread: the daemon's
+        sockets are asyncio ones, bound to the loop's thread (used from here they raised "There
+        is no current event loop in thread 'liveness'" and the thread died unseen, issue 38)."""
         period = float(self.dcfg["heartbeat_s"])
-        while not stop.wait(period):
-            lag = time.monotonic() - self._loop_beat
-            if lag > 2 * period:
-                pub.publish("daemon.busy", incarnation=self.incarnation, loop_lag_s=round(lag, 3))
+        try:
+            sockets = Sockets(self.cfg.endpoints, asyncio=False, curve=self.cfg.curve(self.name), linger_ms=0)
+        except Exception as e:  # noqa: BLE001 - a daemon without a liveness thread still runs
+            self.log.error("liveness_failed", error=f"{type(e).__name__}: {e}")
+            return
+        try:
+            pub = Publisher(sockets, self.name, self.node)
+            while not stop.wait(period):
+                lag = time.monotonic() - self._loop_beat
+                if lag > 2 * period:
+                    pub.publish("daemon.busy", incarnation=self.incarnation, loop_lag_s=round(lag, 3))
+        except Exception as e:  # noqa: BLE001 - said once in the log, never a silent death
+            self.log.error("liveness_failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        finally:
+            sockets.close()
 
     async def _heartbeats(self):
         period = float(self.dcfg["heartbeat_s"])

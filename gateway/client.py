@@ -20,6 +20,11 @@ from rolloutd.bus.messages import (PROTOCOL_VERSION, AddLLMServer, Cancel, Clear
 from rolloutd.bus.sockets import Sockets
 
 
+# The gateway's default bounds on work per request (docs/PROTOCOL.md, "Bounds"): larger calls are split.
+SUBMIT_JOBS = 4096
+CANCEL_IDS = 10000
+
+
 class GatewayError(RuntimeError):
     """The gateway answered with an error reply."""
 
@@ -100,8 +105,22 @@ class RolloutClient:
         ``n`` per task in order."""
         tasks = [dict(t, n=n) if n is not None else dict(t) for t in tasks]
         key = idempotency_key or uuid.uuid4().hex
-        body = self.request(Submit(tasks=tasks, client_id=self.client_id, idempotency_key=key))
-        return list(body["job_ids"])
+        # In requests of at most SUBMIT_JOBS jobs (the gateway's default gateway.max_request_jobs);
+        # each part has its own key (the first the given one), so a retried submit repeats none.
+        parts, part, jobs = [], [], 0
+        for t in tasks:
+            k = int(t.get("n") or 1)
+            if part and jobs + k > SUBMIT_JOBS:
+                parts.append(part)
+                part, jobs = [], 0
+            part.append(t)
+            jobs += k
+        parts.append(part)
+        job_ids: list[int] = []
+        for i, p in enumerate(parts):
+            body = self.request(Submit(tasks=p, client_id=self.client_id, idempotency_key=key if i == 0 else f"{key}#{i}"))
+            job_ids += body["job_ids"]
+        return job_ids
 
     def poll(self, wait_s: float = 0.0, max_results: int = 256) -> list[dict]:
         """Results finished since the last poll (acknowledging everything before)."""
@@ -141,7 +160,12 @@ class RolloutClient:
         raise GatewayTimeout(f"job {jid} did not finish")
 
     def cancel(self, job_ids: Iterable[int]) -> dict:
-        return self.request(Cancel(job_ids=list(job_ids)))["jobs"]
+        """Each job's answer (job id as a string -> cancelled | cancelling | already_finished |
+        not_found), asked CANCEL_IDS at a time (the gateway's default gateway.max_request_ids)."""
+        ids, out = list(job_ids), {}
+        for i in range(0, max(1, len(ids)), CANCEL_IDS):
+            out.update(self.request(Cancel(job_ids=ids[i:i + CANCEL_IDS]))["jobs"])
+        return out
 
     def status(self) -> dict:
         return self.request(Status())

@@ -226,13 +226,20 @@ class Journal:
             return {}
         return {cid: (n, a, s) for cid, n, a, s in self.db.execute("SELECT client_id, next_seq, acked, sent FROM clients")}
 
-    def job_state(self, job_id: int) -> str | None:
-        """A job's journalled state (``acked`` and ``dropped`` rows stay until pruned); None if unknown."""
-        if not self.db or not -(1 << 63) <= job_id < (1 << 63):  # beyond SQLite's INTEGER: never a job of ours
-            return None
+    def job_states(self, job_ids) -> dict[int, str]:
+        """Journalled states (``acked`` and ``dropped`` rows stay until pruned) of those of
+        ``job_ids`` the journal knows; one query per 500 ids (a query per id cost ~16 us: a cancel
+        naming 1,000,000 ids stalled the gateway 16 s, issue 38)."""
+        ids = [j for j in job_ids if -(1 << 63) <= j < (1 << 63)]  # beyond SQLite's INTEGER: never ours
+        if not self.db or not ids:
+            return {}
         self.commit()  # this turn's writes first (they are what the answer must reflect)
-        row = self.db.execute("SELECT state FROM jobs WHERE job_id=?", (job_id,)).fetchone()
-        return row[0] if row else None
+        out = {}
+        for i in range(0, len(ids), 500):
+            part = ids[i:i + 500]
+            out.update(self.db.execute(f"SELECT job_id, state FROM jobs WHERE job_id IN ({','.join('?' * len(part))})",
+                                       part).fetchall())
+        return out
 
     def idempotency(self) -> dict[tuple[str, str], list[int]]:
         if not self.db:

@@ -106,7 +106,7 @@ class ToolAgentHandler(AgentHandler):
         # keep|drop, and the parser of the tokenizer's family unless one is configured
         opt = lambda k, d=None: ctx.instance.get(k, self.config.get(k, d))  # noqa: E731
         conv = ctx.conversation = Conversation(tok, self.messages(ctx), tools=specs or None,
-                                               max_context=int(ctx.instance.get("max_context", self.max_context)),
+                                               max_context=instance_int(ctx.instance, "max_context", self.max_context),
                                                template_kwargs=opt("template_kwargs"), reasoning=opt("reasoning", "keep"))
         fam = conv.renderer.family
         parser = self.config.get("parser") or (fam.parser if fam is not None and self.parser == "hermes" else self.parser)
@@ -126,7 +126,7 @@ class ToolAgentHandler(AgentHandler):
 
         try:
             res = await run_agent_loop(ctx.llm, conv, get_parser(parser), execute, params,
-                                       int(ctx.instance.get("max_turns", self.max_turns)), tok,
+                                       instance_int(ctx.instance, "max_turns", self.max_turns), tok,
                                        tool_timeout=self.tool_timeout_s + 10)
         finally:
             if client is not None:
@@ -144,11 +144,57 @@ class ToolAgentHandler(AgentHandler):
         ctx.set_reward(reward, **details)
 
 
+class InstanceError(ValueError):
+    """An instance value out of its type or range (docs/HANDLERS.md, "Sampling")."""
+
+
+# The sampling map's numbers (issue 38): (low, high, integer). NaN, inf, bools and strings refused.
+SAMPLING_RANGES = {"max_tokens": (1, 1 << 20, True), "temperature": (0.0, 100.0, False),
+                   "top_p": (0.0, 1.0, False), "top_k": (-1, 1 << 20, True), "seed": (-(1 << 63), (1 << 64) - 1, True)}
+
+
+def instance_number(where: str, v, lo: float, hi: float, integer: bool):
+    """``v`` checked: a finite number (an int where ``integer``) in [lo, hi]; InstanceError naming
+    ``where`` otherwise."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (not integer or isinstance(v, int) or
+                                                                      (isinstance(v, float) and v.is_integer()))
+    if not ok or not lo <= v <= hi:  # NaN fails both comparisons
+        span = f"[{lo}, {hi}]" if integer else f"[{lo:g}, {hi:g}]"
+        raise InstanceError(f"instance {where} is {v!r}; expected {'an integer' if integer else 'a number'} in {span}")
+    return int(v) if integer else float(v)
+
+
+# Other instance numbers of the agent handlers (and dialogue): (low, high)
+INT_RANGES = {"max_context": (1, 1 << 21), "max_turns": (1, 10000)}
+
+
+def instance_int(instance: dict, key: str, default: int) -> int:
+    """``instance[key]`` (``default`` when absent) checked against INT_RANGES."""
+    v = instance.get(key)
+    return int(default) if v is None else instance_number(key, v, *INT_RANGES[key], True)
+
+
+def sampling_map(instance: dict) -> dict:
+    """The instance's ``sampling`` map with its numbers checked (SAMPLING_RANGES); absent keys stay absent."""
+    sp = instance.get("sampling") or {}
+    if not isinstance(sp, dict):
+        raise InstanceError(f"instance sampling is a {type(sp).__name__}; expected a map")
+    out = dict(sp)
+    for key, (lo, hi, integer) in SAMPLING_RANGES.items():
+        if sp.get(key) is not None:
+            out[key] = instance_number(f"sampling.{key}", sp[key], lo, hi, integer)
+    stops = sp.get("stop_token_ids") or []
+    if not isinstance(stops, list):
+        raise InstanceError(f"instance sampling.stop_token_ids is a {type(stops).__name__}; expected a list")
+    out["stop_token_ids"] = [instance_number("sampling.stop_token_ids[]", x, 0, (1 << 31) - 1, True) for x in stops]
+    return out
+
+
 def sampling_params(instance: dict, max_tokens: int):
     """The instance's ``sampling`` map as SamplingParams (the same keys for every handler)."""
     from rolloutd.llm.client import SamplingParams
 
-    sp = instance.get("sampling") or {}
+    sp = sampling_map(instance)
     return SamplingParams(max_tokens=int(sp.get("max_tokens", max_tokens)),
                           temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
                           top_k=int(sp.get("top_k", -1)), seed=sp.get("seed"))

@@ -11,7 +11,7 @@ Instance fields::
 """
 from __future__ import annotations
 
-from rolloutd.handlers.agent import ToolAgentHandler, sampling_params
+from rolloutd.handlers.agent import ToolAgentHandler, instance_int, sampling_params
 from rolloutd.handlers.base import JobContext
 
 
@@ -25,7 +25,7 @@ class DialogueHandler(ToolAgentHandler):
 
         tok = await self.tokenizer_async(ctx)
         conv = ctx.conversation = Conversation(tok, list(ctx.instance["messages"]),
-                                               max_context=int(ctx.instance.get("max_context", self.max_context)))
+                                               max_context=instance_int(ctx.instance, "max_context", self.max_context))
         params = sampling_params(ctx.instance, self.max_tokens)
         final = ""
         for follow_up in [None, *ctx.instance.get("user_turns", [])]:

@@ -51,6 +51,24 @@ def draw(spec, rng: random.Random) -> float:
 
 
 _UNSEEDED = random.Random()
+MAX_LATENCY_S = 86400.0  # a day: a phase latency beyond any job budget is a mistake, not a test
+_INF = float("inf")
+
+
+def _range(key: str, path: str) -> tuple[float, float]:
+    """The allowed range of the instance number at ``path`` (docs/HANDLERS.md, synthetic)."""
+    leaf = path.rpartition(".")[2]
+    if key == "fail":
+        return 0.0, 1.0  # a probability
+    if key in ("init", "run", "eval", "think"):
+        if leaf in ("mu", "sigma"):  # lognormal: e^(mu + a few sigma) stays within a day
+            return (-50.0, math.log(MAX_LATENCY_S)) if leaf == "mu" else (0.0, 5.0)
+        return 0.0, MAX_LATENCY_S  # a bare latency, value, low, high, scale
+    if key == "llm_calls":
+        return 0.0, 1e6
+    if key in ("max_tokens", "prompt_len"):
+        return 1.0, 1 << 20
+    return -_INF, _INF  # reward (finite), seed
 
 
 class SyntheticHandler(AgentHandler):
@@ -66,6 +84,10 @@ class SyntheticHandler(AgentHandler):
             for path, v in ((key, val),) if not isinstance(val, dict) else ((f"{key}.{k}", x) for k, x in val.items()):
                 if isinstance(v, float) and not math.isfinite(v):
                     raise SyntheticInstanceError(f"{self.name}: instance {path} is {v!r}; numbers must be finite")
+                lo, hi = _range(key, path)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and not lo <= v <= hi:
+                    # {"run": 1e308} slept past any budget, {"run": -5} passed as 0 (issue 38)
+                    raise SyntheticInstanceError(f"{self.name}: instance {path} is {v!r}; must be in [{lo:g}, {hi:g}]")
 
     def _rng(self, ctx: JobContext, phase: str) -> random.Random:
         seed = ctx.instance.get("seed")

@@ -65,7 +65,9 @@ class ToyHandler(AgentHandler):
     def sampling(self, ctx: JobContext):
         from rolloutd.llm.client import SamplingParams
 
-        sp = ctx.instance.get("sampling") or {}
+        from rolloutd.handlers.agent import sampling_map
+
+        sp = sampling_map(ctx.instance)  # numbers checked against their ranges
         seed = sp.get("seed")
         if seed is not None:  # distinct samples of one instance must not share a seed
             seed = int(seed) + int(ctx.job.sample_index)

@@ -432,6 +432,7 @@ class ToolServer:
             "python_restarts": self.python.restarts if self.python else 0,
             "abandoned": self.abandoned, "hardened": self.hardened, "refused_inside": self.refused_inside,
             "data_limit": self.data_limit, "ignored_signals": self.ignored_signals,
+            "unreported": sum(len(t.unreported) for t in (self.bash, self.python) if t),  # notes of unread replies
         }
         return result(output="pong", exit_code=0, info=info)
 
