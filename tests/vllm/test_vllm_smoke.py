@@ -1,0 +1,28 @@
+"""The session's real vLLM serves the tiny model token-in/token-out, and rolloutd's client reads it."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+
+def test_vllm_serves_the_tiny_model_through_the_client(vllm_server):
+    from rolloutd.llm.client import LLMClient, SamplingParams
+    from rolloutd.llm.conversation import Conversation
+    from rolloutd.llm.tokenizer_utils import load_tokenizer
+
+    assert vllm_server.url.startswith("http://127.0.0.1:") and vllm_server.version
+    tok = load_tokenizer(vllm_server.model_dir)
+    conv = Conversation(tok, [{"role": "user", "content": "What is 12 times 7?"}], max_context=4096)
+
+    async def go():
+        async with LLMClient(vllm_server.url, "vllm") as c:
+            assert await c.health()
+            assert await c.models() == [vllm_server.model]
+            return await c.generate(conv.context_ids, SamplingParams(max_tokens=8, seed=1))
+
+    g = asyncio.run(go())
+    assert 1 <= len(g.token_ids) <= 8 and g.finish_reason in ("stop", "length")
+    assert len(g.logprobs) == len(g.token_ids) and np.all(g.logprobs <= 0) and np.all(np.isfinite(g.logprobs))
+    assert int(g.token_ids.max()) < len(tok)
+    assert g.prompt_tokens == len(conv.context_ids)
