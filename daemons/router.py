@@ -22,6 +22,7 @@ from rolloutd.bus.messages import Error, Lease, MessageError, Reply, check_field
 from rolloutd.bus.sockets import POLLIN, poller, recv_now
 from rolloutd.bus.daemon import Daemon
 from rolloutd.daemons.routing import NoBackend, Pool
+from rolloutd.llm.client import parse_prometheus
 
 # Lease messages a second the router asks its run daemons to stay under, together: each batch reply
 # says how long its daemon should gather before the next (active daemons / budget, at most
@@ -311,11 +312,21 @@ class Router(Daemon):
 
     async def _check(self, b) -> bool:
         path = "/health" if b.api == "vllm" else "/health_generate"
+        base = b.address.rstrip("/")
         try:
-            r = await self.http.get(b.address.rstrip("/") + path)
-            return r.status_code == 200
+            r = await self.http.get(base + path)
+            if r.status_code != 200:
+                return False
         except httpx.HTTPError:
             return False
+        try:  # the server's own load (running + waiting requests): least_load routes by it, list_llm_servers shows it
+            m = await self.http.get(base + "/metrics")
+            if m.status_code == 200:
+                g = parse_prometheus(m.text)
+                self.pool.observe(b.id, g.get("num_requests_running", 0.0), g.get("num_requests_waiting", 0.0))
+        except httpx.HTTPError:
+            pass  # load is advisory: a server without /metrics is still healthy
+        return True
 
     async def teardown(self):
         for t in list(self.checks):
