@@ -5,8 +5,8 @@ Pure Python with no sockets, so the policy can be tested and benchmarked on its 
 capacity and weight, breaking ties fairly (round-robin among equals) and preferring the
 requester's node when loads are within ``node_affinity``. ``least_load`` is the same, counting
 besides this router's leases the requests the server reports beyond them (``external``: other
-clients of a shared server, read from its ``/metrics`` at each health check; docs/BENCHMARKS.md,
-"vLLM's own load signal"). ``round_robin`` is what the reference paper's code shipped (a counter
+clients of a shared server, read from its ``/metrics`` after each health check; docs/BENCHMARKS.md,
+"Router on real vLLM servers"). ``round_robin`` is what the reference paper's code shipped (a counter
 per job, never decremented), kept for comparison.
 
 A backend joins (or re-joins, when registered again) *pending*: it gets no lease until a
