@@ -391,6 +391,17 @@ def run_one(rec: Recorder, fleet: Fleet, c, scenario: str, durs: list[float], ti
     return out
 
 
+def stop_all(rds: dict, *closers: dict):
+    """Close each deployment's clients/recorders (``closers``: maps by the same key), then stop it."""
+    for p in rds:
+        try:
+            for m in closers:
+                if p in m:
+                    m[p].close()
+        finally:
+            rds[p].stop()
+
+
 def set_backends(c, rec: Recorder, backends) -> list[str]:
     c.clear_backends()
     before = rec.added
@@ -469,12 +480,7 @@ def main(argv=None) -> int:
                           f"{' (+%d phantoms left over)' % r['phantoms_before'] if r['phantoms_before'] else ''}  "
                           f"{r['statuses']}", flush=True)
     finally:
-        for p in rds:
-            try:
-                clients[p].close()
-                recs[p].close()
-            finally:
-                rds[p].stop()
+        stop_all(rds, clients, recs)
         fleet.stop()
 
     report = summarise(live, sizes, reps, args, variants)
@@ -826,12 +832,7 @@ def main_vllm(args) -> int:
                       f"requests {r['requests_mean']:.2f} /load {r['load_mean']:.2f} |diff| {r['abs_diff_mean']:.2f} "
                       f"leases>requests {r['leases_above']:.0%}  | A's load_signal {r['a_signal_mean']:.2f}", flush=True)
     finally:
-        for p in rds:
-            try:
-                clients[p].close()
-                samplers[p].close()
-            finally:
-                rds[p].stop()
+        stop_all(rds, clients, samplers)
         if outside is not None:
             outside.kill()
             outside.wait(30)

