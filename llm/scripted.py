@@ -60,6 +60,7 @@ from typing import Any, Awaitable
 import structlog
 
 from .policies import Policy, PolicyReply, PolicyRequest, get_policy
+from .vllm_replies import completion_body, context_max_tokens, cut_at_stop_string, reply_text
 
 log = structlog.get_logger("rolloutd.llm")
 
@@ -564,15 +565,13 @@ class ScriptedBackend:
         except (ValueError, KeyError, TypeError) as e:
             return _vllm_error(400, f"malformed request: {type(e).__name__}: {e}")
         n_prompt = len(prompt)
-        if n_prompt + max_tokens > self.max_model_len or max_tokens < 0:
+        if api == "vllm":  # vLLM 0.32: max_tokens clamped to the room left, 400 only past the context
+            max_tokens, err = context_max_tokens(n_prompt, max_tokens, self.max_model_len)
+            if err is not None:
+                self.stats["rejected_context"] += 1
+                return _json_response(400, err)
+        elif n_prompt + max_tokens > self.max_model_len or max_tokens < 0:
             self.stats["rejected_context"] += 1
-            if api == "vllm":
-                return _vllm_error(
-                    400,
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                    f"{n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} in the completion). "
-                    "Please reduce the length of the messages or completion.",
-                )
             return _json_response(
                 400,
                 {
@@ -621,6 +620,11 @@ class ScriptedBackend:
             ids = ids[:max_tokens]
             finish = "length"
             stop_reason = None
+        stops = sp.get("stop") or []
+        if stops and self.tokenizer is not None:  # a stop string wins over length and later stop tokens
+            cut = cut_at_stop_string(ids, self._text, [stops] if isinstance(stops, str) else [str(x) for x in stops])
+            if cut is not None:
+                ids, finish, stop_reason = cut[0], "stop", cut[2]
         n = len(ids)
         rng = random.Random(seed) if seed is not None else self.rng
         lps = [-0.01 - 2.0 * rng.random() for _ in range(n)]
@@ -791,51 +795,14 @@ class ScriptedBackend:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _render(self, api, req, prompt, ids, lps, finish, stop_reason, elapsed) -> bytes:
-        text = self._text(ids)
+        if isinstance(stop_reason, str):
+            text = cut_at_stop_string(ids, self._text, [stop_reason], bool(req.get("include_stop_str_in_output")))[1]
+        else:
+            text = reply_text(ids, self._text, finish, stop_reason)
         if api == "vllm":
-            lp_obj = None
-            if req.get("logprobs") is not None:
-                as_ids = bool(req.get("return_tokens_as_token_ids"))
-                toks = [f"token_id:{t}" for t in ids] if as_ids else [self._tokstr(t) for t in ids]
-                offsets = []
-                off = 0
-                for tk in toks:
-                    offsets.append(off)
-                    off += len(tk)
-                lp_obj = {
-                    "text_offset": offsets,
-                    "token_logprobs": lps,
-                    "tokens": toks,
-                    "top_logprobs": [{tk: lp} for tk, lp in zip(toks, lps)],
-                }
-            want_ids = bool(req.get("return_token_ids"))
-            out = {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": req.get("model") or self.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": text,
-                        "logprobs": lp_obj,
-                        "finish_reason": finish,
-                        "stop_reason": stop_reason,
-                        "token_ids": ids if want_ids else None,
-                        "prompt_logprobs": None,
-                        "prompt_token_ids": prompt if want_ids else None,
-                    }
-                ],
-                "service_tier": None,
-                "system_fingerprint": None,
-                "usage": {
-                    "prompt_tokens": len(prompt),
-                    "total_tokens": len(prompt) + len(ids),
-                    "completion_tokens": len(ids),
-                    "prompt_tokens_details": None,
-                },
-                "kv_transfer_params": None,
-            }
+            out = completion_body(rid=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()),
+                                  model=req.get("model") or self.model, prompt=prompt, ids=ids, logprobs=lps,
+                                  finish=finish, stop_reason=stop_reason, text=text, req=req, token_str=self._tokstr)
         else:
             if finish == "length":
                 fr: dict[str, Any] = {"type": "length", "length": len(ids)}

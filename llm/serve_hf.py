@@ -57,6 +57,8 @@ from typing import Any
 
 import structlog
 
+from .vllm_replies import completion_body, context_max_tokens, cut_at_stop_string, first_stop_string, reply_text
+
 log = structlog.get_logger("rolloutd.llm")
 
 __all__ = ["HFServer", "main"]
@@ -82,10 +84,13 @@ class _Req:
         "aborted",
         "created",
         "gen",
+        "stop_strs",
+        "include_stop",
     )
 
     def __init__(self, api: str, prompt: list[int], max_tokens: int, temperature: float, top_p: float, top_k: int,
-                 seed: int | None, stop_ids: list[int], eos_ids: set[int]) -> None:
+                 seed: int | None, stop_ids: list[int], eos_ids: set[int], stop_strs: list[str] | None = None,
+                 include_stop: bool = False) -> None:
         self.rid = uuid.uuid4().hex
         self.api = api
         self.prompt = prompt
@@ -96,10 +101,12 @@ class _Req:
         self.seed = seed
         self.stop_ids = set(stop_ids)
         self.eos_ids = eos_ids
+        self.stop_strs = list(stop_strs or [])  # vLLM's `stop`: ends at the token completing one
+        self.include_stop = include_stop
         self.out_ids: list[int] = []
         self.out_lps: list[float] = []
         self.finish: str | None = None
-        self.stop_reason: int | None = None
+        self.stop_reason: int | str | None = None
         self.done = threading.Event()
         self.aborted = False
         self.created = time.time()
@@ -322,6 +329,10 @@ class HFServer:
             r.finish = "stop"
         elif len(r.out_ids) >= r.max_tokens or n_total >= self.max_model_len:
             r.finish = "length"
+        if r.stop_strs and r.finish in (None, "length"):  # as vLLM: a stop string wins over length
+            hit = first_stop_string(self.tokenizer.decode(r.out_ids, skip_special_tokens=True), r.stop_strs)
+            if hit is not None:
+                r.finish, r.stop_reason = "stop", hit[1]
 
     def _run_batch(self, batch: list[_Req]) -> None:
         torch = self.torch
@@ -425,76 +436,43 @@ class HFServer:
             if any(t < 0 or t >= self.vocab_size for t in prompt):
                 return None, (400, _err(f"token id out of range [0, {self.vocab_size})"))
             n = len(prompt)
-            max_tokens = self.max_model_len - n if mt is None else int(mt)
-            if n >= self.max_model_len or n + max_tokens > self.max_model_len:
-                return None, (
-                    400,
-                    _err(
-                        f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                        f"{n + max(max_tokens, 0)} tokens ({n} in the messages, {max_tokens} in the completion). "
-                        "Please reduce the length of the messages or completion."
-                    ),
-                )
-            if max_tokens < 1:
-                return None, (400, _err("max_tokens must be at least 1"))
+            if api == "vllm":  # vLLM 0.32: clamp to the room left, 400 only past the context
+                max_tokens, err = context_max_tokens(n, None if mt is None else int(mt), self.max_model_len, 16)
+                if err is not None:
+                    return None, (400, err)
+            else:
+                max_tokens = self.max_model_len - n if mt is None else int(mt)
+                if n >= self.max_model_len or n + max_tokens > self.max_model_len:
+                    return None, (400, _err(f"The input ({n} tokens) is longer than the model's context length "
+                                            f"({self.max_model_len} tokens)."))
+                if max_tokens < 1:
+                    return None, (400, _err("max_new_tokens must be at least 1"))
             temperature = float(sp.get("temperature", 1.0) if sp.get("temperature") is not None else 1.0)
             top_p = float(sp.get("top_p", 1.0) if sp.get("top_p") is not None else 1.0)
             top_k = int(sp.get("top_k", -1) if sp.get("top_k") is not None else -1)
             if temperature < 0 or not 0 < top_p <= 1:
                 return None, (400, _err("temperature must be >= 0 and top_p in (0, 1]"))
             stop_ids = [int(x) for x in (sp.get("stop_token_ids") or [])]
+            stop = sp.get("stop") or []
+            stop_strs = [stop] if isinstance(stop, str) else [str(x) for x in stop]
             eos = set() if sp.get("ignore_eos") else self.eos_ids
         except (KeyError, TypeError, ValueError) as e:
             return None, (400, _err(f"malformed request: {type(e).__name__}: {e}"))
-        return _Req(api, prompt, max_tokens, temperature, top_p, top_k, seed, stop_ids, eos), None
+        return _Req(api, prompt, max_tokens, temperature, top_p, top_k, seed, stop_ids, eos, stop_strs,
+                    bool(sp.get("include_stop_str_in_output"))), None
 
     def render(self, req: _Req, body: dict) -> dict:
         ids, lps = req.out_ids, req.out_lps
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        decode = lambda x: self.tokenizer.decode(x, skip_special_tokens=True)  # noqa: E731
+        if isinstance(req.stop_reason, str):
+            text = cut_at_stop_string(list(ids), decode, [req.stop_reason], req.include_stop)[1]
+        else:
+            text = reply_text(ids, decode, req.finish, req.stop_reason)
         if req.api == "vllm":
-            lp_obj = None
-            if body.get("logprobs") is not None:
-                as_ids = bool(body.get("return_tokens_as_token_ids"))
-                toks = [f"token_id:{t}" if as_ids else self.tokenizer.decode([t]) for t in ids]
-                offs, off = [], 0
-                for tk in toks:
-                    offs.append(off)
-                    off += len(tk)
-                clamped = [max(x, -9999.0) for x in lps]
-                lp_obj = {
-                    "text_offset": offs,
-                    "token_logprobs": clamped,
-                    "tokens": toks,
-                    "top_logprobs": [{tk: lp} for tk, lp in zip(toks, clamped)],
-                }
-            want = bool(body.get("return_token_ids"))
-            return {
-                "id": f"cmpl-{req.rid}",
-                "object": "text_completion",
-                "created": int(req.created),
-                "model": body.get("model") or self.model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": text,
-                        "logprobs": lp_obj,
-                        "finish_reason": req.finish,
-                        "stop_reason": req.stop_reason,
-                        "token_ids": list(ids) if want else None,
-                        "prompt_logprobs": None,
-                        "prompt_token_ids": req.prompt if want else None,
-                    }
-                ],
-                "service_tier": None,
-                "system_fingerprint": None,
-                "usage": {
-                    "prompt_tokens": len(req.prompt),
-                    "total_tokens": len(req.prompt) + len(ids),
-                    "completion_tokens": len(ids),
-                    "prompt_tokens_details": None,
-                },
-                "kv_transfer_params": None,
-            }
+            return completion_body(rid=f"cmpl-{req.rid}", created=int(req.created),
+                                   model=body.get("model") or self.model_name, prompt=req.prompt, ids=ids,
+                                   logprobs=lps, finish=req.finish, stop_reason=req.stop_reason, text=text,
+                                   req=body, token_str=lambda t: self.tokenizer.decode([t]))
         if req.finish == "length":
             fr: dict[str, Any] = {"type": "length", "length": len(ids)}
         elif req.finish == "abort":

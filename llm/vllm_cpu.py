@@ -184,7 +184,9 @@ class VLLMServer:
     def start(self) -> "VLLMServer":
         if not venv_python(self.venv).exists():
             raise FileNotFoundError(f"no vLLM venv at {self.venv} (make vllm-venv)")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLOUTD_", "VIRTUAL_ENV", "PYTHONPATH"))}
+        # not this project's settings nor its venv (ROLLOUTD_TEST_*: tests find what a run left by them)
+        env = {k: v for k, v in os.environ.items()
+               if k.startswith("ROLLOUTD_TEST_") or not k.startswith(("ROLLOUTD_", "VIRTUAL_ENV", "PYTHONPATH"))}
         env.update(BASE_ENV)
         env.update(self.env)
         with open(self.log_path, "ab") as out:
@@ -299,6 +301,13 @@ def main(argv: list[str] | None = None) -> int:
         print(build_vllm_venv(ns.dir, python=ns.python, quiet=False))
         return 0
     extra = [a for a in extra if a != "--"]
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    # SIGTERM and SIGINT stop the server's group too (a shell's background job starts with SIGINT ignored)
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     with VLLMServer(ns.venv or default_venv(), ns.model_dir, port=ns.port, max_model_len=ns.max_model_len,
                     args=extra) as srv:
         print(f"READY {srv.url} vllm {srv.version}", flush=True)

@@ -123,7 +123,7 @@ def test_errors_in_a_stream(qwen_tokenizer, scripted, arun):
     async def main():
         async with LLMClient(be.url, "vllm", timeout=10) as c:
             with pytest.raises(ContextOverflow):  # rejected before the stream starts: a JSON 400
-                await c.generate(list(range(100, 160)), SamplingParams(32), partial=Partial())
+                await c.generate(list(range(100, 170)), SamplingParams(32), partial=Partial())
 
     arun(main())
 

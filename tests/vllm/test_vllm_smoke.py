@@ -26,3 +26,23 @@ def test_vllm_serves_the_tiny_model_through_the_client(vllm_server):
     assert len(g.logprobs) == len(g.token_ids) and np.all(g.logprobs <= 0) and np.all(np.isfinite(g.logprobs))
     assert int(g.token_ids.max()) < len(tok)
     assert g.prompt_tokens == len(conv.context_ids)
+
+
+def test_prompts_that_fill_or_pass_the_context_are_context_overflow(vllm_server):
+    """vLLM 0.32 clamps max_tokens to the room left: a prompt of exactly max-model-len tokens gets
+    "max_tokens must be at least 1, got 0" (400), a longer one "...maximum context length..." (400).
+    Both are ContextOverflow (the first was a RequestError before)."""
+    from rolloutd.llm.client import ContextOverflow, LLMClient, SamplingParams
+
+    L = vllm_server.max_model_len
+
+    async def go(n):
+        async with LLMClient(vllm_server.url, "vllm") as c:
+            try:
+                await c.generate([5] * n, SamplingParams(max_tokens=4))
+            except ContextOverflow as e:
+                return str(e)
+            return None
+
+    assert "max_tokens must be at least 1" in (asyncio.run(go(L)) or "")
+    assert "maximum context length" in (asyncio.run(go(L + 3)) or "")

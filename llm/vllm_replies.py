@@ -1,0 +1,133 @@
+"""What vLLM answers on ``POST /v1/completions``, for the stand-ins (scripted, serve-hf) to say alike.
+
+Taken from the real server, vLLM 0.32.0 (CPU build), and checked against it by
+``tests/vllm/test_vllm_stand_ins.py`` (the same requests to vLLM and to each stand-in):
+
+* the reply's keys (``routed_experts`` per choice; ``ec_transfer_params`` and ``metrics`` at the
+  top; ``completion_tokens_details`` in ``usage``);
+* the context: a prompt longer than ``max_model_len`` is a 400 ("...your prompt contains N input
+  tokens, which exceeds this limit even without any output tokens..."); otherwise ``max_tokens`` is
+  clamped to the room left (a prompt of exactly ``max_model_len`` tokens then gets "max_tokens must
+  be at least 1, got 0"); older vLLM (<= 0.11) answered 400 for prompt + max_tokens past the context;
+* ``stop_token_ids``: the stop token ends the ids (kept), its text is not in ``text``;
+* ``stop`` strings: the generation ends at the token whose text completes one (kept in the ids);
+  ``text`` ends before the stop string (with ``include_stop_str_in_output``, after it);
+  ``stop_reason`` is the string.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+
+def error_body(message: str, param: str | None = None, etype: str = "BadRequestError", code: int = 400) -> dict:
+    return {"error": {"message": message, "type": etype, "param": param, "code": code}}
+
+
+def _param_error(message: str, param: str, value: Any) -> dict:
+    return error_body(f"{message} (parameter={param}, value={value})", param)
+
+
+def context_max_tokens(n_prompt: int, max_tokens: int | None, max_model_len: int,
+                       default: int | None = None) -> tuple[int, dict | None]:
+    """vLLM 0.32's checks of prompt length and ``max_tokens``: (the max_tokens it samples with, None)
+    or (0, the 400 body). ``default``: what an absent max_tokens means (vLLM: the room left)."""
+    if n_prompt > max_model_len:
+        return 0, _param_error(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+            f"{n_prompt} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+            "the length of the input prompt.", "input_tokens", n_prompt)
+    room = max_model_len - n_prompt
+    want = max_tokens if max_tokens is not None else default
+    n = room if want is None else min(int(want), room)
+    if n < 1:
+        return 0, _param_error(f"max_tokens must be at least 1, got {n}.", "max_tokens", n)
+    return n, None
+
+
+def first_stop_string(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """(index, stop string) of the stop string that completes earliest in ``text`` (ties: list
+    order), as vLLM's detokenizer picks it; None when none occurs."""
+    best = None
+    for s in stops:
+        if not s:
+            continue
+        i = text.find(s)
+        if i >= 0 and (best is None or i + len(s) < best[0] + len(best[1])):
+            best = (i, s)
+    return best
+
+
+def cut_at_stop_string(ids: list[int], decode: Callable[[list[int]], str], stops: Sequence[str],
+                       include: bool = False) -> tuple[list[int], str, str] | None:
+    """The ids up to and including the token that completes the first stop string, the text vLLM
+    returns for them, and the stop string; None when no stop string occurs in ``decode(ids)``."""
+    if not stops or first_stop_string(decode(ids), stops) is None:
+        return None
+    lo, hi = 1, len(ids)  # the shortest prefix whose text holds a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if first_stop_string(decode(ids[:mid]), stops) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    kept = ids[:lo]
+    text = decode(kept)
+    i, s = first_stop_string(text, stops)  # type: ignore[misc]
+    return kept, (text[:i + len(s)] if include else text[:i]), s
+
+
+def completion_body(*, rid: str, created: int, model: str, prompt: Sequence[int], ids: Sequence[int],
+                    logprobs: Sequence[float], finish: str | None, stop_reason: int | str | None, text: str,
+                    req: dict, token_str: Callable[[int], str]) -> dict:
+    """vLLM's whole (non-streamed) ``/v1/completions`` reply for one choice. ``token_str(id)`` is the
+    token's text for ``logprobs.tokens`` when ``return_tokens_as_token_ids`` is not set."""
+    lp_obj = None
+    if req.get("logprobs") is not None:
+        as_ids = bool(req.get("return_tokens_as_token_ids"))
+        toks = [f"token_id:{t}" if as_ids else token_str(t) for t in ids]
+        offsets, off = [], 0
+        for tk in toks:
+            offsets.append(off)
+            off += len(tk)
+        lps = [max(float(x), -9999.0) for x in logprobs]  # vLLM clamps -inf for JSON
+        lp_obj = {"text_offset": offsets, "token_logprobs": lps, "tokens": toks,
+                  "top_logprobs": [{tk: lp} for tk, lp in zip(toks, lps)]}
+    want_ids = bool(req.get("return_token_ids"))
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(created),
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "text": text,
+            "logprobs": lp_obj,
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+            "token_ids": list(ids) if want_ids else None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": list(prompt) if want_ids else None,
+            "routed_experts": None,
+        }],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": {
+            "prompt_tokens": len(prompt),
+            "total_tokens": len(prompt) + len(ids),
+            "completion_tokens": len(ids),
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        },
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+
+
+def reply_text(ids: Sequence[int], decode: Callable[[list[int]], str], finish: str | None,
+               stop_reason: int | str | None) -> str:
+    """``text`` for sampled ``ids``: a stop token (``stop_token_ids``) is not in it."""
+    ids = list(ids)
+    if finish == "stop" and isinstance(stop_reason, int) and ids and ids[-1] == stop_reason:
+        ids = ids[:-1]
+    return decode(ids)
