@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.sandbox.test_sandbox_graders_round2 import (CALC_WRONG, DOC_INSTANCE, FORCE_PASS, INIT_PATCH,  # noqa: F401
-                                                       TESTS, _as_agent, _harness)
+                                                       TESTS, _as_agent, _harness, graded_zero_after)
 
 # A hidden test that imports none of the agent's code: only the grader's own imports could bring
 # the agent's code into pytest's process.
@@ -104,12 +104,7 @@ ATTACKS = {
 
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_harness_pytest_grade_holds_against_more_workspace_attacks(bwrap_rt, attack):
-    handler, ctx, h, c = _harness(bwrap_rt, DOC_INSTANCE)
-    _as_agent(c, ATTACKS[attack])
-    asyncio.run(handler.eval(ctx))
-    t = ctx.trajectory
-    assert t["status"] == "ok" and t["reward"] == 0.0, t["eval_details"]
-    assert "1 failed" in t["eval_details"]["eval_output"], t["eval_details"]
+    graded_zero_after(bwrap_rt, ATTACKS[attack])
 
 
 def test_a_planted_pyc_for_a_root_level_restored_test_is_not_run(bwrap_rt):
