@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
+import re
 import secrets
 import shutil
 import time
@@ -157,8 +158,7 @@ def validate(instance: Any, config: dict) -> dict:
     files = setup.get("files", {})
     if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
         _fail("setup.files maps workspace-relative paths to file contents (strings)")
-    for k in files:  # eval copies them back on the host: never a path out of the workspace
-        _rel(k, "setup.files")
+    _file_keys(files, "setup.files")  # eval copies them back on the host: never a path out of the workspace
     repo = setup.get("repository")
     repos = config.get("repositories") or {}
     if repo is not None:
@@ -249,7 +249,7 @@ def _grading(ev: dict, setup: dict) -> dict:
     files = ev.get("files", {})
     if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
         _fail("eval.files maps workspace-relative paths to file contents (strings)")
-    out["files"] = {_rel(k, "eval.files"): v for k, v in files.items()}
+    out["files"] = dict(zip(_file_keys(files, "eval.files"), files.values()))
     restore = ev.get("restore")
     if restore is not None:
         restore = [_rel(r, "eval.restore") for r in _strs(restore, "eval.restore", empty_ok=True)]
@@ -280,6 +280,20 @@ def _grading(ev: dict, setup: dict) -> dict:
                   "(written by the host after the purge)")
     out["pytest_config"] = cfg
     return out
+
+
+def _file_keys(files: dict, what: str) -> list[str]:
+    """The keys of a files map, normalised: each a workspace path (no NUL, no name over 255 bytes),
+    none also the directory of another (written at eval, such a map would fail there, and that
+    failure would read as the agent's)."""
+    keys = [_rel(k, what) for k in files]
+    seen = set(keys)
+    for k in keys:
+        parts = k.split("/")
+        clash = next((d for d in ("/".join(parts[:i]) for i in range(1, len(parts))) if d in seen), None)
+        if clash is not None or keys.count(k) > 1:
+            _fail(f"{what}: {clash or k!r} is both a file and a directory (or given twice) in the map")
+    return keys
 
 
 def _in_files(rel: str, files: dict) -> bool:
@@ -690,14 +704,18 @@ class HarnessHandler(AgentHandler):
 
 def command_warning(ev: dict) -> str | None:
     """Why an ``eval.command`` grade is open to the agent (docs/HARNESS.md, "Grading"), or None."""
+    out = []
     runs_pytest = any(os.path.basename(a) in ("pytest", "py.test") or a == "pytest" for a in ev["command"])
     if runs_pytest:
-        return ("eval.command runs pytest without the grader's hardening: a conftest.py, pytest.ini, pytest.py "
-                "or edited test of the agent's decides its result; use eval.pytest")
-    if not ev.get("files") and not ev.get("restore"):
-        return ("eval.command ran over a workspace the agent could edit, with nothing written (eval.files) or "
-                "restored (eval.restore) after the purge: its tests were the agent's to change")
-    return None
+        out.append("eval.command runs pytest without the grader's hardening: a conftest.py, pytest.ini, pytest.py "
+                   "or edited test of the agent's decides its result; use eval.pytest")
+    elif not ev.get("files") and not ev.get("restore"):
+        out.append("eval.command ran over a workspace the agent could edit, with nothing written (eval.files) or "
+                   "restored (eval.restore) after the purge: its tests were the agent's to change")
+    if ev.get("reward") == "stdout":
+        out.append("reward 'stdout' is the command's last stdout line, whoever prints it: code of the agent's that "
+                   "the command imports can print after the scorer (atexit); run that code in a subprocess")
+    return "; ".join(out) or None
 
 
 def grade_failure(r) -> str | None:
@@ -712,6 +730,10 @@ def grade_failure(r) -> str | None:
     return None
 
 
+STDOUT_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?(?:nan|inf|infinity)",
+                           re.ASCII | re.IGNORECASE)
+
+
 def stdout_reward(out: str, details: dict, why: str | None) -> tuple[float, dict]:
     """``reward: "stdout"``: the number on the last line. What the agent's code made of that line (no
     number, NaN, inf, past +-REWARD_BOUND) is reward 0 with the reason, never a NaN reward."""
@@ -721,7 +743,9 @@ def stdout_reward(out: str, details: dict, why: str | None) -> tuple[float, dict
     if why:
         details["reason"] = why
         return 0.0, details
-    try:
+    try:  # a plain ASCII decimal: not what float() also takes ('1_0' is 10, Arabic-Indic digits, ' nan ')
+        if not STDOUT_NUMBER.fullmatch(lines[-1].strip()):
+            raise ValueError(lines[-1][:100])
         value = float(lines[-1])
     except (IndexError, ValueError):
         details["eval_reward_error"] = details["reason"] = "the eval command's last stdout line is not a number"

@@ -45,8 +45,8 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 # pytest as the grader runs it: `python3 -B -c BOOT <args>`. The boot takes the workspace (-c's '')
 # off sys.path until pytest is imported (a pytest.py of the agent's is not the grader), then the
-# workspace goes first, as `-m pytest` would put it. Our plugin runs last: after pytest's own
-# summary it prints an end line (a per-run token from the environment, removed before any
+# workspace goes right after the standard library (not first, as `-m pytest` would put it). Our
+# plugin runs last: after pytest's own summary it prints an end line (a per-run token from the environment, removed before any
 # workspace code runs) with the session's exit status and leaves with os._exit, so nothing the
 # code under test registered (atexit) prints after it. Outcomes are read only before that line.
 PYTEST_BOOT = r"""
@@ -74,7 +74,19 @@ class RolloutdEnd:
         os._exit(self.status)
 
 
-sys.path.insert(0, os.getcwd())
+# The workspace goes after the standard library and pytest's own mount (before site-packages): a
+# module of the agent's named like one pytest imports later (pdb, difflib, unittest, pluggy) or
+# a test imports (fractions) is not what the grader runs. Its own packages import as before.
+import sysconfig
+STD = tuple(os.path.realpath(sysconfig.get_path(k)) for k in ("stdlib", "platstdlib"))
+
+
+def _std(p):
+    r = os.path.realpath(p or ".")
+    return r.endswith(".zip") or any((r == s or r.startswith(s + os.sep)) and "-packages" not in r for s in STD)
+
+
+sys.path.insert(max([i + 1 for i, p in enumerate(sys.path) if _std(p)] or [len(sys.path)]), os.getcwd())
 sys.exit(pytest.main(sys.argv[1:], plugins=[RolloutdEnd()]))
 """
 
@@ -260,8 +272,9 @@ def remove(path: str | os.PathLike) -> None:
 # -- restore and sweep -----------------------------------------------------------------------------
 def check_rel(rel: str) -> str:
     """A workspace-relative path (no absolute path, no '..', not the root itself), normalised."""
-    parts = [p for p in Path(rel).parts if p not in ("", ".")] if isinstance(rel, str) else []
-    if not parts or rel.startswith("/") or ".." in parts:
+    parts = [p for p in Path(rel).parts if p not in ("", ".")] if isinstance(rel, str) and "\0" not in rel else []
+    if not parts or rel.startswith("/") or ".." in parts or any(len(p.encode("utf-8", "surrogateescape")) > 255
+                                                                for p in parts):
         raise ValueError(f"{rel!r} is not a path inside the workspace")
     return "/".join(parts)
 

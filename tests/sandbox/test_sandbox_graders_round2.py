@@ -141,14 +141,20 @@ def _as_agent(c, command):
     assert "AGENT-DONE" in r.output, r
 
 
-@pytest.mark.parametrize("attack", sorted(ATTACKS))
-def test_harness_pytest_grade_is_not_passed_by_the_agents_workspace(bwrap_rt, attack):
+def graded_zero_after(bwrap_rt, attack: str) -> None:
+    """DOC_INSTANCE with its wrong calc.py, the agent's ``attack`` run in the sandbox: reward 0 from
+    the real test."""
     handler, ctx, h, c = _harness(bwrap_rt, DOC_INSTANCE)
-    _as_agent(c, ATTACKS[attack])
+    _as_agent(c, attack)
     asyncio.run(handler.eval(ctx))
     t = ctx.trajectory
     assert t["status"] == "ok" and t["reward"] == 0.0, t["eval_details"]
     assert "1 failed" in t["eval_details"]["eval_output"], t["eval_details"]  # graded: the real test ran
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_harness_pytest_grade_is_not_passed_by_the_agents_workspace(bwrap_rt, attack):
+    graded_zero_after(bwrap_rt, ATTACKS[attack])
 
 
 def test_harness_pytest_grade_passes_a_right_fix_and_sees_no_warning(bwrap_rt):
