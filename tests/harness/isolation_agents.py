@@ -5,7 +5,8 @@ sandbox's /usr/bin/python3, no venv). Written into the job's workspace through s
 least ``min_calls``), sending its history back unchanged, and prints ``LAT [...]`` (seconds
 per call) as its last line. Any non-200 answer exits 2.
 
-``ATTACKER``: one job's abuse of its own endpoint, chosen by argv[1]. It prints ``REFUSED
+``ATTACKER``: one job's abuse of its own endpoint, chosen by argv[1] (``ctx8xN``: N valid chat
+requests of 8 MB of text one after another, for a job whose context window lets them be parsed). It prints ``REFUSED
 <what>`` lines for what the endpoint did and exits 3 (the job fails alone); it exits 0 only if
 no attack was refused at all (a test then sees the endpoint accepted the abuse).
 """
@@ -88,7 +89,43 @@ def big(mb):
     content = "word " * (mb * (1 << 20) // 5)
     return json.dumps({"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 4}).encode()
 
-if mode in ("big8", "big60"):
+def call_full(body, limit=300):
+    """Status line and error code of one request with ``body`` (the whole answer is read)."""
+    s = conn(limit)
+    try:
+        s.sendall(head(b"/v1/chat/completions", len(body)))
+        s.sendall(body)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            d = s.recv(65536)
+            if not d:
+                return "closed"
+            buf += d
+        top, rest = buf.split(b"\r\n\r\n", 1)
+        n = [int(l.split(b":")[1]) for l in top.split(b"\r\n") if l.lower().startswith(b"content-length:")]
+        while n and len(rest) < n[0]:
+            d = s.recv(65536)
+            if not d:
+                break
+            rest += d
+        try:
+            code = json.loads(rest)["error"]["code"]
+        except Exception:
+            code = None
+        return top.split(b"\r\n", 1)[0].decode("latin-1") + " " + str(code)
+    except OSError as e:
+        return "closed " + type(e).__name__
+    finally:
+        s.close()
+
+if mode.startswith("ctx8x"):  # n requests of 8 MB of text, within the body and content bounds of a large window
+    for i in range(int(mode[5:])):
+        t = time.monotonic()
+        st = call_full(big(8))
+        print("ANSWER", st, round(time.monotonic() - t, 1))
+        if " 400 " in st or " 413 " in st or " 429 " in st:
+            refused.append(st)
+elif mode in ("big8", "big60"):
     st = send_body(big(8 if mode == "big8" else 60))
     print("ANSWER", st)
     if " 413 " in st or " 400 " in st:
