@@ -46,6 +46,7 @@ log = structlog.get_logger("rolloutd.llm")
 WORKERS = 2  # per process: long texts are rare; one job has at most one in a worker at a time
 AS_MB = 3072  # each worker's address space (RLIMIT_AS): tokenizer + the chunk being encoded
 RECYCLE_MB = 768  # a worker whose RSS grew past this after a task is replaced (memory given back)
+IDLE_S = 300.0  # a worker unused this long exits (it holds its tokenizers: ~330 MB for Qwen2.5)
 CHUNK = 64 * 1024  # characters per piece of a chunked encode
 NICE = 10
 _HDR = struct.Struct("<II")  # header length, payload length
@@ -108,8 +109,8 @@ class _Tok:
         from tokenizers import Tokenizer
 
         self.full = Tokenizer.from_str(spec)
+        added = [t.content for t in self.full.get_added_tokens_decoder().values()]
         d = json.loads(spec)
-        added = [t["content"] for t in d.get("added_tokens") or []]
         d["added_tokens"], d["post_processor"] = [], None
         self.plain = Tokenizer.from_str(json.dumps(d))
         empty = self.full.encode("", add_special_tokens=True).ids
@@ -168,7 +169,6 @@ def _encode(tok: _Tok, text: str, plain: bool, special: bool, max_tokens: int | 
 def worker_main() -> None:
     """The worker's loop: ``load`` a tokenizer (its JSON), ``encode`` texts; until stdin closes."""
     as_mb, nice = int(sys.argv[1]), int(sys.argv[2])
-    os.nice(nice)
     resource.setrlimit(resource.RLIMIT_AS, (as_mb << 20, as_mb << 20))
     fin, fout = sys.stdin.buffer, sys.stdout.buffer
     toks: dict[str, _Tok] = {}
@@ -185,6 +185,9 @@ def worker_main() -> None:
                 _send(fout, {"ok": True, "rss_mb": _rss_mb()})
                 continue
             tok = toks[head["key"]]
+            if nice:  # loads run at the daemon's priority (a job waits for them), encodes below it
+                os.nice(nice)
+                nice = 0
             c0 = time.process_time()
             soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
             # the hard stop for a piece that cannot be cut: SIGXCPU ends this worker
@@ -212,6 +215,7 @@ class _Worker:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      close_fds=True, env=env)
         self.loaded: set[str] = set()
+        self.used = time.monotonic()
 
     def call(self, head: dict, payload: bytes, timeout_s: float) -> tuple[dict, bytes]:
         p = self.proc
@@ -255,9 +259,11 @@ class EncodePool:
     """``size`` worker processes, started on first use; a caller takes an idle one (waiting for
     one if all are busy), and a worker that died, timed out or grew is replaced."""
 
-    def __init__(self, size: int = WORKERS, as_mb: int = AS_MB, nice: int = NICE, recycle_mb: int = RECYCLE_MB):
-        self.as_mb, self.nice, self.recycle_mb = as_mb, nice, recycle_mb
-        self._idle: queue.Queue[_Worker | None] = queue.Queue()
+    def __init__(self, size: int = WORKERS, as_mb: int = AS_MB, nice: int = NICE, recycle_mb: int = RECYCLE_MB,
+                 idle_s: float = IDLE_S):
+        self.as_mb, self.nice, self.recycle_mb, self.idle_s = as_mb, nice, recycle_mb, idle_s
+        self._reaper: threading.Thread | None = None
+        self._idle: queue.LifoQueue[_Worker | None] = queue.LifoQueue()  # a started worker before a slot
         for _ in range(size):
             self._idle.put(None)  # a slot; its worker is started when first taken
         self._specs: dict[str, bytes] = {}
@@ -270,6 +276,9 @@ class EncodePool:
         try:
             if w is None:
                 w = _Worker(self.as_mb, self.nice)
+                if self._reaper is None:
+                    self._reaper = threading.Thread(target=self._reap, name="encode-reaper", daemon=True)
+                    self._reaper.start()
             if key not in w.loaded:
                 spec = self._specs.get(key)
                 if spec is None:
@@ -279,12 +288,17 @@ class EncodePool:
             head = {"op": "encode", "key": key, "plain": plain, "special": special, "max_tokens": max_tokens,
                     "cpu_s": cpu_s}
             try:
-                r, out = w.call(head, payload, 3 * cpu_s + 30.0)
+                # the wall-clock backstop: a niced worker on a busy node gets a small share of a core
+                r, out = w.call(head, payload, 6 * cpu_s + 60.0)
             except (EOFError, TimeoutError, OSError) as e:
-                ENCODE_STATS.cpu_s += cpu_s  # killed at (or near) its bound: what it spent
-                code = w.proc.poll()
+                ENCODE_STATS.cpu_s += cpu_s  # ended at (or near) its bound: what it spent
+                try:  # its pipe closes a moment before it can be waited for
+                    code = w.proc.wait(5) if isinstance(e, EOFError) else w.proc.poll()
+                except subprocess.TimeoutExpired:
+                    code = None
                 log.info("encode_worker_ended", error=str(e), exit_code=code, chars=len(text))
-                if code is not None and code < 0 and -code in (24, 9):  # SIGXCPU (or the kernel's SIGKILL past it)
+                # SIGXCPU (or the kernel's SIGKILL past the hard limit), or the backstop
+                if isinstance(e, TimeoutError) or (code is not None and -code in (24, 9)):
                     raise EncodeRefused("cpu", f"tokenizing this text took more than {cpu_s:g} s of CPU") from None
                 raise EncodeRefused("memory", "tokenizing this text needed more memory than a request may use "
                                               f"({self.as_mb} MB)") from None
@@ -303,16 +317,31 @@ class EncodePool:
             if w is not None and not keep:
                 w.close()
                 w = None
+            if w is not None:
+                w.used = time.monotonic()
             self._idle.put(w)
 
-    def close(self) -> None:
-        ws = []
+    def _take_idle(self) -> list:
+        out = []
         while True:
             try:
-                ws.append(self._idle.get_nowait())
+                out.append(self._idle.get_nowait())
             except queue.Empty:
-                break
-        for w in ws:
+                return out
+
+    def _reap(self) -> None:
+        """End workers idle for ``idle_s``: their memory goes back to the node."""
+        while True:
+            time.sleep(min(30.0, self.idle_s / 2))
+            now = time.monotonic()
+            for w in reversed(self._take_idle()):  # put back in the same (LIFO) order
+                if w is not None and now - w.used > self.idle_s:
+                    w.close()
+                    w = None
+                self._idle.put(w)
+
+    def close(self) -> None:
+        for w in self._take_idle():
             if w is not None:
                 w.close()
             self._idle.put(None)

@@ -3,10 +3,12 @@ sandbox's /usr/bin/python3, no venv). Written into the job's workspace through s
 
 ``NEIGHBOUR``: a well-behaved agent. It makes small multi-turn chat calls for ``seconds`` (at
 least ``min_calls``), sending its history back unchanged, and prints ``LAT [...]`` (seconds
-per call) as its last line. Any non-200 answer exits 2.
+per call) as its last line, after ``STARTS [...]`` (the wall-clock time each call started). Any non-200 answer exits 2.
 
 ``ATTACKER``: one job's abuse of its own endpoint, chosen by argv[1] (``ctx8xN``: N valid chat
-requests of 8 MB of text one after another, for a job whose context window lets them be parsed). It prints ``REFUSED
+requests of 8 MB of text one after another, for a job whose context window lets them be parsed;
+``fitN``: N concurrent requests of ~400 KB that fit a 128k window, not an abuse: exit 0 when all
+are answered 200). Each prints ``BEGIN <time>`` and ``END <time>`` (wall clock). It prints ``REFUSED
 <what>`` lines for what the endpoint did and exits 3 (the job fails alone); it exits 0 only if
 no attack was refused at all (a test then sees the endpoint accepted the abuse).
 """
@@ -16,12 +18,13 @@ import json, os, sys, time, urllib.request
 base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
 seconds, min_calls = float(sys.argv[1]), int(sys.argv[2])
 msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello"}]
-lat, t_end, i = [], time.monotonic() + seconds, 0
+lat, starts, t_end, i = [], [], time.monotonic() + seconds, 0
 while time.monotonic() < t_end or i < min_calls:
     body = json.dumps({"model": "m", "messages": msgs, "max_tokens": 4, "temperature": 0}).encode()
     req = urllib.request.Request(base + "/chat/completions", data=body,
                                  headers={"Authorization": "Bearer " + key, "Content-Type": "application/json"})
     t = time.perf_counter()
+    starts.append(round(time.time(), 3))
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             reply = json.loads(r.read())
@@ -35,6 +38,7 @@ while time.monotonic() < t_end or i < min_calls:
         msgs = msgs[:2]
     i += 1
     time.sleep(0.1)
+print("STARTS " + json.dumps(starts))
 print("LAT " + json.dumps(lat))
 '''
 
@@ -46,6 +50,7 @@ u = urlparse(base)
 HOST, PORT = u.hostname, u.port
 mode = sys.argv[1]
 refused = []
+print("BEGIN %.3f" % time.time())
 
 def conn(timeout=60):
     s = socket.create_connection((HOST, PORT), timeout=timeout)
@@ -118,7 +123,23 @@ def call_full(body, limit=300):
     finally:
         s.close()
 
-if mode.startswith("ctx8x"):  # n requests of 8 MB of text, within the body and content bounds of a large window
+if mode.startswith("fit"):  # n concurrent valid requests of ~400 KB of text each (they fit a 128k window)
+    import threading
+    out = []
+    def one(i):
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": ("alpha ", "beta ")[i % 2] * 80000}],
+                           "max_tokens": 4}).encode()
+        out.append(call_full(body))
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(int(mode[3:]))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for st in out:
+        print("ANSWER", st)
+        if " 200 " not in st:
+            refused.append(st)
+elif mode.startswith("ctx8x"):  # n requests of 8 MB of text, within the body and content bounds of a large window
     for i in range(int(mode[5:])):
         t = time.monotonic()
         st = call_full(big(8))
@@ -195,6 +216,7 @@ elif mode == "noread":
     for s in socks:
         s.close()
     refused.append("held %d unread" % len(socks))
+print("END %.3f" % time.time())
 print("REFUSED", json.dumps(refused))
 sys.exit(3 if refused else 0)
 '''

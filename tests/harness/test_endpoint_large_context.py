@@ -8,7 +8,7 @@ the encode workers, each such request cost ~7 s of CPU and +1.1 GB peak in the r
 much of it held afterwards (issue 38: 1.3 GB held per request, three at once ~7 GB and the
 daemon presumed dead). Now: neighbours' p99 under 1 s, nobody presumed dead or busy, each
 request refused with 400 ``context_length_exceeded`` after ~131k tokens in a worker, and the run
-daemon's RSS back within 100 MB of its start once the burst is over. Wall time: ~1-2 min.
+daemon's RSS back within 100 MB of its start once the burst is over. Wall time: 1-3 min.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tests.harness.isolation_agents import ATTACKER, NEIGHBOUR
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 CONTEXT = 131072  # the largest window a user would set for Qwen2.5
-REQUESTS = 3  # 8 MB requests per attacker, one after another
+REQUESTS = 2  # 8 MB requests per attacker, one after another
 RSS_BACK_MB = 100  # the run daemon's RSS after the burst, over its RSS before it
 
 
@@ -36,9 +36,11 @@ def job(name: str, argv: list[str], script: str, max_context: int) -> dict:
         "eval": {"command": ["true"]}}}
 
 
-def latencies(r: dict) -> list[float]:
-    m = re.search(r"^LAT (\[.*\])$", r["eval_details"]["agent"]["output_tail"], re.M)
-    assert m, r["eval_details"]["agent"]["output_tail"][-2000:]
+def printed(r: dict, what: str):
+    """The JSON value an agent printed on its line ``<what> <value>``."""
+    tail = r["eval_details"]["agent"]["output_tail"]
+    m = re.search(rf"^{what} (.*)$", tail, re.M)
+    assert m, (what, tail[-2000:])
     return json.loads(m.group(1))
 
 
@@ -63,7 +65,7 @@ def qwen_up(module_up_factory, qwen_dir, sandbox_root):
     from tests.conftest import require_bwrap
 
     require_bwrap()
-    b = ScriptedBackend(qwen_dir, policy="echo")
+    b = ScriptedBackend(qwen_dir, policy="echo", max_model_len=CONTEXT)
     b.start()
     try:
         up = module_up_factory(*harness_sets(qwen_dir, sandbox_root, ""), "init.pool=8", "run.pool=8",
@@ -83,13 +85,16 @@ def run_batch(up, tasks, timeout_s=600):
 
 
 def test_large_context_requests_neither_stall_nor_swell_the_run_daemon(qwen_up):
-    # warm-up: the sandboxes' and endpoints' first use, so the RSS below is the daemon's serving size
-    for r in run_batch(qwen_up, [job(f"warm{i}", ["3", "5"], NEIGHBOUR, 4096) for i in range(3)]):
-        assert r["status"] == "ok", (r["error"], r["eval_details"].get("agent"))
+    # warm-up: the sandboxes' and endpoints' first use, and two long texts that fit (200, in the
+    # encode workers, which start and load the tokenizer), so the RSS below is the serving size
+    warm = run_batch(qwen_up, [job(f"warm{i}", ["3", "5"], NEIGHBOUR, 4096) for i in range(3)]
+                     + [job("fit", ["fit2"], ATTACKER, CONTEXT)])
+    for r in warm:
+        assert r["status"] == "ok", (r["instance_id"], r["error"], r["eval_details"].get("agent"))
     pid = qwen_up.daemon_pid("run")
     rss0, hwm0 = status_kb(pid, "VmRSS"), status_kb(pid, "VmHWM")
 
-    results = run_batch(qwen_up, [job(f"nb{i}", ["20", "20"], NEIGHBOUR, 4096) for i in range(3)]
+    results = run_batch(qwen_up, [job(f"nb{i}", ["25", "20"], NEIGHBOUR, 4096) for i in range(3)]
                         + [job(f"atk{i}", [f"ctx8x{REQUESTS}"], ATTACKER, CONTEXT) for i in range(3)])
     nbs, atks = results[:3], results[3:]
     rss1, hwm1 = status_kb(pid, "VmRSS"), status_kb(pid, "VmHWM")
@@ -97,9 +102,13 @@ def test_large_context_requests_neither_stall_nor_swell_the_run_daemon(qwen_up):
     dead = qwen_up.logged("daemon_presumed_dead") + qwen_up.logged("daemon_busy")
     assert not [d for d in dead if d["daemon"].startswith("run@")], dead
     assert not qwen_up.logged("job_redispatched")
-    loaded = [x for r in nbs for x in latencies(r)]
-    p99 = float(np.percentile(loaded, 99))
-    print(f"neighbour p99 {p99 * 1000:.0f} ms, max {max(loaded) * 1000:.0f} ms over {len(loaded)} calls")
+    # the neighbours' calls made while the attackers ran (wall clock: the sandboxes share the host's)
+    t0, t1 = min(printed(r, "BEGIN") for r in atks), max(printed(r, "END") for r in atks)
+    loaded = [lat for r in nbs for start, lat in zip(printed(r, "STARTS"), printed(r, "LAT")) if t0 <= start <= t1]
+    p99 = float(np.percentile(loaded, 99)) if loaded else float("nan")
+    print(f"burst {t1 - t0:.0f} s; neighbour p99 {p99 * 1000:.0f} ms, max {max(loaded, default=0) * 1000:.0f} ms "
+          f"over the {len(loaded)} calls made during it")
+    assert len(loaded) >= 30, "the neighbours' calls did not overlap the burst"
     for r in nbs:
         assert r["status"] == "ok" and r["attempts"] == 1, (r["instance_id"], r["error"], r["eval_details"].get("agent"))
     for r in atks:

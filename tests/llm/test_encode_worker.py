@@ -126,3 +126,23 @@ def test_the_agent_gets_each_refusal_in_its_api_shape(arun, qwen_tokenizer):
         assert (e.value.status, e.value.code) == (429, "cpu_budget_exhausted")
 
     arun(go(), timeout=300)
+
+
+def test_an_idle_worker_exits_and_a_new_one_serves_the_next_text(qwen_tokenizer):
+    """Workers hold their tokenizers (~330 MB for Qwen2.5): unused for ``idle_s`` they exit."""
+    import time
+
+    p = ew.EncodePool(size=1, idle_s=1.0)
+    b = qwen_tokenizer.backend_tokenizer
+    text = "hello world\n" * 10000
+    ref = b.encode(text, add_special_tokens=False).ids
+    try:
+        assert p.encode(b, "q", text).tolist() == ref
+        w = p._idle.queue[0]
+        deadline = time.monotonic() + 60
+        while w.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert w.proc.poll() is not None  # ended (and reaped: close() waits for it)
+        assert p.encode(b, "q", text).tolist() == ref
+    finally:
+        p.close()
