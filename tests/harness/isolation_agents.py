@@ -3,7 +3,8 @@ sandbox's /usr/bin/python3, no venv). Written into the job's workspace through s
 
 ``NEIGHBOUR``: a well-behaved agent. It makes small multi-turn chat calls for ``seconds`` (at
 least ``min_calls``), sending its history back unchanged, and prints ``LAT [...]`` (seconds
-per call) as its last line, after ``STARTS [...]`` (the wall-clock time each call started). Any non-200 answer exits 2.
+per call) as its last line, after ``T0 <time>`` and ``STARTS [...]`` (when each call started, wall clock,
+seconds after T0). Any non-200 answer exits 2.
 
 ``ATTACKER``: one job's abuse of its own endpoint, chosen by argv[1] (``ctx8xN``: N valid chat
 requests of 8 MB of text one after another, for a job whose context window lets them be parsed;
@@ -24,21 +25,23 @@ while time.monotonic() < t_end or i < min_calls:
     req = urllib.request.Request(base + "/chat/completions", data=body,
                                  headers={"Authorization": "Bearer " + key, "Content-Type": "application/json"})
     t = time.perf_counter()
-    starts.append(round(time.time(), 3))
+    starts.append(time.time())
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             reply = json.loads(r.read())
     except Exception as e:
         print("CALL_FAILED", i, type(e).__name__, str(e)[:300])
         sys.exit(2)
-    lat.append(round(time.perf_counter() - t, 4))
+    lat.append(round(time.perf_counter() - t, 3))
     msgs.append(reply["choices"][0]["message"])
     msgs.append({"role": "user", "content": "again %d" % i})
     if len(msgs) > 24:  # keep the context small: a new conversation
         msgs = msgs[:2]
     i += 1
     time.sleep(0.1)
-print("STARTS " + json.dumps(starts))
+# compact: the job's output_tail keeps the last 4,000 characters
+print("T0 %.3f" % starts[0])
+print("STARTS " + json.dumps([round(x - starts[0], 1) for x in starts]))
 print("LAT " + json.dumps(lat))
 '''
 
