@@ -67,6 +67,7 @@ import structlog
 
 from .client import Generation, SamplingParams
 from .conversation import Conversation
+from .encode_worker import ENCODE_STATS, TRIM_BYTES, EncodeRefused, release_memory
 from .errors import BackendError, ContextOverflow, RequestError
 from .openai_wire import (
     EndpointError,
@@ -87,6 +88,7 @@ from .openai_wire import (
     parse_tool_choice,
     parse_tools,
 )
+from .tokenizer_utils import encode_bounds, fast_encoder
 from .toolparse import CallIds, get_parser, parse_reply, parser_name_for
 
 log = structlog.get_logger("rolloutd.llm")
@@ -107,6 +109,7 @@ class EndpointLimits:
     deadline: float | None = None
     max_aborts: int = 3  # server-side aborts (weight swaps) continued within one request
     max_cpu_s: float = 300.0  # CPU the endpoint may spend preparing this job's requests, all calls together
+    max_request_cpu_s: float = 10.0  # CPU one request's tokenizing may take (in an encode worker; llm/encode_worker.py)
 
 
 @dataclass(slots=True)
@@ -268,17 +271,40 @@ class EndpointSession:
 
     # -- bounds ----------------------------------------------------------------------------
     async def _offload(self, fn, *args):
-        """Run ``fn(*args)`` in an endpoint thread, one at a time per job; its CPU time is
-        counted against ``limits.max_cpu_s``."""
+        """Run ``fn(*args)`` in an endpoint thread, one at a time per job; its CPU time, an
+        encode worker's included, is counted against ``limits.max_cpu_s``, and long texts are
+        tokenized in a worker bounded by the context window and the CPU left (encode_bounds)."""
+        lim = self.limits
+
         def timed():
-            t0 = time.thread_time()
+            t0, w0 = time.thread_time(), ENCODE_STATS.cpu_s
             try:
-                return fn(*args)
+                cpu = min(lim.max_request_cpu_s, max(0.1, lim.max_cpu_s - self.metrics["endpoint_cpu_s"]))
+                with encode_bounds(lim.max_context, cpu):
+                    return fn(*args)
             finally:
-                self.metrics["endpoint_cpu_s"] += time.thread_time() - t0
+                self.metrics["endpoint_cpu_s"] += time.thread_time() - t0 + ENCODE_STATS.cpu_s - w0
 
         async with self._work:
-            return await asyncio.get_running_loop().run_in_executor(_POOL, timed)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(_POOL, timed)
+            except EncodeRefused as e:
+                raise self._encode_refusal(e) from None
+
+    def _encode_refusal(self, e: EncodeRefused) -> EndpointError:
+        """A text refused by its encode worker, as the agent's error (docs/HARNESS.md, "Bounds")."""
+        lim = self.limits
+        if e.kind == "tokens":
+            return bad(f"the messages take at least {e.count} tokens (counting stopped there); this job's context "
+                       f"window is {lim.max_context}", "messages", "context_length_exceeded")
+        if e.kind == "cpu" and self.metrics["endpoint_cpu_s"] >= lim.max_cpu_s:
+            return EndpointError(429, f"this job's requests used more than {lim.max_cpu_s:g} s of the endpoint's "
+                                 "CPU", type="insufficient_quota", code="cpu_budget_exhausted", retry=False)
+        if e.kind == "cpu":
+            return EndpointError(400, f"this request's text is too costly to tokenize: {e} (the bound is "
+                                 f"{lim.max_request_cpu_s:g} s per request)", code="request_too_costly")
+        return EndpointError(413, f"this request's text is too large to tokenize: {e}", code="request_too_large",
+                             retry=False)
 
     async def max_body(self) -> int:
         """The largest body this job may send: one whose content could still fit its context
@@ -468,6 +494,8 @@ class EndpointSession:
                     conv.add_messages(self.call_ids.prepare([m.template_dict() for m in tail]))
                 except ContextOverflow as e:
                     raise bad(str(e), "messages", "context_length_exceeded") from None
+                except EncodeRefused:
+                    raise
                 except Exception as e:  # noqa: BLE001 - the template refused them (e.g. raise_exception on role order)
                     raise bad(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                               "messages") from None
@@ -486,6 +514,8 @@ class EndpointSession:
         try:
             conv = Conversation(self.tokenizer, self.call_ids.prepare([m.template_dict() for m in msgs]), tools,
                                 self.limits.max_context, **self.conv_options)
+        except EncodeRefused:
+            raise
         except Exception as e:  # noqa: BLE001 - TemplateError, or the template's own raise_exception
             raise bad(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                       "messages") from None
@@ -545,6 +575,8 @@ class EndpointSession:
             conv = parent.conv.fork(turns, self.call_ids.prepare([m.template_dict() for m in tail]))
             if conv.remaining_context <= 0:
                 raise ContextOverflow(f"the fork's prompt of {conv.num_tokens} tokens leaves no room")
+        except EncodeRefused:
+            raise
         except Exception as e:  # noqa: BLE001 - TemplateError, the template's raise_exception, ContextOverflow
             self.metrics["fork_fallbacks"] += 1
             log.info("endpoint_fork_fell_back", parent=parent.index, messages=g, error=f"{type(e).__name__}: {e}")
@@ -721,6 +753,8 @@ class EndpointSession:
             req = self._prepare_wire(raw, parse)
             try:
                 return self._count(req)
+            except EncodeRefused:
+                raise
             except Exception as e:  # noqa: BLE001 - the template refused the messages
                 raise bad(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                           "messages") from None
@@ -741,11 +775,7 @@ class EndpointSession:
             if self._mbpt is not None and len(prompt) > self._mbpt * self.limits.max_context:
                 raise bad(f"the prompt holds {len(prompt)} characters; no tokenization of them fits this job's "
                           f"context window of {self.limits.max_context} tokens", "prompt", "context_length_exceeded")
-            b = getattr(self.tokenizer, "backend_tokenizer", None)
-            if b is not None:  # the batch call releases the GIL (what tokenizer(prompt) gives, same ids)
-                ids = list(b.encode_batch([prompt], add_special_tokens=True)[0].ids)
-            else:
-                ids = list(self.tokenizer(prompt)["input_ids"])
+            ids = fast_encoder(self.tokenizer).encode_special(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = [int(t) for t in prompt]
         else:
@@ -1065,6 +1095,9 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY):
                 finally:
                     gate.inflight -= 1
                     gate.bytes -= held
+                    if held >= TRIM_BYTES:  # once this request's frames are gone: its memory back to the OS
+                        loop = asyncio.get_running_loop()
+                        loop.call_soon(loop.run_in_executor, _POOL, release_memory)
                     held = 0
                 return
             raise EndpointError(404, f"no route {method} {scope['path']}", code="not_found")

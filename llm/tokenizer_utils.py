@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import os
 import re
@@ -284,6 +285,31 @@ def trie_pattern(strings) -> re.Pattern[str] | None:
 # Texts longer than this are encoded through the tokenizer's batch call, which releases the GIL
 # (its single-text encode holds it: ~1 s per MB of Qwen2.5 text, a stalled event loop).
 NOGIL_CHARS = 8192
+# Inside ``encode_bounds`` (the harness endpoint), texts longer than this are encoded in a worker
+# process (llm/encode_worker.py): an encode's memory is ~140 bytes per character and the allocator
+# keeps much of it, so a long one would swell the run daemon for good.
+WORKER_CHARS = 64 * 1024
+
+
+class _Bounds(threading.local):
+    max_tokens: int | None = None
+    cpu_s: float | None = None  # None: no bounds in this thread (long texts are encoded here)
+
+
+_BOUNDS = _Bounds()
+
+
+@contextlib.contextmanager
+def encode_bounds(max_tokens: int | None, cpu_s: float):
+    """Within this block (one thread), ``FastEncoder`` encodes texts over ``WORKER_CHARS`` in a
+    worker process, refusing (``encode_worker.EncodeRefused``) one of more than ``max_tokens``
+    ids as soon as it has seen that many, or one that costs more than ``cpu_s`` of CPU."""
+    prev = _BOUNDS.max_tokens, _BOUNDS.cpu_s
+    _BOUNDS.max_tokens, _BOUNDS.cpu_s = max_tokens, cpu_s
+    try:
+        yield
+    finally:
+        _BOUNDS.max_tokens, _BOUNDS.cpu_s = prev
 
 
 class FastEncoder:
@@ -294,7 +320,7 @@ class FastEncoder:
     are not turned into control tokens (used for untrusted observation content).
     """
 
-    __slots__ = ("tokenizer", "_backend", "_control_re", "control_tokens", "_plain")
+    __slots__ = ("tokenizer", "_backend", "_control_re", "control_tokens", "_plain", "_key")
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -303,10 +329,33 @@ class FastEncoder:
         specials = [t for t in getattr(tokenizer, "all_special_tokens", []) or [] if t]
         self.control_tokens: tuple[str, ...] = tuple(sorted(set(added) | set(specials), key=len, reverse=True))
         self._control_re = trie_pattern(self.control_tokens)
+        self._key = f"{getattr(tokenizer, 'name_or_path', '')}#{id(self._backend)}"
+
+    def _in_worker(self, text: str, plain: bool = False, special: bool = False) -> list[int] | None:
+        """The ids from a bounded worker process, or None when this thread has no bounds or
+        the text is short (encoded here)."""
+        if _BOUNDS.cpu_s is None or self._backend is None or len(text) <= WORKER_CHARS:
+            return None
+        from .encode_worker import encode
+
+        return encode(self._backend, self._key, text, plain=plain, special=special, max_tokens=_BOUNDS.max_tokens,
+                      cpu_s=_BOUNDS.cpu_s).tolist()
+
+    def encode_special(self, text: str) -> list[int]:
+        """``tokenizer(text)["input_ids"]``: with the special tokens its post-processor adds (BOS)."""
+        ids = self._in_worker(text, special=True)
+        if ids is not None:
+            return ids
+        if self._backend is not None:  # the batch call releases the GIL (same ids)
+            return list(self._backend.encode_batch([text], add_special_tokens=True)[0].ids)
+        return list(self.tokenizer(text)["input_ids"])
 
     def encode(self, text: str) -> list[int]:
         if not text:
             return []
+        ids = self._in_worker(text)
+        if ids is not None:
+            return ids
         if self._backend is not None:
             if len(text) > NOGIL_CHARS:  # the batch call releases the GIL (same ids), encode() holds it
                 return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
@@ -320,6 +369,9 @@ class FastEncoder:
         if not text:
             return []
         b = self._backend
+        ids = self._in_worker(text, plain=True)
+        if ids is not None:
+            return ids
         if b is None:
             fn = getattr(self.tokenizer, "_encode_without_added_tokens", None)
             if fn is None:  # pragma: no cover - slow tokenizers without that helper

@@ -3,9 +3,13 @@ sandbox's /usr/bin/python3, no venv). Written into the job's workspace through s
 
 ``NEIGHBOUR``: a well-behaved agent. It makes small multi-turn chat calls for ``seconds`` (at
 least ``min_calls``), sending its history back unchanged, and prints ``LAT [...]`` (seconds
-per call) as its last line. Any non-200 answer exits 2.
+per call) as its last line, after ``T0 <time>`` and ``STARTS [...]`` (when each call started, wall clock,
+seconds after T0). Any non-200 answer exits 2.
 
-``ATTACKER``: one job's abuse of its own endpoint, chosen by argv[1]. It prints ``REFUSED
+``ATTACKER``: one job's abuse of its own endpoint, chosen by argv[1] (``ctx8xN``: N valid chat
+requests of 8 MB of text one after another, for a job whose context window lets them be parsed;
+``fitN``: N concurrent requests of ~400 KB that fit a 128k window, not an abuse: exit 0 when all
+are answered 200). Each prints ``BEGIN <time>`` and ``END <time>`` (wall clock). It prints ``REFUSED
 <what>`` lines for what the endpoint did and exits 3 (the job fails alone); it exits 0 only if
 no attack was refused at all (a test then sees the endpoint accepted the abuse).
 """
@@ -15,25 +19,29 @@ import json, os, sys, time, urllib.request
 base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
 seconds, min_calls = float(sys.argv[1]), int(sys.argv[2])
 msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello"}]
-lat, t_end, i = [], time.monotonic() + seconds, 0
+lat, starts, t_end, i = [], [], time.monotonic() + seconds, 0
 while time.monotonic() < t_end or i < min_calls:
     body = json.dumps({"model": "m", "messages": msgs, "max_tokens": 4, "temperature": 0}).encode()
     req = urllib.request.Request(base + "/chat/completions", data=body,
                                  headers={"Authorization": "Bearer " + key, "Content-Type": "application/json"})
     t = time.perf_counter()
+    starts.append(time.time())
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             reply = json.loads(r.read())
     except Exception as e:
         print("CALL_FAILED", i, type(e).__name__, str(e)[:300])
         sys.exit(2)
-    lat.append(round(time.perf_counter() - t, 4))
+    lat.append(round(time.perf_counter() - t, 3))
     msgs.append(reply["choices"][0]["message"])
     msgs.append({"role": "user", "content": "again %d" % i})
     if len(msgs) > 24:  # keep the context small: a new conversation
         msgs = msgs[:2]
     i += 1
     time.sleep(0.1)
+# compact: the job's output_tail keeps the last 4,000 characters
+print("T0 %.3f" % starts[0])
+print("STARTS " + json.dumps([round(x - starts[0], 1) for x in starts]))
 print("LAT " + json.dumps(lat))
 '''
 
@@ -45,6 +53,7 @@ u = urlparse(base)
 HOST, PORT = u.hostname, u.port
 mode = sys.argv[1]
 refused = []
+print("BEGIN %.3f" % time.time())
 
 def conn(timeout=60):
     s = socket.create_connection((HOST, PORT), timeout=timeout)
@@ -88,7 +97,59 @@ def big(mb):
     content = "word " * (mb * (1 << 20) // 5)
     return json.dumps({"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 4}).encode()
 
-if mode in ("big8", "big60"):
+def call_full(body, limit=300):
+    """Status line and error code of one request with ``body`` (the whole answer is read)."""
+    s = conn(limit)
+    try:
+        s.sendall(head(b"/v1/chat/completions", len(body)))
+        s.sendall(body)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            d = s.recv(65536)
+            if not d:
+                return "closed"
+            buf += d
+        top, rest = buf.split(b"\r\n\r\n", 1)
+        n = [int(l.split(b":")[1]) for l in top.split(b"\r\n") if l.lower().startswith(b"content-length:")]
+        while n and len(rest) < n[0]:
+            d = s.recv(65536)
+            if not d:
+                break
+            rest += d
+        try:
+            code = json.loads(rest)["error"]["code"]
+        except Exception:
+            code = None
+        return top.split(b"\r\n", 1)[0].decode("latin-1") + " " + str(code)
+    except OSError as e:
+        return "closed " + type(e).__name__
+    finally:
+        s.close()
+
+if mode.startswith("fit"):  # n concurrent valid requests of ~400 KB of text each (they fit a 128k window)
+    import threading
+    out = []
+    def one(i):
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": ("alpha ", "beta ")[i % 2] * 80000}],
+                           "max_tokens": 4}).encode()
+        out.append(call_full(body))
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(int(mode[3:]))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for st in out:
+        print("ANSWER", st)
+        if " 200 " not in st:
+            refused.append(st)
+elif mode.startswith("ctx8x"):  # n requests of 8 MB of text, within the body and content bounds of a large window
+    for i in range(int(mode[5:])):
+        t = time.monotonic()
+        st = call_full(big(8))
+        print("ANSWER", st, round(time.monotonic() - t, 1))
+        if " 400 " in st or " 413 " in st or " 429 " in st:
+            refused.append(st)
+elif mode in ("big8", "big60"):
     st = send_body(big(8 if mode == "big8" else 60))
     print("ANSWER", st)
     if " 413 " in st or " 400 " in st:
@@ -158,6 +219,7 @@ elif mode == "noread":
     for s in socks:
         s.close()
     refused.append("held %d unread" % len(socks))
+print("END %.3f" % time.time())
 print("REFUSED", json.dumps(refused))
 sys.exit(3 if refused else 0)
 '''
