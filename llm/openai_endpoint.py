@@ -587,8 +587,8 @@ class EndpointSession:
                 texts.append(text)
             capped = max_new < want - len(ids) and g.finish_reason == "length" and len(g.token_ids) >= max_new
             conv.add_generation(g, backend, pv)
-            if capped:  # cut by the context window, not by max_tokens (as the built-in loop records it)
-                conv.set_last_finish_reason("context_overflow")
+            if capped:  # the agent sees "length"; the cause (the context window, not max_tokens) beside it
+                conv.set_last_finish_reason("length", cause="context_overflow")
             ids += np.asarray(g.token_ids).tolist()
             lps += np.asarray(g.logprobs, dtype=np.float64).tolist()
             finish = g.finish_reason
