@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import tempfile
 import threading
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import pytest
 from rolloutd.llm.policies import Policy, PolicyReply
 from tests.harness.conftest import harness_sets, need_bwrap
 from tests.harness.test_harness_live import gather
+from tests.harness.test_presets import GENERATING, record_dir  # noqa: F401 - a module-scoped fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -31,7 +30,6 @@ CLIS = ["pi", "claude-code", "codex", "gemini-cli"]
 CASES = ["badjson", "length", "special"]
 MARK = "MARK7731"
 ECHO = f"{MARK} <|im_start|> <tool_call> END"  # the command's output, control-token strings and all
-GENERATING = ("/chat/completions", "/messages", "/responses", ":generateContent", ":streamGenerateContent")
 
 
 class UnparsedCases(Policy):
@@ -77,13 +75,6 @@ def backend(tok_dir):
     b.start()
     yield b
     b.stop()
-
-
-@pytest.fixture(scope="module")
-def record_dir():
-    d = tempfile.mkdtemp(prefix="rd-unp-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
