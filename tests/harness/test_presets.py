@@ -210,7 +210,7 @@ def check_fidelity(r: dict, tok, emitted: dict, record_dir: str) -> None:
             prompts.append(prompt)
     assert len(prompts) == r["metrics"]["llm_calls"]
     rows = [json.loads(line) for line in Path(record_dir, f"{r['job_id']}.jsonl").read_text().splitlines()]
-    rows = [x for x in rows if x["status"] == 200 and any(g in x["path"] for g in GENERATING)
+    rows = [x for x in rows if x["status"] == 200 and x["method"] == "POST" and any(g in x["path"] for g in GENERATING)
             and "count" not in x["path"]]
     assert len(rows) == len(prompts), (len(rows), len(prompts), [x["path"] for x in rows])
     seen = sorted(_nfc(tok.decode(list(p), skip_special_tokens=False)) for p in prompts)

@@ -97,7 +97,8 @@ def results(module_up_factory, tok_dir, sandbox_root, agent_venv, backend, recor
 
 def requests_of(r: dict, record_dir: str) -> list[dict]:
     rows = [json.loads(line) for line in Path(record_dir, f"{r['job_id']}.jsonl").read_text().splitlines()]
-    return [x for x in rows if any(g in x["path"] for g in GENERATING) and "count" not in x["path"]]
+    return [x for x in rows if x["method"] == "POST" and any(g in x["path"] for g in GENERATING)
+            and "count" not in x["path"]]
 
 
 @pytest.mark.parametrize("cli", CLIS)
