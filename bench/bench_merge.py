@@ -7,7 +7,7 @@ each a multi-call episode: N ``echo`` steps through the harness's own shell tool
 answer (mini-swe-agent: its text format); side calls (opencode's session title) as each harness
 makes them. Per preset: LLM calls, segments (one trainer row each), forks, side segments,
 re-encoded sampled tokens, rows per call. ``--compact N`` turns on the harness's own compaction (Codex:
-``model_auto_compact_token_limit``; Claude Code: ``CLAUDE_CODE_AUTO_COMPACT_WINDOW``, 50 %; OpenCode: the model's context ``limit``). Subagent and retry episodes are not scripted
+``model_auto_compact_token_limit``; Claude Code: ``CLAUDE_CODE_AUTO_COMPACT_WINDOW``, 50 %; OpenCode, Pi: the model's context window). Subagent and retry episodes are not scripted
 (docs/BENCHMARKS.md says what is and is not covered).
 
 Usage: ``python bench/bench_merge.py [--steps N] [--repeats R] [--presets P1,P2|all] [--compact N]
@@ -51,6 +51,11 @@ async def episode(handler, preset: str, steps: int, backend_url: str, root: str,
             cfg = json.loads(PRESETS["opencode"]["home_files"][path])
             cfg["provider"]["rolloutd"]["models"]["{model}"]["limit"] = {"context": compact, "output": 4096}
             inst["home_files"] = {path: json.dumps(cfg)}
+        elif preset == "pi":  # the model's contextWindow in its models.json
+            path = ".pi/agent/models.json"
+            cfg = json.loads(PRESETS["pi"]["home_files"][path])
+            cfg["providers"]["rolloutd"]["models"][0]["contextWindow"] = compact
+            inst["home_files"] = {path: json.dumps(cfg)}
     r = await run_local(handler, inst, backend_url=backend_url, runtime="bwrap", root_dir=root)
     if r["status"] != "ok" and compact is None:
         raise RuntimeError(f"bench job {preset} failed: {r['status']} {r['error']}")
@@ -71,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--presets", default="all")
     ap.add_argument("--compact", type=int, default=None,
                     help="codex: model_auto_compact_token_limit; claude-code: CLAUDE_CODE_AUTO_COMPACT_WINDOW "
-                         "(threshold 50%%); opencode: the model's context limit: each harness's own compaction")
+                         "(threshold 50%%); opencode, pi: the model's context window: each harness's own compaction")
     ns = ap.parse_args(argv)
     presets = served_presets() if ns.presets == "all" else ns.presets.split(",")
     presets = [p for p in presets if p != "aider"]  # one call per message: nothing to merge
@@ -96,7 +101,7 @@ def main(argv=None) -> int:
     try:
         for preset in presets:
             url = backends["mini" if preset == "mini-swe-agent" else "tools"].url
-            compact = ns.compact if preset in ("codex", "claude-code", "opencode") else None
+            compact = ns.compact if preset in ("codex", "claude-code", "opencode", "pi") else None
             runs = [asyncio.run(episode(handler, preset, ns.steps, url, str(work / "sb"), compact))
                     for _ in range(ns.repeats)]
             row = {k: sum(r[k] for r in runs) for k in runs[0]}
