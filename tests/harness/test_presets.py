@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.llm.policies import Policy
-from tests.harness.conftest import harness_sets, need_bwrap
+from tests.harness.conftest import harness_sets, long_prompt_backend, need_bwrap
 from tests.harness.test_harness_live import gather, swe_ids, well_formed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -122,16 +122,9 @@ def missing_route(preset: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def preset_backend(tok_dir):
-    from rolloutd.llm.scripted import ScriptedBackend
-
     pol = RecordingOracle(tok_dir)
     pol.warm()
-    # The harnesses' system prompts and tool lists are long (Qwen Code's ~40K tokens of the tiny
-    # vocabulary): a context far beyond the default 32K.
-    b = ScriptedBackend(tok_dir, policy=pol, max_model_len=1 << 20)
-    b.start()
-    yield b
-    b.stop()
+    yield from long_prompt_backend(tok_dir, pol)
 
 
 @pytest.fixture(scope="module")

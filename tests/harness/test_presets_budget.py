@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness.conftest import harness_sets, need_bwrap
+from tests.harness.conftest import harness_sets, long_prompt_backend, need_bwrap
 from tests.harness.test_harness_live import gather, swe_ids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -22,14 +22,10 @@ PRESETS = ["mini-swe-agent", "openai-tools", "claude-code", "codex", "gemini-cli
 @pytest.fixture(scope="module")
 def backend(tok_dir):
     from rolloutd.handlers.harness_presets import HarnessOracle
-    from rolloutd.llm.scripted import ScriptedBackend
 
     pol = HarnessOracle(wrong_every=2)
     pol.warm()
-    b = ScriptedBackend(tok_dir, policy=pol, max_model_len=1 << 20)  # the harnesses' long prompts
-    b.start()
-    yield b
-    b.stop()
+    yield from long_prompt_backend(tok_dir, pol)
 
 
 @pytest.fixture(scope="module")

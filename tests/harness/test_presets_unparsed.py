@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.llm.policies import Policy, PolicyReply
-from tests.harness.conftest import harness_sets, need_bwrap
+from tests.harness.conftest import harness_sets, long_prompt_backend, need_bwrap
 from tests.harness.test_harness_live import gather
 from tests.harness.test_presets import GENERATING, record_dir  # noqa: F401 - a module-scoped fixture
 
@@ -69,12 +69,7 @@ class UnparsedCases(Policy):
 
 @pytest.fixture(scope="module")
 def backend(tok_dir):
-    from rolloutd.llm.scripted import ScriptedBackend
-
-    b = ScriptedBackend(tok_dir, policy=UnparsedCases(tok_dir), max_model_len=1 << 20)
-    b.start()
-    yield b
-    b.stop()
+    yield from long_prompt_backend(tok_dir, UnparsedCases(tok_dir))
 
 
 @pytest.fixture(scope="module")
