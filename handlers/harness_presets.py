@@ -112,7 +112,7 @@ PRESETS.update({
         # Chat Completions with OPENAI_* from the environment (auth type openai); --yolo: every tool
         # call runs without asking; its optional bwrap sandbox stays off (tools.sandbox false).
         "command": ["qwen", "-p", "{task}", "--output-format", "json", "--yolo", "--auth-type", "openai",
-                    "-m", "{model}", "--max-session-turns", "{max_llm_calls}"],
+                    "-m", "{model}"],  # no --max-session-turns: the endpoint's spent-budget reply ends the run (exit 0)
         "env": dict(_NODE_ENV, OPENAI_MODEL="{model}", QWEN_CODE_SUPPRESS_YOLO_WARNING="1",
                     QWEN_CODE_NO_RELAUNCH="1"),
         "home_files": {".qwen/settings.json": _json({
@@ -159,7 +159,7 @@ PRESETS.update({
         # (title calls, api.anthropic.com look-ups), telemetry, auto-update, error reports off;
         # every tool allowed without asking (bypassPermissions: our sandbox is the boundary).
         "command": ["claude", "-p", "{task}", "--output-format", "json", "--model", CLAUDE_MODEL,
-                    "--permission-mode", "bypassPermissions", "--max-turns", "{max_llm_calls}"],
+                    "--permission-mode", "bypassPermissions"],  # no --max-turns: the spent-budget reply ends it
         "env": dict(_NODE_ENV, ANTHROPIC_BASE_URL="{base_root}", ANTHROPIC_API_KEY="{api_key}",
                     ANTHROPIC_DEFAULT_HAIKU_MODEL=CLAUDE_MODEL, ANTHROPIC_SMALL_FAST_MODEL=CLAUDE_MODEL,
                     CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1",
@@ -252,17 +252,20 @@ def agent_script_binds() -> list[tuple[str, str, bool]]:
 
 
 def record_requests(app, directory: str | None, job_id: str):
-    """The endpoint's ASGI app, with every POST body (path, query, status, body) appended to
-    ``directory/<job_id>.jsonl`` when ``[handlers.harness] record_requests`` names a directory:
-    what the harness really sent, for tests that check each prompt against the chat template's
-    rendering of that request (and for debugging a preset). Off (the app itself) by default."""
+    """The endpoint's ASGI app, with every request (method, path, API shape, query, status, body)
+    appended to ``directory/<job_id>.jsonl`` when ``[handlers.harness] record_requests`` names a
+    directory: what the harness really sent, refused requests included (a 401 on a harness's side
+    traffic), for tests that check each prompt against the chat template's rendering of that
+    request (and for debugging a preset). Off (the app itself) by default."""
     if not directory:
         return app
+    from rolloutd.llm.openai_endpoint import api_shape
+
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"{job_id}.jsonl")
 
     async def recorded(scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST":
+        if scope["type"] != "http" or scope.get("path") == "/health":
             return await app(scope, receive, send)
         msgs, chunks = [], []
         while True:
@@ -287,7 +290,8 @@ def record_requests(app, directory: str | None, job_id: str):
         try:
             await app(scope, replay, send_status)
         finally:
-            row = {"path": scope.get("path"), "query": scope.get("query_string", b"").decode("latin-1"),
+            row = {"method": scope.get("method"), "path": scope.get("path"), "shape": api_shape(scope.get("path", "")),
+                   "query": scope.get("query_string", b"").decode("latin-1"),
                    "status": status.get("code"), "body": b"".join(chunks).decode("utf-8", "replace")}
             with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")

@@ -6,7 +6,7 @@ Anthropic's server-sent event sequence. Pure translation: no I/O, no session sta
 Shapes follow the ``anthropic`` SDK's types (``MessageCreateParams``, ``Message``,
 ``RawMessageStreamEvent``, ``ErrorResponse``), the ground truth the SDK and Claude Code parse.
 
-* ``system`` (a string or text blocks, joined with a blank line) becomes one system message;
+* ``system`` (a string or text blocks, glued as vLLM's Anthropic route does) becomes one system message;
   a ``system`` role inside ``messages`` (newer SDKs) is taken too.
 * A user message's ``tool_result`` blocks become ``tool`` messages (in block order; its text blocks
   between them one user message each run); ``tool_result.content`` is a string or text blocks,
@@ -122,7 +122,8 @@ def _user(m: dict, where: str) -> tuple:
             if texts is None:
                 texts = []
                 pieces.append(("user", ""))
-            texts.append(b["text"])
+            if b["text"]:  # vLLM's Anthropic route drops empty text blocks
+                texts.append(b["text"])
             pieces[-1] = ("user", "\n".join(texts))
         elif t == "tool_result":
             tid = b.get("tool_use_id")
@@ -175,7 +176,9 @@ def _assistant(m: dict, where: str) -> tuple:
             continue  # opaque, no text to render
         else:
             raise bad(f"{bw}: content block of type {t!r} is not supported in an assistant message", bw)
-    return (("assistant", "".join(texts), tuple(calls), tuple(ids), "".join(thinking) if thinking else None),)
+    # text blocks joined by newlines, as vLLM's Anthropic route (text parts of one chat message)
+    return (("assistant", "\n".join(t for t in texts if t), tuple(calls), tuple(ids),
+             "".join(thinking) if thinking else None),)
 
 
 def _message(m: Any, i: int) -> tuple:
@@ -200,7 +203,7 @@ def _messages(body: dict, cache: dict | None) -> list[Msg]:
     system = body.get("system")
     if system is not None:
         if isinstance(system, list):
-            s = "\n\n".join(_text_blocks([b], "system") for b in system)
+            s = "".join(_text_blocks([b], "system") for b in system)  # vLLM's Anthropic route: glued
         else:
             s = _text_blocks(system, "system")
         if s:

@@ -82,6 +82,7 @@ class Turn:
     obs_end: int | None = None
     continuation: bool = False  # continues the previous assistant message (after an abort)
     hidden: tuple[int, int] | None = None  # reasoning span hidden from later prompts (reasoning="drop")
+    cause: str | None = None  # why it ended where the finish reason does not say (a context window cut)
 
 
 def _compile(template: str):
@@ -533,6 +534,7 @@ class Conversation:
                 "obs_end": t.obs_end,
                 "continuation": t.continuation,
                 "hidden": list(t.hidden) if t.hidden is not None else None,
+                "cause": t.cause,
             }
             for t in self._turns
         ]
@@ -706,9 +708,11 @@ class Conversation:
         new._start(prompt)
         return new
 
-    def set_last_finish_reason(self, reason: str) -> None:
+    def set_last_finish_reason(self, reason: str, cause: str | None = None) -> None:
         if self._turns:
             self._turns[-1].finish_reason = reason
+            if cause is not None:
+                self._turns[-1].cause = cause
 
     # -- output ----------------------------------------------------------------------
     def arrays(self) -> dict[str, np.ndarray]:

@@ -183,7 +183,10 @@ def _content(c: Any, i: int) -> tuple:
     if role not in ("user", "model", "function", "tool"):
         raise bad(f"Please use a valid role: user, model. (got {role!r} at {where})", "contents")
     parts = c.get("parts")
-    if not isinstance(parts, list) or not parts:
+    if parts is not None and not isinstance(parts, list):
+        raise bad(f"Invalid value at '{where}.parts': must be a list of parts, got {type(parts).__name__}",
+                  "contents")
+    if not parts:
         raise bad(f"* GenerateContentRequest.{where}.parts: contents.parts must not be empty", "contents")
     texts: list[str] = []
     thoughts: list[str] = []

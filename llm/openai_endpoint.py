@@ -160,6 +160,19 @@ def max_bytes_per_token(tokenizer: Any) -> int:
         return max(1, m)
 
 
+_ADDRESS = re.compile(r"\b(?:https?|tcp|ipc|unix)://[^\s,;'\"]+")
+
+
+def _unaddressed(e: BaseException) -> str:
+    """An error's message without the addresses it names (a backend's or router's URL): an agent
+    is never told where the job's backends are."""
+    msg = str(e)
+    backend = getattr(e, "backend", None)
+    if isinstance(backend, str) and backend:
+        msg = msg.replace(backend, "the backend")
+    return _ADDRESS.sub("the backend", msg)
+
+
 def _nesting_ok(obj: Any, limit: int) -> bool:
     """No container of ``obj`` deeper than ``limit`` (iterative: deep input must not recurse)."""
     stack = [(obj, 1)]
@@ -258,6 +271,7 @@ class EndpointSession:
                                         "assistant_tokens_reused": 0,
                                           "assistant_tokens_reencoded": 0, "llm_s": 0.0, "aborts": 0,
                                           "malformed_tool_calls": 0, "forks": 0, "fork_fallbacks": 0,
+                                          "budget_replies": 0,
                                           "endpoint_cpu_s": 0.0}
         self._gens: list[_Gen] = []
         self._inflight: set[asyncio.Future] = set()  # backend calls in flight (a job's requests run concurrently)
@@ -366,10 +380,27 @@ class EndpointSession:
         self.metrics["refused_calls"] += 1
         key = f"{err.status} {err.code}" if err.code else str(err.status)
         self.metrics["refused_by_status"][key] = self.metrics["refused_by_status"].get(key, 0) + 1
-        log.info("endpoint_call_refused", status=err.status, code=err.code, reason=err.message)
-        return err
+        return err  # logged by the app with the request's path (endpoint_call_refused)
 
-    def _admit(self) -> None:
+    def _budget_spent(self) -> bool:
+        cap = self.limits.max_llm_calls
+        return cap is not None and self.metrics["llm_calls"] >= cap
+
+    def _budget_reply(self) -> Reply:
+        """A chat request once ``max_llm_calls`` is spent: a last assistant message, nothing
+        sampled or recorded. Every harness CLI ends its run on a reply without calls, where it
+        retries a 429 for minutes (docs/HARNESS.md, "Presets")."""
+        self.metrics["budget_replies"] += 1
+        cap = self.limits.max_llm_calls
+        log.info("endpoint_budget_spent", max_llm_calls=cap, replies=self.metrics["budget_replies"])
+        return Reply(id=f"chatcmpl-{uuid.uuid4().hex}", model=self.model,
+                     content=f"[rolloutd] This job's budget of {cap} LLM calls is spent; no more calls are answered.",
+                     tool_calls=[], reasoning=None, finish_reason="stop", prompt_tokens=0, completion_tokens=0,
+                     token_ids=[], logprobs=[])
+
+    def _admit(self, calls: bool = True) -> None:
+        """Refuse a request the job can no longer serve; ``calls``: also one past ``max_llm_calls``
+        (``/v1/completions``; the chat routes answer that with :meth:`_budget_reply`)."""
         if self._cancelled is not None:
             raise self._refuse(EndpointError(503, f"the job is {self._cancelled}; no more LLM calls",
                                              type="service_unavailable", code="job_" + self._cancelled, retry=False))
@@ -381,7 +412,7 @@ class EndpointSession:
             raise self._refuse(EndpointError(503, "the job's deadline has passed; no more LLM calls",
                                              type="service_unavailable", code="deadline_exceeded", retry=False))
         cap = self.limits.max_llm_calls
-        if cap is not None and self.metrics["llm_calls"] >= cap:
+        if calls and cap is not None and self.metrics["llm_calls"] >= cap:
             raise self._refuse(EndpointError(429, f"this job's budget of {cap} LLM calls is spent",
                                              type="insufficient_quota", code="insufficient_quota", retry=False))
         if self.metrics["endpoint_cpu_s"] > self.limits.max_cpu_s:
@@ -396,7 +427,7 @@ class EndpointSession:
         return (await self._chat(body))[0]
 
     async def _chat(self, body: dict | bytes) -> tuple[Reply, dict]:
-        self._admit()
+        self._admit(calls=False)
         if self._mbpt is None:
             await self.max_body()
         body, msgs, tools, parse_calls, samp = await self._offload(self._prepare_chat, body)
@@ -407,9 +438,13 @@ class EndpointSession:
         """One translated chat request of any API shape: placed in the conversation it
         continues (or a new one), sampled, parsed. A job's requests run concurrently; each
         conversation is extended by one request at a time."""
+        if self._budget_spent():
+            return self._budget_reply()
         self._admit()
         seg = await self._offload(self._place, msgs, tools)
         try:
+            if self._budget_spent():  # spent by a request served meanwhile
+                return self._budget_reply()
             self._admit()
             n_turns, n_ctx = seg.conv.num_turns, seg.conv.num_tokens
             try:
@@ -619,8 +654,8 @@ class EndpointSession:
                 texts.append(text)
             capped = max_new < want - len(ids) and g.finish_reason == "length" and len(g.token_ids) >= max_new
             conv.add_generation(g, backend, pv)
-            if capped:  # cut by the context window, not by max_tokens (as the built-in loop records it)
-                conv.set_last_finish_reason("context_overflow")
+            if capped:  # the agent sees "length"; the cause (the context window, not max_tokens) beside it
+                conv.set_last_finish_reason("length", cause="context_overflow")
             ids += np.asarray(g.token_ids).tolist()
             lps += np.asarray(g.logprobs, dtype=np.float64).tolist()
             finish = g.finish_reason
@@ -683,16 +718,17 @@ class EndpointSession:
             try:
                 return fut.result()
             except ContextOverflow as e:
-                raise bad(str(e), "messages", "context_length_exceeded") from None
+                raise bad(_unaddressed(e), "messages", "context_length_exceeded") from None
             except RequestError as e:
-                raise bad(f"the backend rejected the request: {e}") from None
+                log.info("endpoint_backend_rejected", error=str(e))  # the address stays in our logs
+                raise bad(f"the backend rejected the request: {_unaddressed(e)}") from None
             except BackendError as e:
-                raise EndpointError(503, f"no backend could serve the request: {e}", type="service_unavailable",
-                                    code="backend_unavailable") from None
+                raise EndpointError(503, f"no backend could serve the request: {_unaddressed(e)}",
+                                    type="service_unavailable", code="backend_unavailable") from None
             except Exception as e:  # noqa: BLE001 - router/lease failures (StaleLease, RouterError): the job's to decide
                 self.fatal = e
                 log.warning("endpoint_llm_failed", error=f"{type(e).__name__}: {e}")
-                raise EndpointError(503, f"LLM unavailable for this job: {type(e).__name__}: {e}",
+                raise EndpointError(503, f"LLM unavailable for this job: {type(e).__name__}: {_unaddressed(e)}",
                                     type="service_unavailable", code="job_failed", retry=False) from None
         finally:
             self.metrics["llm_s"] += time.perf_counter() - t0
@@ -732,7 +768,7 @@ class EndpointSession:
     async def serve_wire(self, raw: bytes | dict, parse: Callable[[dict], WireRequest]) -> tuple[WireRequest, Reply]:
         """One request of another API shape: ``parse`` (a wire module's, e.g. ``anthropic_wire.parse``)
         translates the body in an endpoint thread; then the same session path as Chat Completions."""
-        self._admit()
+        self._admit(calls=False)
         if self._mbpt is None:
             await self.max_body()
         req = await self._offload(self._prepare_wire, raw, parse)
@@ -745,7 +781,7 @@ class EndpointSession:
 
     async def count_tokens(self, raw: bytes | dict, parse: Callable[[dict], WireRequest]) -> int:
         """The prompt tokens of a translated request (``count_tokens`` routes); no segment, no LLM call."""
-        self._admit()
+        self._admit(calls=False)
         if self._mbpt is None:
             await self.max_body()
 
@@ -910,6 +946,26 @@ def _content_length(scope) -> int | None:
     return None
 
 
+def api_shape(path: str) -> str:
+    """The API shape of a request path (``/v1`` or ``/v1beta`` prefix optional): ``chat``,
+    ``completions``, ``anthropic``, ``responses``, ``gemini``, else ``other``."""
+    for pre in ("/v1beta/", "/v1/"):
+        if path.startswith(pre):
+            path = path[len(pre) - 1:]
+            break
+    if path.startswith("/chat/completions"):
+        return "chat"
+    if path.startswith("/completions"):
+        return "completions"
+    if path.startswith("/messages"):
+        return "anthropic"
+    if path.startswith("/responses"):
+        return "responses"
+    if path.startswith("/models/") and ":" in path:
+        return "gemini"
+    return "other"
+
+
 def make_app(session: EndpointSession, *, max_body: int = MAX_BODY):
     """A raw ASGI 3 app serving ``session`` (no framework: a few routes). Request bodies are
     bounded by ``session.max_body()`` (and ``max_body``), parsed off the loop by the session."""
@@ -1018,12 +1074,13 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY):
 
     def error_body(path: str, e: EndpointError) -> bytes:
         """Each API shape's own error object."""
+        shape = api_shape(path)
         try:
-            if path.startswith("/messages"):
+            if shape == "anthropic":
                 from .anthropic_wire import error_body as eb
-            elif path.startswith("/responses"):
+            elif shape == "responses":
                 from .responses_wire import error_body as eb
-            elif path.startswith("/models/") and ":" in path:
+            elif shape == "gemini":
                 from .gemini_wire import error_body as eb
             else:
                 return e.body()
@@ -1103,6 +1160,8 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY):
             raise EndpointError(404, f"no route {method} {scope['path']}", code="not_found")
         except EndpointError as e:
             session._refuse(e)  # every error answer, once (401, 404, 400 ..., not only the gate's)
+            log.info("endpoint_call_refused", status=e.status, code=e.code, method=method, path=scope["path"],
+                     shape=api_shape(path), reason=e.message)
             extra = [] if e.retry is None else [(b"x-should-retry", b"true" if e.retry else b"false")]
             if e.status in (413, 431, 505):  # the rest of the request is not read: the connection cannot be reused
                 extra.append((b"connection", b"close"))

@@ -65,7 +65,7 @@ def text_of(content: Any, where: str) -> str:
             else:
                 kind = p.get("type") if isinstance(p, dict) else type(p).__name__
                 raise bad(f"{where}: content part of type {kind!r} is not supported (text only)", "messages")
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM's chat route joins a message's text parts, every role
     raise bad(f"{where}: content must be a string, null or a list of text parts", "messages")
 
 
@@ -117,7 +117,7 @@ class Msg:
             d["reasoning_content"] = self.reasoning
         if self.calls:
             d["tool_calls"] = [
-                {"id": cid, "type": "function", "function": {"name": n, "arguments": json.loads(a)}}
+                {"id": cid, "type": "function", "function": {"name": n, "arguments": json.loads(getattr(a, "ordered", a))}}
                 for (n, a), cid in zip(self.calls, self.call_ids)
             ]
         return d
@@ -126,8 +126,18 @@ class Msg:
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-def canon_args(args: Any) -> str:
-    return json.dumps(args, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+class Args(str):
+    """Tool-call arguments as canonical JSON (sorted keys: equal values compare equal, whatever
+    order an agent re-serialises them in), with ``ordered``, the JSON in the client's key order,
+    which is what the template renders (as vLLM and Hugging Face pass the client's object)."""
+
+    ordered: str
+
+
+def canon_args(args: Any) -> Args:
+    a = Args(json.dumps(args, sort_keys=True, ensure_ascii=False, separators=(",", ":")))
+    a.ordered = json.dumps(args, ensure_ascii=False, separators=(",", ":"))
+    return a
 
 
 def parse_messages(raw: Any, prev: tuple[list, list[Msg]] | None = None) -> list[Msg]:

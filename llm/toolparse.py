@@ -86,6 +86,9 @@ class ParseResult:
     reasoning: str | None = None
     # the whole message as the agent sees it (decoded from the ids without special tokens)
     text: str | None = None
+    # the text the parser looked for calls in, special-token ids as their strings (hermes
+    # family): what vLLM's parser returns as the content when a call does not parse
+    source: str | None = None
 
     @property
     def has_actions(self) -> bool:
@@ -160,6 +163,14 @@ def strip_suffixes(text: str, suffixes: tuple[str, ...]) -> str:
     return text
 
 
+def _whole_json(s: str) -> bool:
+    try:
+        json.loads(s)
+    except ValueError:
+        return False
+    return True
+
+
 def _snippet(s: str, n: int = 120) -> str:
     s = s.strip()
     return s if len(s) <= n else s[: n - 3] + "..."
@@ -181,7 +192,7 @@ class HermesParser(ToolParser):
         self.max_calls = max_calls
 
     def parse(self, text: str) -> ParseResult:
-        res = ParseResult()
+        res = ParseResult(source=text)
         if self.open_tag not in text:
             res.content = text.strip() or None
             return res
@@ -194,16 +205,18 @@ class HermesParser(ToolParser):
             if s < 0:
                 break
             kept.append(text[pos:s])
+            # a call runs to the next close tag, as vLLM's hermes parser reads it: an open tag
+            # inside the JSON (a string argument) is part of the call
             e = text.find(c, s + len(o))
-            nxt = text.find(o, s + len(o))
-            if e < 0 or (0 <= nxt < e):
-                end = nxt if nxt >= 0 else len(text)
-                self._error(res, n, f"unterminated {o} (missing {c}): {_snippet(text[s:end])!r}")
+            if e < 0:  # a call to the end without its close tag counts when its JSON is whole (vLLM)
+                body = text[s + len(o) :].strip()
+                if _whole_json(body):
+                    self._one(res, n, body, text[s:])
+                else:
+                    self._error(res, n, f"unterminated {o} (missing {c}): {_snippet(text[s:])!r}")
                 n += 1
-                pos = end
-                if nxt < 0:
-                    break
-                continue
+                pos = len(text)
+                break
             body = text[s + len(o) : e]
             self._one(res, n, body.strip(), text[s : e + len(c)])
             n += 1
@@ -513,6 +526,12 @@ def parse_ids(parser: ToolParser, ids: Any, tokenizer: Any, tools: list[dict] | 
             res.content = res.content.translate(table)
         if res.reasoning is not None:
             res.reasoning = res.reasoning.translate(table)
+        if res.source is not None:
+            res.source = res.source.translate(table)
+    if res.source is not None and ids and ids[-1] in it.special:
+        end = it.added[ids[-1]]  # the token that ended the generation is not text (vLLM's output)
+        if res.source.endswith(end):
+            res.source = res.source[: -len(end)]
     return res
 
 
@@ -594,11 +613,25 @@ def parse_reply(ids: Any, tokenizer: Any, parser: ToolParser, tools: list[dict] 
     ``result.content`` is the text without markup (None when there is none), ``result.reasoning``
     the reasoning, ``tool_calls`` the OpenAI entries (ids from ``call_ids``); all from the ids.
     With ``parse_calls`` False (``tool_choice: none``) calls are not returned: a message that
-    holds one comes back as its text."""
+    holds one comes back as its text.
+
+    As vLLM's hermes parser: a reply with a call that does not parse (invalid JSON, cut off by
+    the length limit) has no calls, and its content is the sampled text, special-token ids as
+    their strings (vLLM decodes with ``skip_special_tokens=False`` when tools are offered), the
+    reasoning apart and the token that ended it left out; a reply without calls likewise. A
+    parser without such a text (other families) gives the text without special tokens."""
     res = parse_ids(parser, ids, tokenizer, tools)
     if not parse_calls:
         if res.calls or res.errors:
             res.content = (res.text or "").strip() or None
         return res, []
+    if res.errors or not res.calls:
+        if res.source is not None:
+            res.content = res.source.strip() or None
+        elif res.errors:
+            res.content = (res.text or "").strip() or None
+        if res.errors:
+            res.calls = []
+            return res, []
     calls = res.calls
     return res, (call_ids.assign(calls) if call_ids is not None else [c.to_openai() for c in calls])

@@ -101,6 +101,20 @@ def oracle_backend(tok_dir):
     b.stop()
 
 
+def long_prompt_backend(tok_dir: str, policy):
+    """A scripted backend for the coding harnesses, whose system prompts and tool lists run to
+    ~40K tokens of the tiny vocabulary (far beyond the default 32K window): ``yield from`` it in a
+    fixture; stopped at teardown."""
+    from rolloutd.llm.scripted import ScriptedBackend
+
+    b = ScriptedBackend(tok_dir, policy=policy, max_model_len=1 << 20)
+    b.start()
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
 def harness_sets(tok_dir: str, sandbox_root: str, venv: str, **extra) -> list[str]:
     import json
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.llm.policies import Policy
-from tests.harness.conftest import harness_sets, need_bwrap
+from tests.harness.conftest import harness_sets, long_prompt_backend, need_bwrap
 from tests.harness.test_harness_live import gather, swe_ids, well_formed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -122,16 +122,9 @@ def missing_route(preset: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def preset_backend(tok_dir):
-    from rolloutd.llm.scripted import ScriptedBackend
-
     pol = RecordingOracle(tok_dir)
     pol.warm()
-    # The harnesses' system prompts and tool lists are long (Qwen Code's ~40K tokens of the tiny
-    # vocabulary): a context far beyond the default 32K.
-    b = ScriptedBackend(tok_dir, policy=pol, max_model_len=1 << 20)
-    b.start()
-    yield b
-    b.stop()
+    yield from long_prompt_backend(tok_dir, pol)
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +203,7 @@ def check_fidelity(r: dict, tok, emitted: dict, record_dir: str) -> None:
             prompts.append(prompt)
     assert len(prompts) == r["metrics"]["llm_calls"]
     rows = [json.loads(line) for line in Path(record_dir, f"{r['job_id']}.jsonl").read_text().splitlines()]
-    rows = [x for x in rows if x["status"] == 200 and any(g in x["path"] for g in GENERATING)
+    rows = [x for x in rows if x["status"] == 200 and x["method"] == "POST" and any(g in x["path"] for g in GENERATING)
             and "count" not in x["path"]]
     assert len(rows) == len(prompts), (len(rows), len(prompts), [x["path"] for x in rows])
     seen = sorted(_nfc(tok.decode(list(p), skip_special_tokens=False)) for p in prompts)

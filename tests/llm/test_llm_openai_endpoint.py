@@ -366,7 +366,10 @@ def test_n_greater_than_one_and_context_overflow_are_400(qwen_tokenizer, scripte
     check_exact(tok, t, ep.seen)
 
 
-def test_call_budget_is_429_and_not_retried(qwen_tokenizer, scripted, arun):
+def test_a_spent_call_budget_gets_a_last_message_not_a_sample(qwen_tokenizer, scripted, arun):
+    """Past ``max_llm_calls`` a chat request gets a last assistant message (no calls, ``stop``),
+    which every harness CLI treats as its final answer (a 429 it retries for minutes); nothing
+    reaches the backend or the trajectory. ``/v1/completions`` still gets the final 429."""
     tok = qwen_tokenizer
     be = scripted(tok, Script(tok, ["ok"]))
 
@@ -374,13 +377,43 @@ def test_call_budget_is_429_and_not_retried(qwen_tokenizer, scripted, arun):
         async with Endpoint(tok, be.url, limits=EndpointLimits(max_llm_calls=1)) as ep:
             ep.client = ep.client.with_options(max_retries=2)
             await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+            last = await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}])
+            streamed = await ep.client.chat.completions.create(model="m", stream=True,
+                                                               messages=[{"role": "user", "content": "b"}])
+            text = "".join([c.choices[0].delta.content or "" async for c in streamed if c.choices])
             with pytest.raises(openai.RateLimitError) as ei:
-                await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}])
+                await ep.client.completions.create(model="m", prompt="x")
             assert ei.value.body["code"] == "insufficient_quota"
-            return ep
+            return ep, last, text
 
-    ep = arun(main())
-    assert ep.session.metrics["refused_calls"] == 1 and be.stats["requests"] == 1
+    ep, last, text = arun(main())
+    c = last.choices[0]
+    assert c.finish_reason == "stop" and not c.message.tool_calls and "budget of 1 LLM calls is spent" in c.message.content
+    assert text == c.message.content
+    m = ep.session.metrics
+    assert m["budget_replies"] == 2 and m["llm_calls"] == 1 and m["refused_calls"] == 1 and be.stats["requests"] == 1
+    t = ep.session.trajectory()
+    assert len(t["turns"]) == 1 and "segments" not in t
+
+
+def test_a_backend_refusal_never_names_the_backends_address(qwen_tokenizer, scripted, arun):
+    """A backend's 400 (here its smaller context window against a huge ``max_tokens``) reaches the
+    agent as a 400 that does not name the backend's address (issue 38)."""
+    tok = qwen_tokenizer
+    be = scripted(tok, Script(tok, ["ok"]), max_model_len=64)
+
+    async def main():
+        async with Endpoint(tok, be.url, limits=EndpointLimits(max_context=4096)) as ep:
+            with pytest.raises(openai.BadRequestError) as ei:
+                await ep.client.chat.completions.create(model="m", max_tokens=3000,
+                                                        messages=[{"role": "user", "content": "hi"}])
+            return ei.value
+
+    e = arun(main())
+    host = be.url.split("//", 1)[1]
+    msg = json.dumps(e.body)
+    assert "maximum context length" in msg and host not in msg and be.url not in msg, msg
+    assert "127.0.0.1" not in msg
 
 
 def test_unix_socket_models_completions_and_bad_requests(qwen_tokenizer, scripted, arun, tmp_path):

@@ -74,12 +74,20 @@ def test_hermes_mixed_good_and_bad_in_text_order():
     assert [k for k, _ in res.items] == ["call", "error", "error", "call"]
 
 
-def test_hermes_unterminated():
-    res = get_parser("hermes").parse('<tool_call>{"name": "bash", "arguments": {"command": "ls"}}')
+def test_hermes_reads_calls_as_vllm_does():
+    """A call runs from <tool_call> to the next </tool_call> (vLLM's hermes parser): an open tag
+    inside a JSON string is part of the argument; a call without its close tag counts when its
+    JSON is whole, else it is unterminated."""
+    p = get_parser("hermes")
+    res = p.parse('<tool_call>{"name": "bash", "arguments": {"command": "echo <tool_call>"}}</tool_call>')
+    assert res.errors == [] and res.calls[0].arguments == {"command": "echo <tool_call>"}
+    res = p.parse('<tool_call>{"name": "bash", "arguments": {"command": "ls"}}')
+    assert res.errors == [] and res.calls[0].arguments == {"command": "ls"}
+    res = p.parse('<tool_call>{"name": "bash", "arguments": {"command": "ls"}')
     assert res.calls == [] and len(res.errors) == 1 and "unterminated" in res.errors[0]
-    # an unterminated call followed by a good one
-    res = get_parser("hermes").parse('<tool_call>{"name": "x"\n<tool_call>{"name": "y", "arguments": {}}</tool_call>')
-    assert [c.name for c in res.calls] == ["y"] and len(res.errors) == 1
+    # an unterminated call before a good one: one region up to the first close tag, not JSON
+    res = p.parse('<tool_call>{"name": "x"\n<tool_call>{"name": "y", "arguments": {}}</tool_call>')
+    assert res.calls == [] and len(res.errors) == 1 and "invalid JSON" in res.errors[0]
 
 
 def test_hermes_fenced_json_inside_tags():

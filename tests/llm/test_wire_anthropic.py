@@ -204,14 +204,14 @@ def test_count_tokens(arun):
     assert n.input_tokens == 17 + 2 and srv_h.reqs[0].sampling.max_tokens is None
 
 
-def test_user_side_text_blocks_join_with_newlines_assistant_text_does_not():
+def test_text_blocks_join_with_newlines_as_vllm_joins_them():
     req = W.parse({"model": "m", "max_tokens": 5, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "<reminder>"}, {"type": "text", "text": "fix it"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "Let me "}, {"type": "text", "text": "look."},
                                           {"type": "tool_use", "id": "toolu_c", "name": "t", "input": {}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_c", "content": [
             {"type": "text", "text": "line 1"}, {"type": "text", "text": "line 2"}]}]}]})
-    assert [m.content for m in req.messages] == ["<reminder>\nfix it", "Let me look.", "line 1\nline 2"]
+    assert [m.content for m in req.messages] == ["<reminder>\nfix it", "Let me \nlook.", "line 1\nline 2"]
 
 
 def test_count_tokens_takes_a_list_ending_with_an_assistant_turn():

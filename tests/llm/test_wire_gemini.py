@@ -231,6 +231,8 @@ BAD = [
     ("not an object", [1], "body must be an object"),
     ("no contents", {}, "contents"),
     ("empty parts", {"contents": [{"role": "user", "parts": []}]}, "parts"),
+    # issue 38: a string is not "empty": the message says what is wrong
+    ("parts a string", {"contents": [{"role": "user", "parts": "hi"}]}, "must be a list of parts, got str"),
     ("bad role", {"contents": [{"role": "assistant", "parts": [{"text": "x"}]}]}, "role"),
     ("image", {"contents": [{"role": "user", "parts": [{"inlineData": {"mimeType": "image/png", "data": "AA=="}}]}]},
      "inlineData"),
