@@ -121,6 +121,7 @@ class PythonSession(Session):
                 os.close(fd)
         apply_limits(self.proc.pid, self.limits)
         self.req_w, self.resp_r, self.out_r = req_w, resp_r, out_r
+        _nonblock(req_w)  # its write has the call's deadline (_send)
         _nonblock(resp_r)
         _nonblock(out_r)
         self.reader = _FrameReader()
@@ -165,11 +166,17 @@ class PythonSession(Session):
         frame = HEADER.pack(len(body)) + body
         timed_out = cancelled = False
         try:
-            while frame:  # the pipe may be smaller than the code; the driver is reading
-                frame = frame[os.write(self.req_w, frame):]
+            sent = self._send(frame, t0 + timeout, canceller)
         except BrokenPipeError:
-            reply = "eof"
-        else:
+            sent = reply = "eof"
+        if sent in ("timeout", "cancelled"):
+            # Part of the request may be in the pipe: the driver can never read the next one.
+            timed_out, cancelled = sent == "timeout", sent == "cancelled"
+            self._lost(notes, "[the Python session read no code within %s (code of an earlier call still holds "
+                              "it); the session was killed and restarts on the next call, state lost]"
+                       % ("the timeout of %gs" % timeout if timed_out else "the call"))
+            reply = None
+        elif sent == "sent":
             reply = self._wait_reply(t0 + timeout, buf, canceller)
         if reply in ("timeout", "cancelled"):
             timed_out, cancelled = reply == "timeout", reply == "cancelled"
@@ -203,6 +210,28 @@ class PythonSession(Session):
         if error:
             out["error"] = error
         return out
+
+    def _send(self, frame: bytes, deadline: float, canceller: Canceller) -> str:
+        """Write the request: "sent", or "timeout" / "cancelled" with it not all written. The pipe
+        holds 64 KiB; the driver reads the rest unless the agent's code keeps it busy after a reply
+        of its own (BrokenPipeError: the driver is gone)."""
+        view = memoryview(frame)
+        while view:
+            try:
+                view = view[os.write(self.req_w, view):]
+                continue
+            except BlockingIOError:
+                pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return "timeout"
+            try:
+                r, _, _ = select.select(canceller.fds(), [self.req_w], [], min(remaining, _TICK))
+            except InterruptedError:
+                continue
+            if r and canceller.poll():
+                return "cancelled"
+        return "sent"
 
     def _lost(self, notes: List[str], note: str) -> None:
         """Kill the session (a fresh one starts on the next call) and tell this call's caller."""

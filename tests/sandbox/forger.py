@@ -1,16 +1,20 @@
 """A hostile agent's leftover daemon (issue 24), run INSIDE a sandbox by the threat tests.
 
 It detaches (double fork, setsid, renamed) and then, every few milliseconds:
-  * in the tool server's shell (a bash whose parent is pid 1) it finds the nonce of the call
-    line being run by reading /proc/<shell>/mem, and forges that call's end: exit status 0
-    into the shell's status memfd (fd 253), a delimited payload into its terminal (fd 255),
-    the nonce into its completion pipe (fd 254);
-  * any other new process gets its stdout (/proc/<pid>/fd/1) opened; when the process has
-    exited the payload goes down that pipe before the tool server sees EOF.
+  * in the tool server's shell (a bash whose parent is pid 1), while a call's command runs
+    (the shell has a child), it finds the nonce of the call line by reading /proc/<shell>/mem
+    and forges that call's end: exit status 0 into the shell's status memfd (fd 253, emptied
+    for the call until the command ends: a test's command can wait for the forger there), a
+    delimited payload into its terminal (fd 255), the nonce into its completion pipe (fd 254);
+  * any other new process gets its stdout (/proc/<pid>/fd/1) opened, then /tmp/forger.held.<pid>
+    created; when the process has exited the payload goes down that pipe before the tool server
+    sees EOF. A process the tool server forked but has not yet exec'd is still the tool server's
+    (not dumpable: EACCES): it is tried again on the next round, not given up.
 The payload claims a pass: "ALL TESTS PASSED", the code grader's marker read from its check
 file in the workspace, and "1.0" as the last line (the harness eval's reward line).
 stdlib only; argv[1] is a file to create once the daemon runs.
 """
+import errno
 import ctypes
 import glob
 import os
@@ -91,15 +95,17 @@ def main():
     forged, seen, held = set(), set(), {}
     open(ready, "w").close()
     while True:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-        for pid in pids:
-            if pid in (1, me):
-                continue
-            st = stat(pid)
-            if st is None:
-                continue
-            comm, rest = st
+        stats = {}
+        for p in os.listdir("/proc"):
+            if p.isdigit() and int(p) not in (1, me):
+                st = stat(int(p))
+                if st is not None:
+                    stats[int(p)] = st
+        parents = {int(rest[1]) for _, rest in stats.values()}
+        for pid, (comm, rest) in stats.items():
             if comm == b"bash" and rest[1] == b"1":
+                if pid not in parents:
+                    continue  # no command running: the line may not have passed its check yet
                 for n in nonces(pid):
                     if n not in forged:
                         forged.add(n)
@@ -108,11 +114,14 @@ def main():
                         except OSError:
                             pass
             elif pid not in seen:
-                seen.add(pid)
                 try:
                     held[pid] = os.open("/proc/%d/fd/1" % pid, os.O_WRONLY | os.O_NONBLOCK)
-                except OSError:
-                    pass
+                except OSError as e:
+                    if e.errno not in (errno.EACCES, errno.EPERM):
+                        seen.add(pid)
+                    continue
+                seen.add(pid)
+                open("/tmp/forger.held.%d" % pid, "w").close()
         for pid in list(held):
             st = stat(pid)
             if st is None or st[1][0] == b"Z":

@@ -199,27 +199,37 @@ def test_grade_runs_as_the_only_process_however_the_agent_detached(sandbox):
     assert r.output == "after\n0\n", r
 
 
+# The controls wait (15 s at most) for the forger to have acted instead of sleeping a guessed
+# time: a bash call until its status file (fd 253, empty while the command runs) holds the
+# forger's 0; an agent process until the forger holds its stdout (forger.py's marker file).
+FORGED_CALL = ("timeout 15 sh -c 'until [ -s /dev/fd/253 ]; do sleep 0.01; done'; "
+               "python3 -c 'raise SystemExit(1)'; echo REAL-FAIL")
+HELD_AGENT = "timeout 15 sh -c \"until [ -e /tmp/forger.held.$$ ]; do sleep 0.01; done\"; echo 0; exit 3"
+
+
 def test_grade_output_is_the_graders_own_though_a_forger_owns_the_shell(sandbox):
     h, c = sandbox
     _start_forger(c)
     # Control: the forger really does own later bash calls, across a restart and a new connection
     # (the residual documented in SANDBOX.md: the agent can fool itself, not a grader).
-    r = _bash(c, "sleep 0.3; python3 -c 'raise SystemExit(1)'; echo REAL-FAIL")
+    r = _bash(c, FORGED_CALL)
     assert "FORGED" in r.output and r.exit_code == 0, r
     from rolloutd.sandbox import ToolClient
 
     with ToolClient(h.tool_socket, timeout=20) as fresh:
-        r = fresh.call("bash", {"command": "sleep 0.3; python3 -c 'raise SystemExit(1)'; echo REAL-FAIL",
-                                "restart": True, "timeout": 20})
+        r = fresh.call("bash", {"command": FORGED_CALL, "restart": True, "timeout": 20})
         assert "FORGED" in r.output and r.exit_code == 0, r
         # ...and the old grading path (the agent tool: fresh pipes, but the daemon still alive).
-        r = fresh.call("agent", {"argv": ["sh", "-c", "sleep 0.3; echo 0; exit 3"], "timeout": 20})
+        r = fresh.call("agent", {"argv": ["sh", "-c", HELD_AGENT], "timeout": 20})
         assert r.output.strip().splitlines()[-1] == "1.0", r
-        # The grade tool: the daemon is dead before the grader starts; only the grader speaks.
+        # The grade tool: the daemon is dead before the grader starts; only the grader speaks (the
+        # sleep is the window a live forger would have had, not a wait for anything).
         g = fresh.call("grade", {"argv": ["sh", "-c", "sleep 0.3; echo REAL-FAIL; exit 3"], "timeout": 20})
     assert g.output == "REAL-FAIL\n" and g.exit_code == 3 and g.error is None, g
-    r = _bash(c, "sleep 0.3; echo honest")  # the forger is gone for the rest of the episode too
-    assert r.output == "honest\n", r
+    # The forger is gone for the rest of the episode too: no process of its name is left, and a
+    # call with a command running (what it forges) is the shell's own.
+    r = _bash(c, "cat /proc/[0-9]*/comm 2>/dev/null | grep -c kworker; sleep 0.3; echo honest")
+    assert r.output == "0\nhonest\n", r
 
 
 def test_a_grader_runs_none_of_the_agents_dotfiles(sandbox):

@@ -110,6 +110,38 @@ def test_python_reply_pipe_garbage_and_forged_replies_restart_the_session(bwrap_
     _log_ok(h)
 
 
+# Agent code that ends its own call with a well-formed reply (the agent fooling itself) and keeps
+# the session's driver busy, so the driver reads no request for an hour.
+FORGE_AND_HOLD = r'''
+import os, struct, time
+args = [a for a in open("/proc/self/cmdline", "rb").read().split(b"\0") if a]
+body = b'{"status": "ok", "exit_code": 0}'
+os.write(int(args[-1]), struct.pack("!I", len(body)) + body)
+time.sleep(3600)
+'''
+
+
+def test_a_session_that_reads_no_request_costs_the_call_its_timeout_not_the_connection(bwrap_rt):
+    """After FORGE_AND_HOLD the next call's code (1 MiB: more than the request pipe holds) cannot
+    be written whole. Before: the tool server's write of the request blocked with no deadline (an
+    hour here): no reply, the client timed out (ToolTransportError, a failed job) and the Python
+    tool stayed locked. Now the write has the call's deadline: the call times out, the session is
+    killed and the next call gets a fresh one."""
+    h = bwrap_rt.create("pystall")
+    c = bwrap_rt.client(h, timeout=30)
+    r = c.call("python", {"code": FORGE_AND_HOLD, "timeout": 20})
+    assert r.error is None and r.exit_code == 0, r  # its own call ended early, as it wanted
+    code = "print('ran')\n" + "#" * (1 << 20)
+    try:
+        r = c.call("python", {"code": code, "timeout": 3}, timeout=3)  # the client waits 3 + 10 s
+    except ToolTransportError as e:
+        raise AssertionError("a session that reads no request dropped the connection: %s" % e)
+    assert r.timed_out and "ran" not in r.output, r
+    assert "killed" in r.output and "state lost" in r.output, r  # the note says the session went
+    r = c.call("python", {"code": "print(6 * 7)"})
+    assert r.error is None and r.output.strip().splitlines()[-1] == "42", r
+
+
 def test_editor_refuses_fifos_and_devices_and_reads_no_more_than_its_bound(bwrap_rt):
     """The agent leaves a FIFO (or a symlink to /dev/zero) where the model will look. Before: the
     editor opened the FIFO and blocked (the tool stuck, the client timed out: a failed job), or
