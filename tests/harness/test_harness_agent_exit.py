@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import require_bwrap
 from tests.harness.conftest import harness_sets
+from tests.harness.test_endpoint_isolation import run_batch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -79,20 +81,11 @@ def failing_echo(tok_dir):
 
 @pytest.fixture(scope="module")
 def exit_up(module_up_factory, tok_dir, sandbox_root, failing_echo):
-    from tests.conftest import require_bwrap
-
-    require_bwrap()
+    require_bwrap()  # a stdlib agent: no agent venv
     up = module_up_factory(*harness_sets(tok_dir, sandbox_root, ""))
     with up.client() as c:
         c.add_backend(failing_echo.url)
     return up
-
-
-def run_batch(up, tasks, timeout_s=600):
-    with up.client() as c:
-        ids = c.submit(tasks)
-        res = {r["job_id"]: r for r in c.gather(ids, timeout_s=timeout_s)}
-    return [res[i] for i in ids]
 
 
 def test_an_agent_that_exits_or_is_killed_after_a_call_is_graded_not_failed(exit_up):
