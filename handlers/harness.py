@@ -31,9 +31,11 @@ or the domain's scorer (docs/HARNESS.md, "Grading").
 Host paths never come from a request: the venv and the named repositories come from the
 handler's config (``agent_venv``, ``repositories = {name = "/path"}``).
 
-Failures: an agent that exits non-zero or crashes makes the job ``failed`` in run with
-``error.type == "AgentExited"``, its exit code and the tail of its output in
-``eval_details["agent"]``, and the tokens sampled so far in the trajectory; past its wall
+Failures: an agent that exits non-zero or crashes after at least one answered LLM call, with no
+5xx answer and no fatal session error, is graded as it left the workspace (status ``ok``,
+``eval_details["reason"]`` says so: docs/RELIABILITY.md, "No abstention"); otherwise the job is
+``failed`` in run with ``error.type == "AgentExited"``. Either way its exit code and the tail of
+its output are in ``eval_details["agent"]`` and the tokens sampled in the trajectory; past its wall
 budget it is killed (whole process tree) and the job is ``timeout``. Cancel and the job's own
 deadline kill the agent the same way and make the endpoint refuse further calls.
 """
@@ -572,7 +574,13 @@ class HarnessHandler(AgentHandler):
         if res.error or res.exit_code != 0:
             what = res.error or (f"killed by signal {-res.exit_code}" if (res.exit_code or 0) < 0
                                  else f"exit code {res.exit_code}")
-            raise AgentExited(f"the agent {h['command'][0]} failed ({what}); output tail:\n{agent['output_tail'][-1500:]}")
+            answered = graded_after_exit(res, session)
+            if answered is None:
+                raise AgentExited(f"the agent {h['command'][0]} failed ({what}); output tail:\n{agent['output_tail'][-1500:]}")
+            # Not a failure: an exit gains nothing (kill $PPID) and a program bug costs no trajectory.
+            ctx.trajectory["eval_details"]["reason"] = (
+                f"the agent {h['command'][0]} ended with {what} after {answered} answered LLM "
+                f"call{'s' if answered != 1 else ''}; its workspace was graded as it was left")
 
     # -- eval ----------------------------------------------------------------------------------
     async def eval(self, ctx: JobContext):
@@ -700,6 +708,23 @@ class HarnessHandler(AgentHandler):
         return (1.0 if passed else 0.0), details
 
 
+
+
+# Answers the endpoint gave that say nothing outside the agent failed: 505 is the client's own
+# HTTP version. Every other 5xx (backend unavailable or aborting, deadline, cancel, endpoint bug) may be.
+AGENT_5XX = ("505",)
+
+
+def graded_after_exit(res, session) -> int | None:
+    """How many LLM calls were answered when an agent program that ended non-zero is graded
+    anyway (docs/RELIABILITY.md, "No abstention"); None when its job fails (``AgentExited``):
+    the tool could not run it, no call was answered, the session hit a fatal error, or an answer
+    was a 5xx (a backend, endpoint or deadline failure the program may have exited of)."""
+    if res.error or session.fatal is not None:
+        return None
+    answered = sum(s.n_turns for s in session.segments)
+    server = [k for k in session.metrics["refused_by_status"] if k.startswith("5") and k.split()[0] not in AGENT_5XX]
+    return answered if answered and not server else None
 
 
 def command_warning(ev: dict) -> str | None:

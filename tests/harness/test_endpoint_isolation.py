@@ -5,8 +5,9 @@ scripted vLLM-API backend. Neighbour jobs (stdlib agents making small multi-turn
 the same run daemon while attacker jobs abuse their own endpoints: 8 MB and 60 MB bodies, 200k
 nested ``[``, a connection flood, slowloris headers and bodies, HTTP/0.9 and unknown versions,
 a 2 MiB header line, responses never read. The neighbours must finish ok in their first
-attempt, nobody may be presumed dead or re-dispatched, each attacker fails alone with the
-refusal it got, and the run daemon's peak RSS stays within the documented bound.
+attempt, nobody may be presumed dead or re-dispatched, each attacker ends alone with the
+refusal it got (failed; graded when its calls were answered: RELIABILITY.md, "No abstention"),
+and the run daemon's peak RSS stays within the documented bound.
 
 Latency is measured, not timed: the assertion on the neighbours' p99 is a generous bound (the
 2x figure is the benchmark's, bench/bench_endpoint_isolation.py). Wall time: ~90 s.
@@ -117,9 +118,16 @@ def test_no_attack_on_one_endpoint_fails_or_slows_the_neighbours(iso_up):
     assert p99_loaded <= max(10 * p99_quiet, 1.5), (p99_quiet, p99_loaded, sorted(loaded)[-10:])
     for r in atks:
         agent = r["eval_details"]["agent"]
-        assert r["status"] == "failed" and (starved or r["attempts"] == 1), (r["instance_id"], r["status"],
-                                                                              r["error"], agent.get("output_tail"))
-        assert r["error"]["type"] == "AgentExited" and agent["exit_code"] == 3, (r["instance_id"], agent)
+        # Each ends alone with exit 3. "noread"'s 64 requests are answered (it never reads them), so
+        # its exit is graded, not failed (RELIABILITY.md, "No abstention"); the others got no answer.
+        graded = r["instance_id"] == "atk-noread"
+        assert r["status"] == ("ok" if graded else "failed") and (starved or r["attempts"] == 1), (
+            r["instance_id"], r["status"], r["error"], agent.get("output_tail"))
+        assert agent["exit_code"] == 3, (r["instance_id"], agent)
+        if graded:
+            assert "exit code 3 after" in r["eval_details"]["reason"] and r["turns"], r["eval_details"]
+        else:
+            assert r["error"]["type"] == "AgentExited", (r["instance_id"], r["error"])
         print(r["instance_id"], agent["output_tail"].strip().splitlines()[-8:])
     tails = {r["instance_id"]: r["eval_details"]["agent"]["output_tail"] for r in atks}
     for big in ("atk-big8", "atk-big60"):  # refused from its Content-Length; the client may see the reset first
