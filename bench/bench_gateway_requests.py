@@ -8,6 +8,8 @@ pinger's p50 and max while nothing else runs, in the same run. The requests are 
 bound of docs/PROTOCOL.md ("Bounds") lets through, plus the refused ones just over them::
 
     python bench/bench_gateway_requests.py            # one line per request: wall, worst status
+
+``--quick`` (make bench-smoke) runs the same: each request is sent once already.
 """
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ from tests.conftest import _up_factory  # noqa: E402
 
 
 def main() -> None:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the same run (each request is sent once already)")
+    ap.parse_args()
     gen = _up_factory()
     make = next(gen)
     j = tempfile.mkdtemp(prefix="rd-bench-gw-")

@@ -11,7 +11,7 @@ re-encoded sampled tokens, rows per call. ``--compact N`` turns on the harness's
 (docs/BENCHMARKS.md says what is and is not covered).
 
 Usage: ``python bench/bench_merge.py [--steps N] [--repeats R] [--presets P1,P2|all] [--compact N]
-[--venv DIR]``.
+[--venv DIR] [--quick]`` (``--quick``: 2 steps, 1 episode, two presets; what ``make bench-smoke`` runs).
 Prints one JSON line per preset and a total; the table goes to docs/BENCHMARKS.md by hand.
 """
 from __future__ import annotations
@@ -77,7 +77,11 @@ def main(argv=None) -> int:
     ap.add_argument("--compact", type=int, default=None,
                     help="codex: model_auto_compact_token_limit; claude-code: CLAUDE_CODE_AUTO_COMPACT_WINDOW "
                          "(threshold 50%%); opencode, pi: the model's context window: each harness's own compaction")
+    ap.add_argument("--quick", action="store_true",
+                    help="make bench-smoke: 2 steps, 1 episode, mini-swe-agent and pi only")
     ns = ap.parse_args(argv)
+    if ns.quick:
+        ns.steps, ns.repeats, ns.presets = 2, 1, "mini-swe-agent,pi"
     presets = served_presets() if ns.presets == "all" else ns.presets.split(",")
     presets = [p for p in presets if p != "aider"]  # one call per message: nothing to merge
 

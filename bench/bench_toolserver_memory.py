@@ -101,7 +101,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ref-toolserver", type=Path, metavar="DIR")
     ap.add_argument("--flood-mb", type=int, default=32)
+    ap.add_argument("--quick", action="store_true", help="make bench-smoke: an 8 MiB flood")
     ns = ap.parse_args()
+    if ns.quick:
+        ns.flood_mb = 8
     root = Path(tempfile.mkdtemp(prefix="rldm", dir="/tmp"))
     os.chmod(root, 0o755)
     try:
