@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import numpy as np
@@ -18,6 +16,8 @@ import pytest
 
 from rolloutd.llm.client import BackendError, ContextOverflow, LLMClient, Partial, SamplingParams
 from rolloutd.llm.policies import get_policy
+
+from .uvicorn_server import ThreadedUvicorn
 
 TEXT = "alpha beta gamma delta " * 12
 
@@ -131,12 +131,12 @@ def test_errors_in_a_stream(qwen_tokenizer, scripted, arun):
 # -- FastTransport and the client against uvicorn + starlette's StreamingResponse -----------------
 
 
-class SSEServer:
+class SSEServer(ThreadedUvicorn):
     """uvicorn in a thread serving ``POST /v1/completions`` with a starlette ``StreamingResponse``
     (media type text/event-stream, as vLLM's api_server) of the events ``script()`` yields."""
 
     def __init__(self, script):
-        uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[test])")
+        pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[test])")
         responses = pytest.importorskip("starlette.responses", reason="starlette is not installed")
         self.closed_early = 0
         self.requests = 0
@@ -160,22 +160,7 @@ class SSEServer:
 
             await responses.StreamingResponse(events(), media_type="text/event-stream")(scope, receive, send)
 
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert self.server.started, "uvicorn did not start"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
-        self.sock.close()
-        assert not self.thread.is_alive()
+        super().__init__(app)
 
 
 def chunk(ids, finish=None):

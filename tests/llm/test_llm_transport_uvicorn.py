@@ -13,9 +13,7 @@ import asyncio
 import hashlib
 import json
 import os
-import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -153,27 +151,16 @@ def _serve(argv: list[str]) -> int:
     a = p.parse_args(argv)
     state = _State()
     kw = {} if a.keep_alive is None else {"timeout_keep_alive": a.keep_alive}
-    config = uvicorn.Config(make_app(state), http=a.http, lifespan="off", log_level="warning", access_log=False, **kw)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(quiet_config(make_app(state), http=a.http, **kw))
     state.server = server
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", a.port))
-
-    async def main() -> None:
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started:
-            if task.done():
-                return await task
-            await asyncio.sleep(0.005)
-        print(f"READY {sock.getsockname()[1]}", flush=True)
-        await task
-
-    asyncio.run(main())
+    serve_printing_port(server, a.port)
     return 0
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root for tests.llm
+    from tests.llm.uvicorn_server import quiet_config, serve_printing_port
+
     sys.exit(_serve(sys.argv[1:]))
 
 
@@ -183,6 +170,8 @@ import httpx  # noqa: E402
 import pytest  # noqa: E402
 
 from rolloutd.llm.http_transport import FastTransport  # noqa: E402
+
+from .uvicorn_server import wait_ready  # noqa: E402
 
 
 class Uvicorn:
@@ -195,16 +184,11 @@ class Uvicorn:
         self.impl = impl
         self._log = open(log, "ab")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, cwd=str(Path(__file__).parent))
-        deadline = time.monotonic() + 30
-        line = b""
-        while not line.startswith(b"READY"):
-            left = deadline - time.monotonic()
-            if left <= 0 or self.proc.poll() is not None:
-                self.stop(signal.SIGKILL)
-                raise RuntimeError(f"uvicorn ({impl}) did not start; see {log}")
-            if select.select([self.proc.stdout], [], [], left)[0]:
-                line = self.proc.stdout.readline()
-        self.port = int(line.split()[1])
+        port = wait_ready(self.proc)
+        if port is None:
+            self.stop(signal.SIGKILL)
+            raise RuntimeError(f"uvicorn ({impl}) did not start; see {log}")
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
