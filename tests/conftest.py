@@ -279,6 +279,26 @@ def tiny_tokenizer(tiny_tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """The tiny random Qwen2 model (torch; weights and tokenizer), built once per session."""
+    pytest.importorskip("torch", reason="torch is not installed (pip install rolloutd[torch])")
+    from rolloutd.llm.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0))
+
+
+@pytest.fixture(scope="module")
+def hf_server(tiny_model_dir):
+    """serve-hf on the tiny model (4 in a batch, one thread), one per test module."""
+    from rolloutd.llm.serve_hf import HFServer
+
+    srv = HFServer(tiny_model_dir, max_batch_size=4, served_model_name="tiny", threads=1)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     from rolloutd.llm.tiny_model import build_tiny_tokenizer
 

@@ -41,14 +41,6 @@ def qwen_tokenizer():
     return load_qwen25_tokenizer()
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    pytest.importorskip("torch", reason="torch is not installed (pip install rolloutd[torch])")
-    from rolloutd.llm.tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
-
-
 @pytest.fixture
 def scripted():
     """Factory: scripted(tokenizer, policy, **kw) -> started ScriptedBackend (stopped at teardown)."""

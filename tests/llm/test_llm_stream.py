@@ -270,16 +270,6 @@ def test_broken_streams_are_backend_errors(sse, arun, case):
 # -- serve-hf (a real transformers model) streams the same shape --------------------------------
 
 
-@pytest.fixture(scope="module")
-def hf_server(tiny_model_dir):
-    from rolloutd.llm.serve_hf import HFServer
-
-    srv = HFServer(tiny_model_dir, max_batch_size=4, served_model_name="tiny", threads=1)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
 def test_serve_hf_streams_what_it_would_return_whole(hf_server, arun):
     async def main():
         async with LLMClient(hf_server.url, "vllm", timeout=60) as c:
