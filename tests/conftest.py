@@ -306,20 +306,27 @@ def tokenizer():
 
 
 @pytest.fixture
-def backends(tokenizer):
+def scripted():
+    """Factory: scripted(tokenizer, policy, **kw) -> started ScriptedBackend (stopped at teardown)."""
     from rolloutd.llm.scripted import ScriptedBackend
 
-    made = []
+    started: list[ScriptedBackend] = []
 
-    def make(latency=0.01, port=0):
-        b = ScriptedBackend(tokenizer, policy="constant:text=ok", latency=latency, port=port)
-        b.start()
-        made.append(b)
-        return b
+    def make(tokenizer, policy="echo", **kw) -> ScriptedBackend:
+        be = ScriptedBackend(tokenizer, policy, **kw)
+        be.start()
+        started.append(be)
+        return be
 
     yield make
-    for b in made:
-        b.stop()
+    for be in started:
+        be.stop()
+
+
+@pytest.fixture
+def backends(tokenizer, scripted):
+    """Factory: backends(latency=0.01, port=0) -> a started scripted backend answering "ok"."""
+    return lambda latency=0.01, port=0: scripted(tokenizer, "constant:text=ok", latency=latency, port=port)
 
 
 @contextlib.contextmanager

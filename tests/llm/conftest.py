@@ -15,8 +15,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 
-from rolloutd.llm.scripted import ScriptedBackend
-
 
 def run_async(coro, timeout: float = 60.0):
     """Run a coroutine on a fresh event loop with an overall timeout."""
@@ -39,22 +37,6 @@ def qwen_tokenizer():
     from rolloutd.llm.tokenizer_utils import load_qwen25_tokenizer
 
     return load_qwen25_tokenizer()
-
-
-@pytest.fixture
-def scripted():
-    """Factory: scripted(tokenizer, policy, **kw) -> started ScriptedBackend (stopped at teardown)."""
-    started: list[ScriptedBackend] = []
-
-    def make(tokenizer, policy="echo", **kw) -> ScriptedBackend:
-        be = ScriptedBackend(tokenizer, policy, **kw)
-        be.start()
-        started.append(be)
-        return be
-
-    yield make
-    for be in started:
-        be.stop()
 
 
 BASH_TOOL = {

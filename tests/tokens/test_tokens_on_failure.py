@@ -35,20 +35,8 @@ def up(module_up_factory, quiet_sampler_entry_point, tiny_tokenizer_dir):
 
 
 @pytest.fixture
-def backend(tokenizer):
-    from rolloutd.llm.scripted import ScriptedBackend
-
-    made = []
-
-    def make(text="ok"):
-        b = ScriptedBackend(tokenizer, policy=Always(text), latency=0.15)
-        b.start()
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.stop()
+def backend(tokenizer, scripted):
+    return lambda text="ok": scripted(tokenizer, Always(text), latency=0.15)
 
 
 # handler, instance (runs far longer than the test lets it), what the scripted model says
