@@ -259,6 +259,41 @@ def up(up_factory):
     return up_factory()
 
 
+class RawGateway:
+    """A DEALER speaking the REQ envelope to a gateway, sending whatever frames a test likes."""
+
+    def __init__(self, address):
+        from rolloutd.bus.sockets import Sockets
+
+        self.sockets = Sockets(asyncio=False, linger_ms=0)
+        self.sock = self.sockets.connect("DEALER", address)
+
+    def ask(self, frames, timeout_s=10.0) -> dict:
+        from rolloutd.bus import codec
+
+        self.sock.send_multipart([b""] + frames)
+        assert self.sock.poll(int(timeout_s * 1000)), "no reply: every request must get one"
+        reply = self.sock.recv_multipart()
+        assert reply[0] == b""
+        return codec.decode(reply[1:])
+
+    def ask_body(self, body: dict, timeout_s=10.0) -> dict:
+        """``body`` with protocol version 1 and req_id 1, encoded as the client does."""
+        from rolloutd.bus import codec
+
+        return self.ask(codec.encode(dict({"v": 1, "req_id": 1}, **body)), timeout_s)
+
+    def close(self):
+        self.sockets.close()
+
+
+@pytest.fixture
+def raw(shared_up):
+    r = RawGateway(shared_up.gateway)
+    yield r
+    r.close()
+
+
 def synthetic(i: int, **instance) -> dict:
     return {"handler": "synthetic", "instance_id": f"i{i}", "instance": dict({"seed": i}, **instance)}
 
