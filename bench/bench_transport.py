@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.common import stop_procs  # noqa: E402
 from tests.llm.uvicorn_server import quiet_config, serve_printing_port, wait_ready  # noqa: E402
 
 PROMPT_IDS = 512
@@ -100,13 +101,7 @@ def start_server(http: str) -> tuple[subprocess.Popen, str]:
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+    stop_procs([proc])
     proc.stdout.close()
 
 
