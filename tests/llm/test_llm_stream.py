@@ -32,6 +32,16 @@ def _body(prompt, **kw):
             "return_token_ids": True, "return_tokens_as_token_ids": True, **kw}
 
 
+async def cancel_when(task: asyncio.Task, ready, timeout: float) -> None:
+    """Cancel ``task`` once ``ready()`` holds (or ``timeout`` seconds passed); it must end cancelled."""
+    deadline = time.monotonic() + timeout
+    while not ready() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 def test_scripted_stream_parsed_by_the_openai_sdk(qwen_tokenizer, scripted, arun):
     openai = pytest.importorskip("openai", reason="the openai SDK is not installed")
     be = scripted(qwen_tokenizer, get_policy("constant", text=TEXT), latency="constant:0.01,0.002")
@@ -101,12 +111,7 @@ def test_cancelling_a_stream_keeps_the_tokens_that_arrived_and_aborts_on_the_ser
             full = (await c.generate([1, 2, 3], SamplingParams(8, seed=1))).token_ids.tolist()
             part = Partial()
             task = asyncio.create_task(c.generate([1, 2, 3], SamplingParams(40, seed=1), partial=part))
-            deadline = time.monotonic() + 20
-            while len(part) < 3 and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await cancel_when(task, lambda: len(part) >= 3, timeout=20)
             g = part.generation()
             return full, g, c._http._transport
 
@@ -207,12 +212,7 @@ def test_stream_through_uvicorn_kept_alive_and_cut(sse, arun):
         async with LLMClient(srv_long.url, "vllm", model="m", timeout=20) as c:
             part = Partial()
             task = asyncio.create_task(c.generate([1], SamplingParams(10), partial=part))
-            deadline = time.monotonic() + 20
-            while len(part) < 5 and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await cancel_when(task, lambda: len(part) >= 5, timeout=20)
         return gs, opened, part
 
     gs, opened, part = arun(main())
@@ -293,12 +293,8 @@ def test_serve_hf_stream_cancel_keeps_tokens_and_aborts(hf_server, arun):
             part = Partial()
             body = SamplingParams(3000, seed=5)
             task = asyncio.create_task(c.generate([1, 2, 3], body, partial=part))
+            await cancel_when(task, lambda: len(part) >= 4, timeout=30)
             deadline = time.monotonic() + 30
-            while len(part) < 4 and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
             while hf_server.num_running and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             return part, hf_server.num_running
@@ -327,12 +323,7 @@ def test_a_cancel_after_the_last_chunk_keeps_the_finish(sse, arun):
         async with LLMClient(srv.url, "vllm", model="m", timeout=60) as c:
             part = Partial()
             task = asyncio.create_task(c.generate([1], SamplingParams(10), partial=part))
-            deadline = time.monotonic() + 20
-            while part.finish_reason is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await cancel_when(task, lambda: part.finish_reason is not None, timeout=20)
             return part.generation()
 
     g = arun(main())
