@@ -30,7 +30,7 @@ from rolloutd.llm.policies import Policy, PolicyReply, get_policy, parse_policy_
 from rolloutd.llm.scripted import Latency
 from rolloutd.llm.toolparse import get_parser
 
-from .uvicorn_server import ThreadedUvicorn
+from .uvicorn_server import ThreadedUvicorn, read_body
 
 APIS = ["vllm", "sglang"]
 
@@ -233,13 +233,7 @@ class CannedServer(ThreadedUvicorn):
         async def app(scope, receive, send):
             if scope["type"] != "http":
                 return
-            body = b""
-            while True:
-                m = await receive()
-                body += m.get("body", b"")
-                if not m.get("more_body"):
-                    break
-            self.bodies.append(body)
+            self.bodies.append(await read_body(receive) or b"")
             status, data = self.replies.pop(0) if self.replies else (500, b'{"error": "no reply left"}')
             await send({"type": "http.response.start", "status": status,
                         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})

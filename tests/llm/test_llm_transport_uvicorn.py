@@ -20,6 +20,10 @@ import time
 import urllib.parse
 from pathlib import Path
 
+if not __package__:  # run as the server child (a script): the repo root, for tests.llm
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.llm.uvicorn_server import quiet_config, read_body, serve_printing_port, wait_ready  # noqa: E402
+
 IMPLS = ["h11", "httptools"]
 
 
@@ -53,17 +57,6 @@ async def _send_json(send, status: int, obj, headers=()) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-async def _read_body(receive) -> bytes | None:
-    parts = []
-    while True:
-        m = await receive()
-        if m["type"] == "http.disconnect":
-            return None
-        parts.append(m.get("body", b""))
-        if not m.get("more_body"):
-            return b"".join(parts)
-
-
 def make_app(state: _State):
     async def app(scope, receive, send):
         if scope["type"] != "http":
@@ -83,7 +76,7 @@ def make_app(state: _State):
             return await _send_json(send, 200, {})
         state.ports.add(port)
         state.requests += 1
-        body = await _read_body(receive)
+        body = await read_body(receive)
         if body is None:
             return
         if path == "/echo":
@@ -158,9 +151,6 @@ def _serve(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root for tests.llm
-    from tests.llm.uvicorn_server import quiet_config, serve_printing_port
-
     sys.exit(_serve(sys.argv[1:]))
 
 
@@ -171,7 +161,6 @@ import pytest  # noqa: E402
 
 from rolloutd.llm.http_transport import FastTransport  # noqa: E402
 
-from .uvicorn_server import wait_ready  # noqa: E402
 
 
 class Uvicorn:

@@ -20,6 +20,18 @@ def quiet_config(app, **kw):
     return uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, **kw)
 
 
+async def read_body(receive) -> bytes | None:
+    """The whole ASGI request body, or None if the client disconnected first."""
+    parts = []
+    while True:
+        m = await receive()
+        if m["type"] == "http.disconnect":
+            return None
+        parts.append(m.get("body", b""))
+        if not m.get("more_body"):
+            return b"".join(parts)
+
+
 class ThreadedUvicorn:
     """uvicorn in a thread (its own loop) serving ``app``; ``url``, and ``stop()`` checks it stopped."""
 
