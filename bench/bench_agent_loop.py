@@ -55,6 +55,7 @@ import structlog  # noqa: E402
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up only
 
+from bench.common import stop_procs  # noqa: E402
 from rolloutd.llm.agent_loop import run_agent_loop  # noqa: E402
 from rolloutd.llm.client import LLMClient, SamplingParams, simple_generate  # noqa: E402
 from rolloutd.llm.conversation import Conversation  # noqa: E402
@@ -296,12 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             httpcore = asyncio.run(baseline_phase(url, conc[0]["_lengths"], n, 4, args.api, "httpcore"))
             fast_small = asyncio.run(baseline_phase(url, conc[0]["_lengths"], n, 4, args.api, "fast"))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        stop_procs([proc], wait_s=10)
 
     summary = {
         "tokenizer": tok_desc,

@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_agent_loop import BASH_TOOL, OBSERVATION, ROOT, start_backend, tokenizer_dir
+from bench.common import stop_procs
 from rolloutd.llm.agent_loop import run_agent_loop
 from rolloutd.llm.client import LLMClient, SamplingParams, simple_generate
 from rolloutd.llm.conversation import Conversation
@@ -279,12 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  repeat {rep + 1} {shape:>9}: built-in {b['cpu_ms_per_call']:.3f} ms CPU/call | endpoint "
                           f"{e['cpu_ms_per_call']:.3f} ms CPU/call | added {rows[-1]['added']:.3f} ms", flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        stop_procs([proc], wait_s=10)
     med = statistics.median
     summary = {"tokenizer": tok_desc, "rollouts": args.rollouts, "turns": args.turns, "repeats": args.repeats,
                "builtin_cpu_ms_per_call": med(r["builtin"]["cpu_ms_per_call"] for r in rows),

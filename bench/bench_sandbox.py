@@ -89,6 +89,39 @@ def timed(fn: Callable[[], object], n: int, warmup: int = 5) -> List[float]:
     return out
 
 
+TRUE = {"command": "true", "timeout": 30}
+
+
+def start_true_destroy(rt, name: str, spec: Optional[SandboxSpec] = None):
+    """One sandbox's life, timed in seconds: ``ready`` (create() returned), ``first_true`` (from
+    the start to the first bash `true` done: the shell starts in the background) and ``destroy``.
+    Returns (times, the destroyed handle)."""
+    t0 = time.perf_counter()
+    h = rt.create(name, spec or SandboxSpec())
+    t1 = time.perf_counter()
+    with ToolClient(h.tool_socket) as c:
+        assert c.call("bash", TRUE).exit_code == 0
+    t2 = time.perf_counter()
+    rt.destroy(h)
+    return {"ready": t1 - t0, "first_true": t2 - t0, "destroy": time.perf_counter() - t2}, h
+
+
+def true_round_trips(cs: Dict[str, ToolClient], n: int, warmup: int) -> Dict[str, List[float]]:
+    """The bash `true` round trip in seconds, ``n`` per held sandbox, interleaved call by call
+    after ``warmup`` untimed rounds."""
+    for _ in range(warmup):
+        for c in cs.values():
+            c.call("bash", TRUE)
+    lat: Dict[str, List[float]] = {k: [] for k in cs}
+    for _ in range(n):
+        for k, c in cs.items():
+            t0 = time.perf_counter()
+            r = c.call("bash", TRUE)
+            lat[k].append(time.perf_counter() - t0)
+            assert r.exit_code == 0, r
+    return lat
+
+
 # -- latency: the harnesses ----------------------------------------------------------
 class Ours:
     def __init__(self, kind: str, root: Path, src: Optional[Path] = None) -> None:
@@ -230,18 +263,11 @@ def bench_startup(root: Path, n: int) -> Dict[str, Dict[str, float]]:
     rt = get_runtime("bwrap", root_dir=root / "startup")
     ready, first, destroy = [], [], []
     for i in range(n + 2):
-        t0 = time.perf_counter()
-        h = rt.create("start-%d" % i, SandboxSpec())
-        t1 = time.perf_counter()
-        with ToolClient(h.tool_socket) as c:
-            assert c.call("bash", {"command": "true", "timeout": 30}).exit_code == 0
-        t2 = time.perf_counter()
-        rt.destroy(h)
-        t3 = time.perf_counter()
+        t, _ = start_true_destroy(rt, "start-%d" % i)
         if i >= 2:  # the first two warm the page cache
-            ready.append(t1 - t0)
-            first.append(t2 - t0)
-            destroy.append(t3 - t2)
+            ready.append(t["ready"])
+            first.append(t["first_true"])
+            destroy.append(t["destroy"])
     return {"ready": summarize(ready), "first_action": summarize(first), "destroy": summarize(destroy)}
 
 
@@ -305,17 +331,7 @@ def bench_hardening(root: Path, n: int, n_start: int, leftovers: int = 5) -> Dic
     try:
         info = {k: c.ping().info.get("hardened") for k, c in cs.items()}
         assert info == {"hardened": True, "dumpable": False}, info
-        lat: Dict[str, List[float]] = {k: [] for k in cs}
-        for _ in range(5):
-            for c in cs.values():
-                c.call("bash", {"command": "true", "timeout": 30})
-        for _ in range(n):
-            for k, c in cs.items():
-                t0 = time.perf_counter()
-                r = c.call("bash", {"command": "true", "timeout": 30})
-                lat[k].append(time.perf_counter() - t0)
-                assert r.exit_code == 0, r
-        res["true"] = {k: summarize(v) for k, v in lat.items()}
+        res["true"] = {k: summarize(v) for k, v in true_round_trips(cs, n, warmup=5).items()}
         # eval start-up: old path vs grade, in the hardened sandbox, after `leftovers` processes
         c = cs["hardened"]
         plant = " ".join("sleep 1000 &" for _ in range(leftovers)) + " true"
@@ -438,15 +454,8 @@ def bench_disk_ready(root: Path, n: int, disk_mb: int, ref_bounds: Optional[Path
             for k in order[i % len(order):] + order[:i % len(order)]:
                 rt = rts[k]
                 steps.clear()
-                t0 = time.perf_counter()
-                h = rt.create("disk-%d" % i, spec)
-                t1 = time.perf_counter()
-                with ToolClient(h.tool_socket) as c:
-                    assert c.call("bash", {"command": "true", "timeout": 30}).exit_code == 0
-                t2 = time.perf_counter()
-                rt.destroy(h)
-                t3 = time.perf_counter()
-                row = dict(steps, ready=(t1 - t0) * 1000, first_true=(t2 - t0) * 1000, destroy=(t3 - t2) * 1000)
+                t, _ = start_true_destroy(rt, "disk-%d" % i, spec)
+                row = dict(steps, **{w: v * 1000 for w, v in t.items()})
                 for name, v in row.items():
                     samples[k].setdefault(name, []).append(v)
     finally:
@@ -489,30 +498,16 @@ def bench_uids(root: Path, n: int, calls: int, ref_bwrap: Optional[Path] = None)
     order = list(rts)
     for i in range(n):  # start-up: a fresh sandbox per kind per round, the order rotated
         for k in order[i % len(order):] + order[:i % len(order)]:
-            rt, sm = rts[k], samples[k]
-            t0 = time.perf_counter()
-            h = rt.create("uid-%d" % i, SandboxSpec())
-            t1 = time.perf_counter()
+            t, h = start_true_destroy(rts[k], "uid-%d" % i)
             uids[k].add(h.extra.get("uid"))
-            with ToolClient(h.tool_socket) as c:
-                assert c.call("bash", {"command": "true", "timeout": 30}).exit_code == 0
-            t2 = time.perf_counter()
-            rt.destroy(h)
-            sm["ready"].append(t1 - t0)
-            sm["first_true"].append(t2 - t0)
-            sm["destroy"].append(time.perf_counter() - t2)
+            for w, v in t.items():
+                samples[k][w].append(v)
     # the `true` round trip: one sandbox per kind held, calls interleaved call by call
     hs = {k: rt.create("uid-true", SandboxSpec()) for k, rt in rts.items()}
     try:
         cs = {k: ToolClient(h.tool_socket) for k, h in hs.items()}
-        for c in cs.values():
-            for _ in range(10):
-                c.call("bash", {"command": "true", "timeout": 30})
-        for _ in range(n * calls):
-            for k, c in cs.items():
-                t = time.perf_counter()
-                c.call("bash", {"command": "true", "timeout": 30})
-                samples[k]["true"].append(time.perf_counter() - t)
+        for k, v in true_round_trips(cs, n * calls, warmup=10).items():
+            samples[k]["true"] = v
         for c in cs.values():
             c.close()
     finally:

@@ -28,8 +28,6 @@ import collections
 import importlib
 import json
 import os
-import select
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from bench.common import stop_procs  # noqa: E402
+from tests.llm.uvicorn_server import quiet_config, serve_printing_port, wait_ready  # noqa: E402
 
 PROMPT_IDS = 512
 REPLY_TOKENS = 64
@@ -85,48 +86,22 @@ def serve(http: str) -> int:
         await send(head)
         await send(msg)
 
-    config = uvicorn.Config(app, http=http, lifespan="off", log_level="warning", access_log=False, backlog=4096)
-    server = uvicorn.Server(config)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-
-    async def main() -> None:
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started:
-            if task.done():
-                return await task
-            await asyncio.sleep(0.005)
-        print(f"READY {sock.getsockname()[1]}", flush=True)
-        await task
-
-    asyncio.run(main())
+    serve_printing_port(uvicorn.Server(quiet_config(app, http=http, backlog=4096)))
     return 0
 
 
 def start_server(http: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, __file__, "--serve", http], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, cwd=str(ROOT))
-    deadline = time.monotonic() + 30
-    line = b""
-    while not line.startswith(b"READY"):
-        left = deadline - time.monotonic()
-        if left <= 0 or proc.poll() is not None:
-            stop_server(proc)
-            raise RuntimeError("uvicorn did not start")
-        if select.select([proc.stdout], [], [], left)[0]:
-            line = proc.stdout.readline()
-    return proc, f"http://127.0.0.1:{int(line.split()[1])}"
+    port = wait_ready(proc)
+    if port is None:
+        stop_server(proc)
+        raise RuntimeError("uvicorn did not start")
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+    stop_procs([proc])
     proc.stdout.close()
 
 

@@ -259,6 +259,41 @@ def up(up_factory):
     return up_factory()
 
 
+class RawGateway:
+    """A DEALER speaking the REQ envelope to a gateway, sending whatever frames a test likes."""
+
+    def __init__(self, address):
+        from rolloutd.bus.sockets import Sockets
+
+        self.sockets = Sockets(asyncio=False, linger_ms=0)
+        self.sock = self.sockets.connect("DEALER", address)
+
+    def ask(self, frames, timeout_s=10.0) -> dict:
+        from rolloutd.bus import codec
+
+        self.sock.send_multipart([b""] + frames)
+        assert self.sock.poll(int(timeout_s * 1000)), "no reply: every request must get one"
+        reply = self.sock.recv_multipart()
+        assert reply[0] == b""
+        return codec.decode(reply[1:])
+
+    def ask_body(self, body: dict, timeout_s=10.0) -> dict:
+        """``body`` with protocol version 1 and req_id 1, encoded as the client does."""
+        from rolloutd.bus import codec
+
+        return self.ask(codec.encode(dict({"v": 1, "req_id": 1}, **body)), timeout_s)
+
+    def close(self):
+        self.sockets.close()
+
+
+@pytest.fixture
+def raw(shared_up):
+    r = RawGateway(shared_up.gateway)
+    yield r
+    r.close()
+
+
 def synthetic(i: int, **instance) -> dict:
     return {"handler": "synthetic", "instance_id": f"i{i}", "instance": dict({"seed": i}, **instance)}
 
@@ -279,6 +314,26 @@ def tiny_tokenizer(tiny_tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """The tiny random Qwen2 model (torch; weights and tokenizer), built once per session."""
+    pytest.importorskip("torch", reason="torch is not installed (pip install rolloutd[torch])")
+    from rolloutd.llm.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0))
+
+
+@pytest.fixture(scope="module")
+def hf_server(tiny_model_dir):
+    """serve-hf on the tiny model (4 in a batch, one thread), one per test module."""
+    from rolloutd.llm.serve_hf import HFServer
+
+    srv = HFServer(tiny_model_dir, max_batch_size=4, served_model_name="tiny", threads=1)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     from rolloutd.llm.tiny_model import build_tiny_tokenizer
 
@@ -286,20 +341,27 @@ def tokenizer():
 
 
 @pytest.fixture
-def backends(tokenizer):
+def scripted():
+    """Factory: scripted(tokenizer, policy, **kw) -> started ScriptedBackend (stopped at teardown)."""
     from rolloutd.llm.scripted import ScriptedBackend
 
-    made = []
+    started: list[ScriptedBackend] = []
 
-    def make(latency=0.01, port=0):
-        b = ScriptedBackend(tokenizer, policy="constant:text=ok", latency=latency, port=port)
-        b.start()
-        made.append(b)
-        return b
+    def make(tokenizer, policy="echo", **kw) -> ScriptedBackend:
+        be = ScriptedBackend(tokenizer, policy, **kw)
+        be.start()
+        started.append(be)
+        return be
 
     yield make
-    for b in made:
-        b.stop()
+    for be in started:
+        be.stop()
+
+
+@pytest.fixture
+def backends(tokenizer, scripted):
+    """Factory: backends(latency=0.01, port=0) -> a started scripted backend answering "ok"."""
+    return lambda latency=0.01, port=0: scripted(tokenizer, "constant:text=ok", latency=latency, port=port)
 
 
 @contextlib.contextmanager

@@ -12,31 +12,6 @@ from rolloutd.bus.sockets import Sockets
 from tests.conftest import synthetic
 
 
-class Raw:
-    """A DEALER speaking the REQ envelope, sending whatever frames a test likes."""
-
-    def __init__(self, address):
-        self.sockets = Sockets(asyncio=False, linger_ms=0)
-        self.sock = self.sockets.connect("DEALER", address)
-
-    def ask(self, frames, timeout_s=5.0) -> dict:
-        self.sock.send_multipart([b""] + frames)
-        assert self.sock.poll(int(timeout_s * 1000)), "no reply: every request must get one"
-        reply = self.sock.recv_multipart()
-        assert reply[0] == b""
-        return codec.decode(reply[1:])
-
-    def close(self):
-        self.sockets.close()
-
-
-@pytest.fixture
-def raw(shared_up):
-    r = Raw(shared_up.gateway)
-    yield r
-    r.close()
-
-
 def header(**kw):
     return msgpack.packb(dict({"v": 1, "req_id": 7}, **kw))
 

@@ -8,31 +8,17 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install rolloutd[torch])")
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from rolloutd.llm.tiny_model import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
-
-
-def test_multi_turn_trajectories_match_a_forward_pass(up_factory, tiny_model_dir):
+def test_multi_turn_trajectories_match_a_forward_pass(up_factory, tiny_model_dir, hf_server):
     from transformers import AutoModelForCausalLM
 
-    from rolloutd.llm.serve_hf import HFServer
-
-    srv = HFServer(tiny_model_dir, max_batch_size=4, served_model_name="tiny", threads=1)
-    srv.start()
-    try:
-        up = up_factory(f"handlers.dialogue.tokenizer={tiny_model_dir}")
-        tasks = [{"handler": "dialogue", "instance_id": f"d{i}",
-                  "instance": {"messages": [{"role": "user", "content": f"Count to {i + 3}."}],
-                               "user_turns": ["Go on.", "And now backwards?"],
-                               "sampling": {"max_tokens": 6, "temperature": 1.0}}} for i in range(4)]
-        with up.client() as c:
-            c.add_backend(srv.url, policy_version=3)
-            results = list(c.gather(c.submit(tasks), timeout_s=180))
-    finally:
-        srv.stop()
+    up = up_factory(f"handlers.dialogue.tokenizer={tiny_model_dir}")
+    tasks = [{"handler": "dialogue", "instance_id": f"d{i}",
+              "instance": {"messages": [{"role": "user", "content": f"Count to {i + 3}."}],
+                           "user_turns": ["Go on.", "And now backwards?"],
+                           "sampling": {"max_tokens": 6, "temperature": 1.0}}} for i in range(4)]
+    with up.client() as c:
+        c.add_backend(hf_server.url, policy_version=3)
+        results = list(c.gather(c.submit(tasks), timeout_s=180))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, local_files_only=True).eval()
     for r in results:
         assert r["status"] == "ok", r["error"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from rolloutd.bus.messages import STATUSES, empty_trajectory
-from tests.conftest import synthetic
+from tests.conftest import synthetic, wait_for
 
 SHAPE = set(empty_trajectory())
 
@@ -63,16 +63,11 @@ def test_n_samples_per_instance_and_rollout(up):
 
 
 def test_results_are_delivered_once_and_poll_is_idempotent(up):
-    import time
-
     from rolloutd.bus.messages import Poll
 
     with up.client() as c:
         ids = c.submit([synthetic(i) for i in range(20)])
-        deadline = time.monotonic() + 30
-        while c.status()["done_unacked"] < 20:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: c.status()["done_unacked"] >= 20, what="all 20 results ready")
         first = c.poll(max_results=100)
         assert sorted(r["job_id"] for r in first) == sorted(ids)
         # The same poll re-sent (as after a lost reply) returns the same results...

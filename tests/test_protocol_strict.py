@@ -11,9 +11,7 @@ import time
 
 import pytest
 
-from rolloutd.bus import codec
 from rolloutd.bus.messages import PROTOCOL_VERSION, MessageError, from_wire
-from rolloutd.bus.sockets import Sockets
 from tests.conftest import REPO, synthetic, wait_for
 
 
@@ -89,27 +87,6 @@ def test_optional_fields_take_their_documented_defaults():
 
 
 # ---- the live gateway -----------------------------------------------------------------------------
-class Raw:
-    def __init__(self, address):
-        self.sockets = Sockets(asyncio=False, linger_ms=0)
-        self.sock = self.sockets.connect("DEALER", address)
-
-    def ask(self, body: dict, timeout_s=10.0) -> dict:
-        self.sock.send_multipart([b""] + codec.encode(dict({"v": 1, "req_id": 1}, **body)))
-        assert self.sock.poll(int(timeout_s * 1000)), "no reply"
-        return codec.decode(self.sock.recv_multipart()[1:])
-
-    def close(self):
-        self.sockets.close()
-
-
-@pytest.fixture
-def raw(shared_up):
-    r = Raw(shared_up.gateway)
-    yield r
-    r.close()
-
-
 def test_poll_cannot_acknowledge_what_it_never_delivered(shared_up, raw):
     """Item 1: after beyond the last delivered sequence number is refused, and drops nothing."""
     with shared_up.client() as c:
@@ -117,17 +94,17 @@ def test_poll_cannot_acknowledge_what_it_never_delivered(shared_up, raw):
         ids = c.submit([synthetic(i) for i in range(3)])
         wait_for(lambda: c.status()["done_unacked"] >= before + 3, what="three results ready")
         # Three results are ready but no reply has carried any: acknowledging 2 must fail.
-        bad = raw.ask({"kind": "poll", "client_id": c.client_id, "after": 2})
+        bad = raw.ask_body({"kind": "poll", "client_id": c.client_id, "after": 2})
         assert bad["kind"] == "error" and bad["code"] == "invalid", bad
         assert "beyond the last sequence number delivered" in bad["message"]
         assert c.status()["done_unacked"] == before + 3  # nothing was dropped
         got = c.poll(max_results=100)
         assert sorted(r["job_id"] for r in got) == sorted(ids) and c.after == 3
-        bad = raw.ask({"kind": "poll", "client_id": c.client_id, "after": 4})
+        bad = raw.ask_body({"kind": "poll", "client_id": c.client_id, "after": 4})
         assert bad["kind"] == "error" and bad["code"] == "invalid", bad
         assert c.poll() == []  # acknowledging what was delivered is fine
         assert c.status()["done_unacked"] == before
-    unknown = raw.ask({"kind": "poll", "client_id": "never-submitted", "after": 1})
+    unknown = raw.ask_body({"kind": "poll", "client_id": "never-submitted", "after": 1})
     assert unknown["kind"] == "error" and unknown["code"] == "invalid", unknown
 
 

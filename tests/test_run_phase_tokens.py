@@ -32,22 +32,13 @@ class FirstTurnThen400(Policy):
 
 
 @pytest.fixture
-def backend_400(tokenizer):
-    from rolloutd.llm.scripted import ScriptedBackend
-
-    made = []
-
+def backend_400(tokenizer, scripted):
     def make(text: str):
         policy = FirstTurnThen400(text)
-        b = ScriptedBackend(tokenizer, policy=policy, latency=0.0)
-        policy.backend = b
-        b.start()
-        made.append(b)
-        return b
+        policy.backend = scripted(tokenizer, policy, latency=0.0)  # before any request: the test sends them
+        return policy.backend
 
-    yield make
-    for b in made:
-        b.stop()
+    return make
 
 
 @pytest.mark.parametrize("handler", ["dialogue", "math"])

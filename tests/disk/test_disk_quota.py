@@ -99,18 +99,24 @@ def test_a_plain_dead_sandbox_is_still_a_transport_error(bwrap_rt):
     assert not isinstance(ei.value, DiskQuotaExceeded)
 
 
-def test_agent_writing_until_stopped_is_scored_zero_neighbour_ok(up_factory, bwrap_required, diskhog_entry_point):
-    """The agent's own doing: reward 0 with the reason, never a failed (dropped) job (issue 35 item 6;
-    before, status failed / DiskQuotaExceeded). The handler's eval, which rewards 1, is skipped."""
-    up = up_factory("sandbox.runtime=bwrap", "sandbox.quota_interval_s=0.2", "sandbox.disk_quota=measured")
+def hog_beside_calm(up, command: str):
+    """A diskhog job (16 MB quota) running ``command`` beside a calm one writing 4 MB and printing
+    its size: (the hog's result, the calm one's)."""
     with up.client(timeout_s=10) as c:
         hog, calm = c.submit([
-            {"handler": "diskhog", "instance_id": "hog", "instance": {"disk_mb": 16, "command": HOG}},
+            {"handler": "diskhog", "instance_id": "hog", "instance": {"disk_mb": 16, "command": command}},
             {"handler": "diskhog", "instance_id": "calm",
              "instance": {"disk_mb": 16, "command": "head -c 4000000 /dev/zero > data && wc -c < data"}},
         ])
         results = {r["job_id"]: r for r in c.gather([hog, calm], timeout_s=120)}
-    bad, good = results[hog], results[calm]
+    return results[hog], results[calm]
+
+
+def test_agent_writing_until_stopped_is_scored_zero_neighbour_ok(up_factory, bwrap_required, diskhog_entry_point):
+    """The agent's own doing: reward 0 with the reason, never a failed (dropped) job (issue 35 item 6;
+    before, status failed / DiskQuotaExceeded). The handler's eval, which rewards 1, is skipped."""
+    up = up_factory("sandbox.runtime=bwrap", "sandbox.quota_interval_s=0.2", "sandbox.disk_quota=measured")
+    bad, good = hog_beside_calm(up, HOG)
     assert bad["status"] == "ok" and bad["reward"] == 0.0, bad
     assert bad["failed_phase"] is None and bad["error"] is None, bad
     assert bad["eval_details"]["agent_fault"] == {"phase": "run", "type": "DiskQuotaExceeded"}, bad["eval_details"]
@@ -134,14 +140,7 @@ def test_hard_quota_agent_gets_enospc_and_the_job_goes_on(up_factory, bwrap_requ
     require_root_mounts()
     up = up_factory("sandbox.runtime=bwrap", "sandbox.quota_interval_s=0.2")
     fill = "head -c 40M /dev/zero > big; echo rc=$?; rm big; head -c 1M /dev/zero > small && echo small ok"
-    with up.client(timeout_s=10) as c:
-        hog, calm = c.submit([
-            {"handler": "diskhog", "instance_id": "hog", "instance": {"disk_mb": 16, "command": fill}},
-            {"handler": "diskhog", "instance_id": "calm",
-             "instance": {"disk_mb": 16, "command": "head -c 4000000 /dev/zero > data && wc -c < data"}},
-        ])
-        results = {r["job_id"]: r for r in c.gather([hog, calm], timeout_s=120)}
-    bad, good = results[hog], results[calm]
+    bad, good = hog_beside_calm(up, fill)
     assert bad["status"] == "ok", (bad.get("error"), bad.get("failed_phase"))
     out = bad["eval_details"]["output"]
     assert "No space left on device" in out and "rc=1" in out and "small ok" in out, out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import pytest
 from rolloutd.llm.families import family_tokenizer_dir
@@ -17,6 +18,16 @@ BASH = {"type": "function", "function": {
     "name": "bash", "description": "Run a command in a bash shell.",
     "parameters": {"type": "object", "properties": {"command": {"type": "string", "description": "the command"}},
                    "required": ["command"]}}}
+
+
+@dataclass
+class Gen:
+    """A sampled generation as the backend client returns it (what Conversation.add_generation reads)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str = "stop"
+    latency_s: float = 0.0
 
 
 def _missing(msg: str):

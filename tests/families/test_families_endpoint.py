@@ -8,6 +8,7 @@ results and send the backend exactly the trajectory so far.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -30,22 +31,6 @@ def arun():
 
     return lambda coro: run_async(coro, timeout=240)
 
-
-@pytest.fixture
-def scripted():
-    from rolloutd.llm.scripted import ScriptedBackend
-
-    started = []
-
-    def make(tokenizer, policy):
-        be = ScriptedBackend(tokenizer, policy)
-        be.start()
-        started.append(be)
-        return be
-
-    yield make
-    for be in started:
-        be.stop()
 
 CALLS = [{"command": "ls"}, {"command": "pwd"}]
 THINK = "List, then locate."
@@ -126,6 +111,45 @@ FINAL = {"qwen3": "Done.<|im_end|>", "qwen3_coder": "Done.<|im_end|>", "llama3":
          "deepseek_v31": "Done.<｜end▁of▁sentence｜>"}
 
 
+NEVER_READ = "<tool_call>not this</tool_call>"  # the Anthropic, Responses and Gemini shapes render from ids
+
+
+def reference_backend(family: str, scripted):
+    """The family's reference case and a scripted backend sampling its turns, then FINAL."""
+    from .test_families_ids import reference_case
+
+    case = reference_case(family)
+    final = case.tok.encode(FINAL[family], add_special_tokens=False)
+    return case, scripted(str(family_dir_or_skip(family)), Ids(case.turns + [final]))
+
+
+@contextlib.asynccontextmanager
+async def endpoint_over(be, tok, seen: list, text):
+    """An EndpointSession over the scripted backend ``be``, served on 127.0.0.1: yields
+    (session, server). Each prompt the backend is sent is appended to ``seen``; a generation's
+    text is ``text(g)``."""
+    import numpy as np
+    from rolloutd.llm.client import LLMClient, simple_generate
+    from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
+
+    llm = LLMClient(be.url, timeout=60)
+    inner = simple_generate(llm, "b0", 7)
+
+    async def generate(ids, params):
+        g, b, v = await inner(ids, params)
+        g.text = text(g)
+        seen.append(np.asarray(ids).tolist())
+        return g, b, v
+
+    session = EndpointSession(generate, tok, limits=EndpointLimits(max_context=8192))
+    server = await serve(make_app(session), host="127.0.0.1", port=0)
+    try:
+        yield session, server
+    finally:
+        await server.stop()
+        await llm.aclose()
+
+
 @pytest.mark.parametrize("mode", ["skip", "keep"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_endpoint_equals_reference(family, mode, scripted, arun):
@@ -134,47 +158,33 @@ def test_endpoint_equals_reference(family, mode, scripted, arun):
     the replies carry no markup, the reasoning, the calls with their control-token text and
     typed parameters, Mistral's sampled call ids; the agent's tool messages have no ``name``;
     what the backend is finally sent equals the family's reference id for id."""
-    import numpy as np
     import openai
-    from rolloutd.llm.client import LLMClient, simple_generate
-    from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
 
-    from .test_families_ids import HEAD, TOOLS, assert_same_ids, reference_case
+    from .test_families_ids import HEAD, TOOLS, assert_same_ids
 
-    case = reference_case(family)
+    case, be = reference_backend(family, scripted)
     tok = case.tok
-    final = tok.encode(FINAL[family], add_special_tokens=False)
-    be = scripted(str(family_dir_or_skip(family)), Ids(case.turns + [final]))
     seen: list[list[int]] = []
 
+    def text(g):
+        return tok.decode(g.token_ids.tolist(), skip_special_tokens=mode == "skip")
+
     async def main():
-        llm = LLMClient(be.url, timeout=60)
-        inner = simple_generate(llm, "b0", 7)
-
-        async def generate(ids, params):
-            g, b, v = await inner(ids, params)
-            g.text = tok.decode(g.token_ids.tolist(), skip_special_tokens=mode == "skip")
-            seen.append(np.asarray(ids).tolist())
-            return g, b, v
-
-        session = EndpointSession(generate, tok, limits=EndpointLimits(max_context=8192))
-        server = await serve(make_app(session), host="127.0.0.1", port=0)
-        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0)
-        try:
-            msgs, replies = list(HEAD), []
-            for results in case.results:
-                r = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
-                replies.append(r)
-                m = r.choices[0].message
-                msgs.append(m.model_dump(exclude_none=True))
-                for tc, out in zip(m.tool_calls or [], results):  # OpenAI style: no name
-                    msgs.append({"role": "tool", "tool_call_id": tc.id, "content": out})
-            replies.append(await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS))
-            return session, replies
-        finally:
-            await client.close()
-            await server.stop()
-            await llm.aclose()
+        async with endpoint_over(be, tok, seen, text) as (session, server):
+            client = openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0)
+            try:
+                msgs, replies = list(HEAD), []
+                for results in case.results:
+                    r = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+                    replies.append(r)
+                    m = r.choices[0].message
+                    msgs.append(m.model_dump(exclude_none=True))
+                    for tc, out in zip(m.tool_calls or [], results):  # OpenAI style: no name
+                        msgs.append({"role": "tool", "tool_call_id": tc.id, "content": out})
+                replies.append(await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS))
+                return session, replies
+            finally:
+                await client.close()
 
     session, replies = arun(main())
     for i, r in enumerate(replies[:-1]):
@@ -198,51 +208,33 @@ def test_endpoint_anthropic_shape_equals_reference(family, scripted, arun):
     as the agent): thinking/text/tool_use blocks from the sampled ids, Mistral's sampled call ids
     inside the ``toolu_`` ids, ``tool_result`` blocks without names; what the backend is finally
     sent equals the family's reference id for id."""
-    import numpy as np
-
     anthropic = pytest.importorskip("anthropic", reason="the anthropic SDK is not installed (pip install rolloutd[harness])")
-    from rolloutd.llm.client import LLMClient, simple_generate
-    from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
 
-    from .test_families_ids import SYSTEM, TOOLS, USER, assert_same_ids, reference_case
+    from .test_families_ids import SYSTEM, TOOLS, USER, assert_same_ids
 
-    case = reference_case(family)
+    case, be = reference_backend(family, scripted)
     tok = case.tok
-    final = tok.encode(FINAL[family], add_special_tokens=False)
-    be = scripted(str(family_dir_or_skip(family)), Ids(case.turns + [final]))
     seen: list[list[int]] = []
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
               "input_schema": t["function"]["parameters"]} for t in TOOLS]
 
     async def main():
-        llm = LLMClient(be.url, timeout=60)
-        inner = simple_generate(llm, "b0", 7)
-
-        async def generate(ids, params):
-            g, b, v = await inner(ids, params)
-            g.text = "<tool_call>not this</tool_call>"  # never read
-            seen.append(np.asarray(ids).tolist())
-            return g, b, v
-
-        session = EndpointSession(generate, tok, limits=EndpointLimits(max_context=8192))
-        server = await serve(make_app(session), host="127.0.0.1", port=0)
-        client = anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="k", max_retries=0)
-        try:
-            msgs, replies = [{"role": "user", "content": USER}], []
-            for results in case.results:
-                r = await client.messages.create(model="m", max_tokens=1024, system=SYSTEM, messages=msgs, tools=tools)
-                replies.append(r)
-                msgs.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]})
-                uses = [b for b in r.content if b.type == "tool_use"]
-                msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id, "content": out}
-                                                         for b, out in zip(uses, results)]})
-            replies.append(await client.messages.create(model="m", max_tokens=1024, system=SYSTEM, messages=msgs,
-                                                        tools=tools))
-            return session, replies
-        finally:
-            await client.close()
-            await server.stop()
-            await llm.aclose()
+        async with endpoint_over(be, tok, seen, lambda g: NEVER_READ) as (session, server):
+            client = anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="k", max_retries=0)
+            try:
+                msgs, replies = [{"role": "user", "content": USER}], []
+                for results in case.results:
+                    r = await client.messages.create(model="m", max_tokens=1024, system=SYSTEM, messages=msgs, tools=tools)
+                    replies.append(r)
+                    msgs.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]})
+                    uses = [b for b in r.content if b.type == "tool_use"]
+                    msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id, "content": out}
+                                                             for b, out in zip(uses, results)]})
+                replies.append(await client.messages.create(model="m", max_tokens=1024, system=SYSTEM, messages=msgs,
+                                                            tools=tools))
+                return session, replies
+            finally:
+                await client.close()
 
     session, replies = arun(main())
     for i, r in enumerate(replies[:-1]):
@@ -266,48 +258,31 @@ def test_endpoint_responses_shape_equals_reference(family, scripted, arun):
     """The same through the Responses shape (the openai SDK's responses.create): reasoning,
     message and function_call items from the sampled ids, Mistral's sampled call ids,
     function_call_output items; the backend is finally sent the reference's ids."""
-    import numpy as np
     import openai
-    from rolloutd.llm.client import LLMClient, simple_generate
-    from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
 
-    from .test_families_ids import SYSTEM, TOOLS, USER, assert_same_ids, reference_case
+    from .test_families_ids import SYSTEM, TOOLS, USER, assert_same_ids
 
-    case = reference_case(family)
+    case, be = reference_backend(family, scripted)
     tok = case.tok
-    final = tok.encode(FINAL[family], add_special_tokens=False)
-    be = scripted(str(family_dir_or_skip(family)), Ids(case.turns + [final]))
     seen: list[list[int]] = []
     tools = [{"type": "function", **t["function"]} for t in TOOLS]
 
     async def main():
-        llm = LLMClient(be.url, timeout=60)
-        inner = simple_generate(llm, "b0", 7)
-
-        async def generate(ids, params):
-            g, b, v = await inner(ids, params)
-            g.text = "<tool_call>not this</tool_call>"  # never read
-            seen.append(np.asarray(ids).tolist())
-            return g, b, v
-
-        session = EndpointSession(generate, tok, limits=EndpointLimits(max_context=8192))
-        server = await serve(make_app(session), host="127.0.0.1", port=0)
-        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0)
-        try:
-            items, replies = [{"role": "user", "content": USER}], []
-            for results in case.results:
-                r = await client.responses.create(model="m", instructions=SYSTEM, input=items, tools=tools)
-                replies.append(r)
-                items += [o.model_dump(exclude_none=True) for o in r.output]
-                calls = [o for o in r.output if o.type == "function_call"]
-                items += [{"type": "function_call_output", "call_id": c.call_id, "output": out}
-                          for c, out in zip(calls, results)]
-            replies.append(await client.responses.create(model="m", instructions=SYSTEM, input=items, tools=tools))
-            return session, replies
-        finally:
-            await client.close()
-            await server.stop()
-            await llm.aclose()
+        async with endpoint_over(be, tok, seen, lambda g: NEVER_READ) as (session, server):
+            client = openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0)
+            try:
+                items, replies = [{"role": "user", "content": USER}], []
+                for results in case.results:
+                    r = await client.responses.create(model="m", instructions=SYSTEM, input=items, tools=tools)
+                    replies.append(r)
+                    items += [o.model_dump(exclude_none=True) for o in r.output]
+                    calls = [o for o in r.output if o.type == "function_call"]
+                    items += [{"type": "function_call_output", "call_id": c.call_id, "output": out}
+                              for c, out in zip(calls, results)]
+                replies.append(await client.responses.create(model="m", instructions=SYSTEM, input=items, tools=tools))
+                return session, replies
+            finally:
+                await client.close()
 
     session, replies = arun(main())
     for i, r in enumerate(replies[:-1]):
@@ -326,19 +301,13 @@ def test_endpoint_gemini_shape_equals_reference(family, scripted, arun):
     """The same through the Gemini shape (google-genai's generate_content): functionCall parts from
     the sampled ids, functionResponse parts ``{"output": text}`` back; the backend is finally sent
     the reference's ids."""
-    import numpy as np
-
     genai = pytest.importorskip("google.genai", reason="google-genai is not installed (pip install rolloutd[harness])")
     from google.genai import types
-    from rolloutd.llm.client import LLMClient, simple_generate
-    from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
 
-    from .test_families_ids import SYSTEM, TOOLS, USER, assert_same_ids, reference_case
+    from .test_families_ids import SYSTEM, TOOLS, USER, assert_same_ids
 
-    case = reference_case(family)
+    case, be = reference_backend(family, scripted)
     tok = case.tok
-    final = tok.encode(FINAL[family], add_special_tokens=False)
-    be = scripted(str(family_dir_or_skip(family)), Ids(case.turns + [final]))
     seen: list[list[int]] = []
     decls = [types.FunctionDeclaration(name=t["function"]["name"], description=t["function"]["description"],
                                        parameters_json_schema=t["function"]["parameters"]) for t in TOOLS]
@@ -346,35 +315,23 @@ def test_endpoint_gemini_shape_equals_reference(family, scripted, arun):
                                       automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True))
 
     async def main():
-        llm = LLMClient(be.url, timeout=60)
-        inner = simple_generate(llm, "b0", 7)
-
-        async def generate(ids, params):
-            g, b, v = await inner(ids, params)
-            g.text = "<tool_call>not this</tool_call>"  # never read
-            seen.append(np.asarray(ids).tolist())
-            return g, b, v
-
-        session = EndpointSession(generate, tok, limits=EndpointLimits(max_context=8192))
-        server = await serve(make_app(session), host="127.0.0.1", port=0)
-        client = genai.Client(api_key="k", http_options=types.HttpOptions(
-            base_url=f"http://127.0.0.1:{server.port}", api_version="v1beta",
-            retry_options=types.HttpRetryOptions(attempts=1)))
-        try:
-            contents, replies = [types.Content(role="user", parts=[types.Part(text=USER)])], []
-            for results in case.results:
-                r = await client.aio.models.generate_content(model="m", contents=contents, config=cfg)
-                replies.append(r)
-                contents.append(r.candidates[0].content)
-                contents.append(types.Content(role="user", parts=[
-                    types.Part(function_response=types.FunctionResponse(id=c.id, name=c.name, response={"output": out}))
-                    for c, out in zip(r.function_calls or [], results)]))
-            replies.append(await client.aio.models.generate_content(model="m", contents=contents, config=cfg))
-            return session, replies
-        finally:
-            await client.aio.aclose()
-            await server.stop()
-            await llm.aclose()
+        async with endpoint_over(be, tok, seen, lambda g: NEVER_READ) as (session, server):
+            client = genai.Client(api_key="k", http_options=types.HttpOptions(
+                base_url=f"http://127.0.0.1:{server.port}", api_version="v1beta",
+                retry_options=types.HttpRetryOptions(attempts=1)))
+            try:
+                contents, replies = [types.Content(role="user", parts=[types.Part(text=USER)])], []
+                for results in case.results:
+                    r = await client.aio.models.generate_content(model="m", contents=contents, config=cfg)
+                    replies.append(r)
+                    contents.append(r.candidates[0].content)
+                    contents.append(types.Content(role="user", parts=[
+                        types.Part(function_response=types.FunctionResponse(id=c.id, name=c.name, response={"output": out}))
+                        for c, out in zip(r.function_calls or [], results)]))
+                replies.append(await client.aio.models.generate_content(model="m", contents=contents, config=cfg))
+                return session, replies
+            finally:
+                await client.aio.aclose()
 
     session, replies = arun(main())
     for i, r in enumerate(replies[:-1]):

@@ -29,7 +29,7 @@ from rolloutd.llm.conversation import Conversation
 from rolloutd.llm.families import QWEN3_ADDED_TOKENS, get_family, harmony_encoding
 from rolloutd.llm.toolparse import get_parser, parse_ids
 
-from .conftest import BASH, family_or_skip, need
+from .conftest import BASH, Gen, family_or_skip, need
 
 WEATHER = {"type": "function", "function": {
     "name": "weather", "description": "Forecast for a city.",
@@ -61,14 +61,6 @@ def calls_of(family: str) -> list[tuple[str, dict]]:
 
 def results_of(family: str) -> list[str]:
     return ['{"temp": 18, "sky": "clear ✓", "wind": [3, 4.5]}', f"a.txt {CTRL[family][1]} naïve ✓\n", "42\n"]
-
-
-@dataclass
-class Gen:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str = "stop"
-    latency_s: float = 0.0
 
 
 def first_difference(got: list[int], want: list[int], tok) -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -32,21 +31,13 @@ from rolloutd.llm.conversation import Conversation
 from rolloutd.llm.families import QWEN3_ADDED_TOKENS, get_family, harmony_encoding
 from rolloutd.llm.toolparse import get_parser
 
-from .conftest import BASH, family_or_skip, need
+from .conftest import BASH, Gen, family_or_skip, need
 
 SYSTEM = "You are a careful agent. Answer in English."
 USER = "List the files, then print the working directory — naïve café ✓."
 OBS = ["a.txt\nb.txt\nnotes — ünïcode.md", "/work/space"]
 CALLS = [{"command": "ls"}, {"command": "pwd"}]
 REASONING = "The user wants two commands.\nI will run both."
-
-
-@dataclass
-class Gen:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str = "stop"
-    latency_s: float = 0.0
 
 
 def _tool_calls(ids=("call_0", "call_1")):

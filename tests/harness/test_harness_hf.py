@@ -17,23 +17,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from rolloutd.llm.tiny_model import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0))
-
-
-@pytest.fixture(scope="module")
-def hf_server(tiny_model_dir):
-    from rolloutd.llm.serve_hf import HFServer
-
-    srv = HFServer(tiny_model_dir, max_batch_size=4, served_model_name="tiny", threads=1)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def hf_up(module_up_factory, tiny_model_dir, sandbox_root, agent_venv, hf_server):
     from tests.harness.conftest import need_bwrap
 

@@ -15,8 +15,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 
-from rolloutd.llm.scripted import ScriptedBackend
-
 
 def run_async(coro, timeout: float = 60.0):
     """Run a coroutine on a fresh event loop with an overall timeout."""
@@ -39,30 +37,6 @@ def qwen_tokenizer():
     from rolloutd.llm.tokenizer_utils import load_qwen25_tokenizer
 
     return load_qwen25_tokenizer()
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    pytest.importorskip("torch", reason="torch is not installed (pip install rolloutd[torch])")
-    from rolloutd.llm.tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
-
-
-@pytest.fixture
-def scripted():
-    """Factory: scripted(tokenizer, policy, **kw) -> started ScriptedBackend (stopped at teardown)."""
-    started: list[ScriptedBackend] = []
-
-    def make(tokenizer, policy="echo", **kw) -> ScriptedBackend:
-        be = ScriptedBackend(tokenizer, policy, **kw)
-        be.start()
-        started.append(be)
-        return be
-
-    yield make
-    for be in started:
-        be.stop()
 
 
 BASH_TOOL = {

@@ -30,6 +30,8 @@ from rolloutd.llm.policies import Policy, PolicyReply, get_policy, parse_policy_
 from rolloutd.llm.scripted import Latency
 from rolloutd.llm.toolparse import get_parser
 
+from .uvicorn_server import ThreadedUvicorn, read_body
+
 APIS = ["vllm", "sglang"]
 
 
@@ -220,49 +222,24 @@ def test_context_rejection_is_context_overflow(api, qwen_tokenizer, scripted, ar
     arun(main())
 
 
-class CannedServer:
+class CannedServer(ThreadedUvicorn):
     """uvicorn (in a thread, its own loop) answering ``POST /v1/completions`` with fixed replies in order."""
 
     def __init__(self, replies: list[tuple[int, bytes]]) -> None:
-        import threading
-
-        uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[test])")
+        pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[test])")
         self.replies = list(replies)
         self.bodies: list[bytes] = []
 
         async def app(scope, receive, send):
             if scope["type"] != "http":
                 return
-            body = b""
-            while True:
-                m = await receive()
-                body += m.get("body", b"")
-                if not m.get("more_body"):
-                    break
-            self.bodies.append(body)
+            self.bodies.append(await read_body(receive) or b"")
             status, data = self.replies.pop(0) if self.replies else (500, b'{"error": "no reply left"}')
             await send({"type": "http.response.start", "status": status,
                         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
             await send({"type": "http.response.body", "body": data})
 
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        if not self.server.started:
-            self.stop()
-            raise RuntimeError("uvicorn did not start")
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
-        self.sock.close()
-        assert not self.thread.is_alive(), "uvicorn thread did not stop"
+        super().__init__(app)
 
 
 @pytest.fixture

@@ -27,16 +27,6 @@ class AlwaysCall(ToolParser):
 
 
 @pytest.fixture(scope="module")
-def hf_server(tiny_model_dir):
-    from rolloutd.llm.serve_hf import HFServer
-
-    srv = HFServer(tiny_model_dir, max_batch_size=4, served_model_name="tiny", threads=1)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def ref_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

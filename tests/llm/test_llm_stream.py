@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import numpy as np
@@ -18,6 +16,8 @@ import pytest
 
 from rolloutd.llm.client import BackendError, ContextOverflow, LLMClient, Partial, SamplingParams
 from rolloutd.llm.policies import get_policy
+
+from .uvicorn_server import ThreadedUvicorn
 
 TEXT = "alpha beta gamma delta " * 12
 
@@ -30,6 +30,16 @@ CHOICE_KEYS = {"index", "text", "logprobs", "finish_reason", "stop_reason", "pro
 def _body(prompt, **kw):
     return {"model": "scripted", "prompt": prompt, "max_tokens": 20, "logprobs": 0, "seed": 7,
             "return_token_ids": True, "return_tokens_as_token_ids": True, **kw}
+
+
+async def cancel_when(task: asyncio.Task, ready, timeout: float) -> None:
+    """Cancel ``task`` once ``ready()`` holds (or ``timeout`` seconds passed); it must end cancelled."""
+    deadline = time.monotonic() + timeout
+    while not ready() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 def test_scripted_stream_parsed_by_the_openai_sdk(qwen_tokenizer, scripted, arun):
@@ -101,12 +111,7 @@ def test_cancelling_a_stream_keeps_the_tokens_that_arrived_and_aborts_on_the_ser
             full = (await c.generate([1, 2, 3], SamplingParams(8, seed=1))).token_ids.tolist()
             part = Partial()
             task = asyncio.create_task(c.generate([1, 2, 3], SamplingParams(40, seed=1), partial=part))
-            deadline = time.monotonic() + 20
-            while len(part) < 3 and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await cancel_when(task, lambda: len(part) >= 3, timeout=20)
             g = part.generation()
             return full, g, c._http._transport
 
@@ -131,12 +136,12 @@ def test_errors_in_a_stream(qwen_tokenizer, scripted, arun):
 # -- FastTransport and the client against uvicorn + starlette's StreamingResponse -----------------
 
 
-class SSEServer:
+class SSEServer(ThreadedUvicorn):
     """uvicorn in a thread serving ``POST /v1/completions`` with a starlette ``StreamingResponse``
     (media type text/event-stream, as vLLM's api_server) of the events ``script()`` yields."""
 
     def __init__(self, script):
-        uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[test])")
+        pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[test])")
         responses = pytest.importorskip("starlette.responses", reason="starlette is not installed")
         self.closed_early = 0
         self.requests = 0
@@ -160,22 +165,7 @@ class SSEServer:
 
             await responses.StreamingResponse(events(), media_type="text/event-stream")(scope, receive, send)
 
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert self.server.started, "uvicorn did not start"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
-        self.sock.close()
-        assert not self.thread.is_alive()
+        super().__init__(app)
 
 
 def chunk(ids, finish=None):
@@ -222,12 +212,7 @@ def test_stream_through_uvicorn_kept_alive_and_cut(sse, arun):
         async with LLMClient(srv_long.url, "vllm", model="m", timeout=20) as c:
             part = Partial()
             task = asyncio.create_task(c.generate([1], SamplingParams(10), partial=part))
-            deadline = time.monotonic() + 20
-            while len(part) < 5 and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await cancel_when(task, lambda: len(part) >= 5, timeout=20)
         return gs, opened, part
 
     gs, opened, part = arun(main())
@@ -285,16 +270,6 @@ def test_broken_streams_are_backend_errors(sse, arun, case):
 # -- serve-hf (a real transformers model) streams the same shape --------------------------------
 
 
-@pytest.fixture(scope="module")
-def hf_server(tiny_model_dir):
-    from rolloutd.llm.serve_hf import HFServer
-
-    srv = HFServer(tiny_model_dir, max_batch_size=4, served_model_name="tiny", threads=1)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
 def test_serve_hf_streams_what_it_would_return_whole(hf_server, arun):
     async def main():
         async with LLMClient(hf_server.url, "vllm", timeout=60) as c:
@@ -318,12 +293,8 @@ def test_serve_hf_stream_cancel_keeps_tokens_and_aborts(hf_server, arun):
             part = Partial()
             body = SamplingParams(3000, seed=5)
             task = asyncio.create_task(c.generate([1, 2, 3], body, partial=part))
+            await cancel_when(task, lambda: len(part) >= 4, timeout=30)
             deadline = time.monotonic() + 30
-            while len(part) < 4 and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
             while hf_server.num_running and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             return part, hf_server.num_running
@@ -352,12 +323,7 @@ def test_a_cancel_after_the_last_chunk_keeps_the_finish(sse, arun):
         async with LLMClient(srv.url, "vllm", model="m", timeout=60) as c:
             part = Partial()
             task = asyncio.create_task(c.generate([1], SamplingParams(10), partial=part))
-            deadline = time.monotonic() + 20
-            while part.finish_reason is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await cancel_when(task, lambda: part.finish_reason is not None, timeout=20)
             return part.generation()
 
     g = arun(main())

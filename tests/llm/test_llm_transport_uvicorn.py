@@ -13,14 +13,16 @@ import asyncio
 import hashlib
 import json
 import os
-import select
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.parse
 from pathlib import Path
+
+if not __package__:  # run as the server child (a script): the repo root, for tests.llm
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.llm.uvicorn_server import quiet_config, read_body, serve_printing_port, wait_ready  # noqa: E402
 
 IMPLS = ["h11", "httptools"]
 
@@ -55,17 +57,6 @@ async def _send_json(send, status: int, obj, headers=()) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-async def _read_body(receive) -> bytes | None:
-    parts = []
-    while True:
-        m = await receive()
-        if m["type"] == "http.disconnect":
-            return None
-        parts.append(m.get("body", b""))
-        if not m.get("more_body"):
-            return b"".join(parts)
-
-
 def make_app(state: _State):
     async def app(scope, receive, send):
         if scope["type"] != "http":
@@ -85,7 +76,7 @@ def make_app(state: _State):
             return await _send_json(send, 200, {})
         state.ports.add(port)
         state.requests += 1
-        body = await _read_body(receive)
+        body = await read_body(receive)
         if body is None:
             return
         if path == "/echo":
@@ -153,23 +144,9 @@ def _serve(argv: list[str]) -> int:
     a = p.parse_args(argv)
     state = _State()
     kw = {} if a.keep_alive is None else {"timeout_keep_alive": a.keep_alive}
-    config = uvicorn.Config(make_app(state), http=a.http, lifespan="off", log_level="warning", access_log=False, **kw)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(quiet_config(make_app(state), http=a.http, **kw))
     state.server = server
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", a.port))
-
-    async def main() -> None:
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started:
-            if task.done():
-                return await task
-            await asyncio.sleep(0.005)
-        print(f"READY {sock.getsockname()[1]}", flush=True)
-        await task
-
-    asyncio.run(main())
+    serve_printing_port(server, a.port)
     return 0
 
 
@@ -185,6 +162,7 @@ import pytest  # noqa: E402
 from rolloutd.llm.http_transport import FastTransport  # noqa: E402
 
 
+
 class Uvicorn:
     """A uvicorn child process; ``stop()`` is checked, the port can be reused by a restart."""
 
@@ -195,16 +173,11 @@ class Uvicorn:
         self.impl = impl
         self._log = open(log, "ab")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, cwd=str(Path(__file__).parent))
-        deadline = time.monotonic() + 30
-        line = b""
-        while not line.startswith(b"READY"):
-            left = deadline - time.monotonic()
-            if left <= 0 or self.proc.poll() is not None:
-                self.stop(signal.SIGKILL)
-                raise RuntimeError(f"uvicorn ({impl}) did not start; see {log}")
-            if select.select([self.proc.stdout], [], [], left)[0]:
-                line = self.proc.stdout.readline()
-        self.port = int(line.split()[1])
+        port = wait_ready(self.proc)
+        if port is None:
+            self.stop(signal.SIGKILL)
+            raise RuntimeError(f"uvicorn ({impl}) did not start; see {log}")
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self, sig: int = signal.SIGTERM) -> int:

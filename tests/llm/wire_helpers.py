@@ -12,6 +12,8 @@ from typing import Any
 from rolloutd.llm.openai_endpoint import serve
 from rolloutd.llm.openai_wire import EndpointError, Reply, bad, chat_response, parse_messages
 
+from .uvicorn_server import read_body
+
 
 def need_sdk(module: str, what: str):
     """Import a real SDK the test parses with: skip where it is missing, fail under
@@ -54,12 +56,7 @@ def make_app(handler: Handler, error_body: Callable[[EndpointError], bytes], see
     async def app(scope, receive, send):
         if scope["type"] != "http":
             return
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        raw = await read_body(receive) or b""
         try:
             try:
                 body = json.loads(raw) if raw else None

@@ -14,20 +14,14 @@ from .helpers import PY, Procs, rolloutd_bin
 
 @pytest.fixture
 def procs():
-    p = Procs()
-    try:
+    with Procs() as p:
         yield p
-    finally:
-        p.stop_all()
 
 
 @pytest.fixture(scope="session")
 def session_procs():
-    p = Procs()
-    try:
+    with Procs() as p:
         yield p
-    finally:
-        p.stop_all()
 
 
 @pytest.fixture(scope="session")

@@ -134,8 +134,16 @@ class Proc:
 
 
 class Procs:
+    """Processes a test started; ``with Procs() as procs:`` stops them all (last first) at the end."""
+
     def __init__(self):
         self.items: list[Proc] = []
+
+    def __enter__(self) -> Procs:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
 
     def start(self, *a, **kw) -> Proc:
         p = Proc(*a, **kw)

@@ -11,21 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rolloutd.llm.policies import Policy
+from rolloutd.llm.policies import get_policy
 from tests.conftest import wait_for
 
 TOOL_CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>'
-
-
-class Always(Policy):
-    name = "always"
-
-    def __init__(self, text: str):
-        super().__init__()
-        self.text = text
-
-    def reply(self, request):
-        return self.text
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +24,8 @@ def up(module_up_factory, quiet_sampler_entry_point, tiny_tokenizer_dir):
 
 
 @pytest.fixture
-def backend(tokenizer):
-    from rolloutd.llm.scripted import ScriptedBackend
-
-    made = []
-
-    def make(text="ok"):
-        b = ScriptedBackend(tokenizer, policy=Always(text), latency=0.15)
-        b.start()
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.stop()
+def backend(tokenizer, scripted):
+    return lambda text="ok": scripted(tokenizer, get_policy("constant", text=text), latency=0.15)
 
 
 # handler, instance (runs far longer than the test lets it), what the scripted model says

@@ -331,27 +331,32 @@ def recording_client(up):
     return seen
 
 
-def test_legacy_agent_loop_worker_drives_the_adapter(up, backends, tiny_model_dir, monkeypatch):
-    """veRL's own (legacy, trainer.use_v1: false) AgentLoopWorker, the plain class without a Ray
-    actor, runs the adapter for a batch and pads it; the result equals
-    rolloutd.gateway.batch.collate of the same trajectories. One prompt is longer than
-    rollout.prompt_length: before the fix it made the whole batch fail in veRL's padding."""
+def run_legacy_worker(up, backend, tiny_model_dir, rows, monkeypatch):
+    """veRL's legacy AgentLoopWorker over ``up`` (``backend`` added at policy version 2) on
+    ``rows``: (its DataProto, the trajectories the adapter's client got, the worker)."""
     monkeypatch.setenv("ROLLOUTD_GATEWAY", up.gateway)
-    b = backends()
     with up.client() as c:
-        c.add_backend(b.url, policy_version=2)
+        c.add_backend(backend.url, policy_version=2)
     worker = AgentLoopWorker(verl_config(tiny_model_dir, YAML), llm_client=None)
-    rows = [synthetic_row(i, calls=1 + i % 3) for i in range(5)]
-    rows[4]["extra_info"]["rolloutd"]["instance"]["prompt_len"] = P_LEN + 20
 
     async def main():
         seen = recording_client(up)
         return await worker.generate_sequences(dataproto(rows)), seen
 
     try:
-        out, seen = asyncio.run(asyncio.wait_for(main(), 120))
+        return (*asyncio.run(asyncio.wait_for(main(), 120)), worker)
     finally:
         va.close_shared_clients()
+
+
+def test_legacy_agent_loop_worker_drives_the_adapter(up, backends, tiny_model_dir, monkeypatch):
+    """veRL's own (legacy, trainer.use_v1: false) AgentLoopWorker, the plain class without a Ray
+    actor, runs the adapter for a batch and pads it; the result equals
+    rolloutd.gateway.batch.collate of the same trajectories. One prompt is longer than
+    rollout.prompt_length: before the fix it made the whole batch fail in veRL's padding."""
+    rows = [synthetic_row(i, calls=1 + i % 3) for i in range(5)]
+    rows[4]["extra_info"]["rolloutd"]["instance"]["prompt_len"] = P_LEN + 20
+    out, seen, worker = run_legacy_worker(up, backends(), tiny_model_dir, rows, monkeypatch)
     td = out.batch
     assert td["prompts"].shape == (5, P_LEN) and td["responses"].shape == (5, R_LEN)
     by_job = {int(r["job_id"]): r for r in seen}
@@ -404,21 +409,8 @@ def v1_batch(rows, global_steps):
 def test_legacy_worker_flags_and_masks_a_response_cut_to_response_length(up, backends, tiny_model_dir, monkeypatch):
     """Issue 28 item 4 through veRL's own worker and a real rolloutd up: an 8-call episode (24
     sampled tokens) is cut to R_LEN, flagged, masked; its reward sits on the last kept token."""
-    monkeypatch.setenv("ROLLOUTD_GATEWAY", up.gateway)
-    b = backends()
-    with up.client() as c:
-        c.add_backend(b.url, policy_version=2)
-    worker = AgentLoopWorker(verl_config(tiny_model_dir, YAML), llm_client=None)
     rows = [synthetic_row(0, calls=1), synthetic_row(1, calls=8)]
-
-    async def main():
-        seen = recording_client(up)
-        return await worker.generate_sequences(dataproto(rows)), seen
-
-    try:
-        out, seen = asyncio.run(asyncio.wait_for(main(), 120))
-    finally:
-        va.close_shared_clients()
+    out, seen, _ = run_legacy_worker(up, backends(), tiny_model_dir, rows, monkeypatch)
     td = out.batch
     by_job = {int(r["job_id"]): r for r in seen}
     trajs = [by_job[int(j)] for j in out.non_tensor_batch["rolloutd_job_id"]]
