@@ -60,7 +60,8 @@ from typing import Any, Awaitable
 import structlog
 
 from .policies import Policy, PolicyReply, PolicyRequest, get_policy
-from .vllm_replies import completion_body, context_max_tokens, cut_at_stop_string, reply_text
+from .vllm_replies import (completion_body, context_max_tokens, cut_at_stop_string, load_gauges, reply_text,
+                           sglang_generate_body, stream_chunk, stream_usage)
 
 log = structlog.get_logger("rolloutd.llm")
 
@@ -428,17 +429,10 @@ class ScriptedBackend:
 
     # -- metrics ---------------------------------------------------------------------
     def _make_registry(self):
-        from prometheus_client import CollectorRegistry, Gauge
+        from prometheus_client import CollectorRegistry
 
         reg = CollectorRegistry(auto_describe=False)
-        for name, doc, fn in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", lambda: self._running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda: self._waiting),
-            ("sglang:num_running_reqs", "The number of running requests.", lambda: self._running),
-            ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", lambda: self._waiting),
-        ):
-            g = Gauge(name, doc, ["model_name"], registry=reg)
-            g.labels(model_name=self.model).set_function(fn)
+        load_gauges(reg, self.model, lambda: self._running, lambda: self._waiting)
         return reg
 
     def metrics_text(self) -> bytes:
@@ -720,8 +714,6 @@ class ScriptedBackend:
         first = max(0.0, delay - per * n)  # time to the first token (prefill)
         started = time.monotonic()
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.get("model") or self.model
-        as_ids, want_ids, want_lp = bool(req.get("return_tokens_as_token_ids")), bool(req.get("return_token_ids")), \
-            req.get("logprobs") is not None
         so = req.get("stream_options")
         include_usage = isinstance(so, dict) and bool(so.get("include_usage"))
 
@@ -747,22 +739,12 @@ class ScriptedBackend:
                 k, done = due()
                 if k > sent or done:
                     delta = ids[sent:k]
-                    toks = [f"token_id:{t}" if as_ids else self._tokstr(t) for t in delta]
-                    lp_obj = None
-                    if want_lp:
-                        offs = []
-                        for tk in toks:
-                            offs.append(offset)
-                            offset += len(tk)
-                        lp_obj = {"text_offset": offs, "token_logprobs": lps[sent:k], "tokens": toks,
-                                  "top_logprobs": [{tk: lp} for tk, lp in zip(toks, lps[sent:k])]}
-                    write({"id": rid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [{"index": 0, "text": self._text(delta), "logprobs": lp_obj,
-                                        "finish_reason": finish if done else None,
-                                        "stop_reason": stop_reason if done else None,
-                                        "prompt_token_ids": prompt if want_ids and sent == 0 else None,
-                                        "token_ids": delta if want_ids else None}],
-                           "usage": None})
+                    chunk, offset = stream_chunk(rid=rid, created=created, model=model, prompt=prompt, ids=delta,
+                                                 logprobs=lps[sent:k], text=self._text(delta), first=sent == 0,
+                                                 finish=finish if done else None,
+                                                 stop_reason=stop_reason if done else None, req=req,
+                                                 token_str=self._tokstr, offset=offset)
+                    write(chunk)
                     sent = k
                     if done:
                         break
@@ -770,8 +752,7 @@ class ScriptedBackend:
                 next_t = min(delay, first + per * (sent + 1)) if per > 0 else delay
                 await asyncio.sleep(max(0.0, next_t - (time.monotonic() - started)))
             if include_usage:
-                write({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                       "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + n, "completion_tokens": n}})
+                write(stream_usage(rid=rid, created=created, model=model, n_prompt=len(prompt), n=n))
             write(b"[DONE]")
             conn.transport.write(b"0\r\n\r\n")
             if not conn.keep_alive:
@@ -804,26 +785,8 @@ class ScriptedBackend:
                                   model=req.get("model") or self.model, prompt=prompt, ids=ids, logprobs=lps,
                                   finish=finish, stop_reason=stop_reason, text=text, req=req, token_str=self._tokstr)
         else:
-            if finish == "length":
-                fr: dict[str, Any] = {"type": "length", "length": len(ids)}
-            elif finish == "abort":
-                fr = {"type": "abort", "message": "aborted"}
-            else:
-                fr = {"type": "stop", "matched": stop_reason if stop_reason is not None else (ids[-1] if ids else None)}
-            meta: dict[str, Any] = {
-                "id": req.get("rid") or uuid.uuid4().hex,
-                "finish_reason": fr,
-                "prompt_tokens": len(prompt),
-                "weight_version": "default",
-                "total_retractions": 0,
-            }
-            if req.get("return_logprob"):
-                meta["input_token_logprobs"] = []
-                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids)]
-            meta["completion_tokens"] = len(ids)
-            meta["cached_tokens"] = 0
-            meta["e2e_latency"] = elapsed
-            out = {"text": text, "output_ids": ids, "meta_info": meta}
+            out = sglang_generate_body(rid=req.get("rid") or uuid.uuid4().hex, prompt=prompt, ids=ids, logprobs=lps,
+                                       finish=finish, stop_reason=stop_reason, text=text, req=req, elapsed=elapsed)
         return _json_response(200, out)
 
 

@@ -57,7 +57,8 @@ from typing import Any
 
 import structlog
 
-from .vllm_replies import completion_body, context_max_tokens, cut_at_stop_string, first_stop_string, reply_text
+from .vllm_replies import (completion_body, context_max_tokens, cut_at_stop_string, first_stop_string, load_gauges,
+                           reply_text, sglang_generate_body, stream_chunk, stream_usage)
 
 log = structlog.get_logger("rolloutd.llm")
 
@@ -187,17 +188,10 @@ class HFServer:
 
     # -- metrics ---------------------------------------------------------------------
     def _make_registry(self):
-        from prometheus_client import CollectorRegistry, Counter, Gauge
+        from prometheus_client import CollectorRegistry, Counter
 
         reg = CollectorRegistry(auto_describe=False)
-        for name, doc, fn in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", lambda: self.num_running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda: self.num_waiting),
-            ("sglang:num_running_reqs", "The number of running requests.", lambda: self.num_running),
-            ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", lambda: self.num_waiting),
-        ):
-            g = Gauge(name, doc, ["model_name"], registry=reg)
-            g.labels(model_name=self.model_name).set_function(fn)
+        load_gauges(reg, self.model_name, lambda: self.num_running, lambda: self.num_waiting)
         aborted = Counter("serve_hf_requests_aborted", "Requests aborted by a client disconnect.", registry=reg)
         tokens = Counter("serve_hf_generation_tokens", "Generated tokens.", registry=reg)
         return reg, aborted, tokens
@@ -473,25 +467,9 @@ class HFServer:
                                    model=body.get("model") or self.model_name, prompt=req.prompt, ids=ids,
                                    logprobs=lps, finish=req.finish, stop_reason=req.stop_reason, text=text,
                                    req=body, token_str=lambda t: self.tokenizer.decode([t]))
-        if req.finish == "length":
-            fr: dict[str, Any] = {"type": "length", "length": len(ids)}
-        elif req.finish == "abort":
-            fr = {"type": "abort", "message": "aborted"}
-        else:
-            fr = {"type": "stop", "matched": req.stop_reason if req.stop_reason is not None else (ids[-1] if ids else None)}
-        meta: dict[str, Any] = {
-            "id": body.get("rid") or req.rid,
-            "finish_reason": fr,
-            "prompt_tokens": len(req.prompt),
-            "weight_version": "default",
-        }
-        if body.get("return_logprob"):
-            meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids)]
-        meta["completion_tokens"] = len(ids)
-        meta["cached_tokens"] = 0
-        meta["e2e_latency"] = time.time() - req.created
-        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+        return sglang_generate_body(rid=body.get("rid") or req.rid, prompt=req.prompt, ids=ids, logprobs=lps,
+                                    finish=req.finish, stop_reason=req.stop_reason, text=text, req=body,
+                                    elapsed=time.time() - req.created)
 
 
 def _err(message: str, etype: str = "BadRequestError", code: int = 400) -> dict:
@@ -615,8 +593,6 @@ class _Handler(BaseHTTPRequestHandler):
     def _stream(self, req: _Req, body: dict) -> None:
         """vLLM's ``stream: true`` reply (module doc): the tokens of each decode step as they come."""
         srv, tok = self.srv, self.srv.tokenizer
-        as_ids, want_ids = bool(body.get("return_tokens_as_token_ids")), bool(body.get("return_token_ids"))
-        want_lp = body.get("logprobs") is not None
         so = body.get("stream_options")
         include_usage = isinstance(so, dict) and bool(so.get("include_usage"))
         rid, model = f"cmpl-{req.rid}", body.get("model") or srv.model_name
@@ -643,33 +619,21 @@ class _Handler(BaseHTTPRequestHandler):
                     return
                 n = min(len(req.out_ids), len(req.out_lps))  # the scheduler appends both, one after the other
                 if n > sent or done:
-                    ids, lps = req.out_ids[sent:n], [max(x, -9999.0) for x in req.out_lps[sent:n]]
-                    toks = [f"token_id:{t}" if as_ids else tok.decode([t]) for t in ids]
-                    lp_obj = None
-                    if want_lp:
-                        offs = []
-                        for tk in toks:
-                            offs.append(offset)
-                            offset += len(tk)
-                        lp_obj = {"text_offset": offs, "token_logprobs": lps, "tokens": toks,
-                                  "top_logprobs": [{tk: lp} for tk, lp in zip(toks, lps)]}
-                    self.wfile.write(event({
-                        "id": rid, "object": "text_completion", "created": int(req.created), "model": model,
-                        "choices": [{"index": 0, "text": tok.decode(ids, skip_special_tokens=True), "logprobs": lp_obj,
-                                     "finish_reason": req.finish if done else None,
-                                     "stop_reason": req.stop_reason if done else None,
-                                     "prompt_token_ids": req.prompt if want_ids and sent == 0 else None,
-                                     "token_ids": list(ids) if want_ids else None}],
-                        "usage": None}))
+                    ids = req.out_ids[sent:n]
+                    chunk, offset = stream_chunk(rid=rid, created=int(req.created), model=model, prompt=req.prompt,
+                                                 ids=ids, logprobs=req.out_lps[sent:n],
+                                                 text=tok.decode(ids, skip_special_tokens=True), first=sent == 0,
+                                                 finish=req.finish if done else None,
+                                                 stop_reason=req.stop_reason if done else None, req=body,
+                                                 token_str=lambda t: tok.decode([t]), offset=offset)
+                    self.wfile.write(event(chunk))
                     sent = n
                 if done:
                     break
             tail = b""
             if include_usage:
-                tail += event({"id": rid, "object": "text_completion", "created": int(req.created), "model": model,
-                               "choices": [], "usage": {"prompt_tokens": len(req.prompt),
-                                                        "total_tokens": len(req.prompt) + sent,
-                                                        "completion_tokens": sent}})
+                tail += event(stream_usage(rid=rid, created=int(req.created), model=model, n_prompt=len(req.prompt),
+                                           n=sent))
             self.wfile.write(tail + event(b"[DONE]") + b"0\r\n\r\n")
             srv.stats["completed"] += 1
             srv.stats["streamed"] += 1

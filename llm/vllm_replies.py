@@ -1,4 +1,5 @@
-"""What vLLM answers on ``POST /v1/completions``, for the stand-ins (scripted, serve-hf) to say alike.
+"""What vLLM answers on ``POST /v1/completions`` (and SGLang on ``/generate``), for the stand-ins
+(scripted, serve-hf) to say alike.
 
 Taken from the real server, vLLM 0.32.0 (CPU build), and checked against it by
 ``tests/vllm/test_vllm_stand_ins.py`` (the same requests to vLLM and to each stand-in):
@@ -76,22 +77,85 @@ def cut_at_stop_string(ids: list[int], decode: Callable[[list[int]], str], stops
     return kept, (text[:i + len(s)] if include else text[:i]), s
 
 
+def logprobs_object(ids: Sequence[int], logprobs: Sequence[float], req: dict, token_str: Callable[[int], str],
+                    offset: int = 0) -> tuple[dict | None, int]:
+    """A choice's ``logprobs`` object (None unless ``req`` asks for logprobs) and the text offset after
+    it: a streamed chunk's ``text_offset`` go on from the previous chunk's ``offset``."""
+    if req.get("logprobs") is None:
+        return None, offset
+    as_ids = bool(req.get("return_tokens_as_token_ids"))
+    toks = [f"token_id:{t}" if as_ids else token_str(t) for t in ids]
+    offsets = []
+    for tk in toks:
+        offsets.append(offset)
+        offset += len(tk)
+    lps = [max(float(x), -9999.0) for x in logprobs]  # vLLM clamps -inf for JSON
+    return {"text_offset": offsets, "token_logprobs": lps, "tokens": toks,
+            "top_logprobs": [{tk: lp} for tk, lp in zip(toks, lps)]}, offset
+
+
+def stream_chunk(*, rid: str, created: int, model: str, prompt: Sequence[int], ids: Sequence[int],
+                 logprobs: Sequence[float], text: str, first: bool, finish: str | None,
+                 stop_reason: int | str | None, req: dict, token_str: Callable[[int], str],
+                 offset: int) -> tuple[dict, int]:
+    """One event of vLLM's streamed ``/v1/completions`` (``ids``: the tokens new since the last one;
+    ``finish`` only on the last) and the text offset after it."""
+    lp_obj, offset = logprobs_object(ids, logprobs, req, token_str, offset)
+    want_ids = bool(req.get("return_token_ids"))
+    return {"id": rid, "object": "text_completion", "created": int(created), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": lp_obj, "finish_reason": finish,
+                         "stop_reason": stop_reason,
+                         "prompt_token_ids": list(prompt) if want_ids and first else None,
+                         "token_ids": list(ids) if want_ids else None}],
+            "usage": None}, offset
+
+
+def stream_usage(*, rid: str, created: int, model: str, n_prompt: int, n: int) -> dict:
+    """The last event of a stream asked with ``stream_options.include_usage``."""
+    return {"id": rid, "object": "text_completion", "created": int(created), "model": model, "choices": [],
+            "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n, "completion_tokens": n}}
+
+
+def sglang_generate_body(*, rid: str, prompt: Sequence[int], ids: Sequence[int], logprobs: Sequence[float],
+                         finish: str | None, stop_reason: int | str | None, text: str, req: dict,
+                         elapsed: float) -> dict:
+    """SGLang's ``POST /generate`` reply (``output_ids`` and ``meta_info``) for the same sample."""
+    if finish == "length":
+        fr: dict[str, Any] = {"type": "length", "length": len(ids)}
+    elif finish == "abort":
+        fr = {"type": "abort", "message": "aborted"}
+    else:
+        fr = {"type": "stop", "matched": stop_reason if stop_reason is not None else (ids[-1] if ids else None)}
+    meta: dict[str, Any] = {"id": rid, "finish_reason": fr, "prompt_tokens": len(prompt),
+                            "weight_version": "default", "total_retractions": 0}
+    if req.get("return_logprob"):
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, ids)]
+    meta["completion_tokens"] = len(ids)
+    meta["cached_tokens"] = 0
+    meta["e2e_latency"] = elapsed
+    return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+
+def load_gauges(registry: Any, model: str, running: Callable[[], float], waiting: Callable[[], float]) -> None:
+    """The load gauges vLLM and SGLang export on ``/metrics`` (what the router reads), on ``registry``."""
+    from prometheus_client import Gauge
+
+    for name, doc, fn in (
+        ("vllm:num_requests_running", "Number of requests in model execution batches.", running),
+        ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting),
+        ("sglang:num_running_reqs", "The number of running requests.", running),
+        ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", waiting),
+    ):
+        Gauge(name, doc, ["model_name"], registry=registry).labels(model_name=model).set_function(fn)
+
+
 def completion_body(*, rid: str, created: int, model: str, prompt: Sequence[int], ids: Sequence[int],
                     logprobs: Sequence[float], finish: str | None, stop_reason: int | str | None, text: str,
                     req: dict, token_str: Callable[[int], str]) -> dict:
     """vLLM's whole (non-streamed) ``/v1/completions`` reply for one choice. ``token_str(id)`` is the
     token's text for ``logprobs.tokens`` when ``return_tokens_as_token_ids`` is not set."""
-    lp_obj = None
-    if req.get("logprobs") is not None:
-        as_ids = bool(req.get("return_tokens_as_token_ids"))
-        toks = [f"token_id:{t}" if as_ids else token_str(t) for t in ids]
-        offsets, off = [], 0
-        for tk in toks:
-            offsets.append(off)
-            off += len(tk)
-        lps = [max(float(x), -9999.0) for x in logprobs]  # vLLM clamps -inf for JSON
-        lp_obj = {"text_offset": offsets, "token_logprobs": lps, "tokens": toks,
-                  "top_logprobs": [{tk: lp} for tk, lp in zip(toks, lps)]}
+    lp_obj = logprobs_object(ids, logprobs, req, token_str)[0]
     want_ids = bool(req.get("return_token_ids"))
     return {
         "id": rid,

@@ -18,7 +18,7 @@ pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rol
 from rolloutd.llm import anthropic_wire as W
 from rolloutd.llm.openai_wire import canon_args
 
-from .wire_helpers import Answer, WireServer, chat_msg, fuzz, reply, same_turn
+from .wire_helpers import Answer, WireServer, chat_msg, fuzz, post_bad_bodies, reply, same_turn
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -270,18 +270,11 @@ BAD = [
 def test_bad_input_gets_anthropics_error_shape(arun):
     """Every malformed body: HTTP 400, ``{"type": "error", "error": {"type": "invalid_request_error",
     "message"}}``, which the SDK raises as BadRequestError; raw bytes that are not JSON too."""
-    httpx = pytest.importorskip("httpx")
     srv_h = Serve()
 
     async def go():
-        out = []
         async with WireServer(srv_h, W.error_body) as srv:
-            async with httpx.AsyncClient(timeout=30) as h:
-                for name, body, needle in BAD:
-                    resp = await h.post(srv.url + "/v1/messages", content=json.dumps(body))
-                    out.append((name, needle, resp.status_code, resp.json()))
-                resp = await h.post(srv.url + "/v1/messages", content=b"{not json")
-                out.append(("not json", "JSON", resp.status_code, resp.json()))
+            out = await post_bad_bodies(srv, BAD, "/v1/messages", b"{not json")
             c = client(srv.url)
             with pytest.raises(anthropic.BadRequestError) as ei:
                 await c.messages.create(model="m", max_tokens=5, extra_body={"temperature": 3},

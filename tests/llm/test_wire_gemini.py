@@ -23,7 +23,7 @@ from google.genai import types
 from rolloutd.llm import gemini_wire as W
 from rolloutd.llm.openai_wire import canon_args
 
-from .wire_helpers import Answer, WireServer, chat_msg, fuzz, reply, same_turn
+from .wire_helpers import Answer, WireServer, chat_msg, fuzz, post_bad_bodies, reply, same_turn
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -257,18 +257,12 @@ BAD = [
 
 
 def test_bad_input_gets_googles_error_shape(arun):
-    httpx = pytest.importorskip("httpx")
     srv_h = Serve()
 
     async def go():
-        out = []
         async with WireServer(srv_h, W.error_body) as srv:
-            async with httpx.AsyncClient(timeout=30) as h:
-                for name, body, needle in BAD:
-                    resp = await h.post(srv.url + "/v1beta/models/m:generateContent", content=json.dumps(body))
-                    out.append((name, needle, resp.status_code, resp.json()))
-                resp = await h.post(srv.url + "/v1beta/models/m:streamGenerateContent?alt=sse", content=b"[")
-                out.append(("not json", "JSON", resp.status_code, resp.json()))
+            out = await post_bad_bodies(srv, BAD, "/v1beta/models/m:generateContent", b"[",
+                                        "/v1beta/models/m:streamGenerateContent?alt=sse")
             c = client(srv.url)
             with pytest.raises(gerrors.ClientError) as ei:
                 await c.aio.models.generate_content(model="m", contents="x",

@@ -19,7 +19,7 @@ pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rol
 from rolloutd.llm import responses_wire as W
 from rolloutd.llm.openai_wire import canon_args
 
-from .wire_helpers import Answer, WireServer, chat_msg, fuzz, reply, same_turn
+from .wire_helpers import Answer, WireServer, chat_msg, fuzz, post_bad_bodies, reply, same_turn
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -276,18 +276,11 @@ BAD = [
 
 
 def test_bad_input_gets_openai_error_shape(arun):
-    httpx = pytest.importorskip("httpx")
     srv_h = Serve()
 
     async def go():
-        out = []
         async with WireServer(srv_h, W.error_body) as srv:
-            async with httpx.AsyncClient(timeout=30) as h:
-                for name, body, needle in BAD:
-                    resp = await h.post(srv.url + "/v1/responses", content=json.dumps(body))
-                    out.append((name, needle, resp.status_code, resp.json()))
-                resp = await h.post(srv.url + "/v1/responses", content=b"\xff\xfe")
-                out.append(("not json", "JSON", resp.status_code, resp.json()))
+            out = await post_bad_bodies(srv, BAD, "/v1/responses", b"\xff\xfe")
         return out
 
     for name, needle, status, body in arun(go()):

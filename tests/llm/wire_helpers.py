@@ -94,6 +94,22 @@ class WireServer:
         await self.server.stop()
 
 
+async def post_bad_bodies(srv: WireServer, bad: list, path: str, raw: bytes,
+                          raw_path: str | None = None) -> list[tuple[str, str, int, Any]]:
+    """POST each ``(name, body, needle)`` of ``bad`` to ``path``, then ``raw`` (bytes that are not
+    JSON) to ``raw_path`` (default ``path``): ``(name, needle, status, reply JSON)`` per request."""
+    import httpx
+
+    out = []
+    async with httpx.AsyncClient(timeout=30) as h:
+        for name, body, needle in bad:
+            resp = await h.post(srv.url + path, content=json.dumps(body))
+            out.append((name, needle, resp.status_code, resp.json()))
+        resp = await h.post(srv.url + (raw_path or path), content=raw)
+        out.append(("not json", "JSON", resp.status_code, resp.json()))
+    return out
+
+
 def reply(content: str | None = "Done.", calls: list[tuple[str, dict]] = (), reasoning: str | None = None,
           finish: str = "stop", stop_sequence: str | None = None, rid: str = "chatcmpl-0123abcd") -> Reply:
     """A canned reply as the endpoint builds it (tool calls with ids and JSON-string arguments)."""
