@@ -228,7 +228,8 @@ class BatchClient:
         self._poll_pool.shutdown(wait=True, cancel_futures=True)
         if self._acker is not None:  # it sees _closed within one short poll
             self._acker.join(self._poller.timeout_s + 2 * LATE_ACK_POLL_S)
-        self._poller.close()
+        with self._poll_lock:  # a zmq socket is one thread's: the acker's last poll (with its retries) may outlast the join
+            self._poller.close()
         self._ctl.close()
 
     def __enter__(self):

@@ -4,7 +4,9 @@ stayed `done_unacked` at the gateway, 10-15 of them, until the client polled aga
 `retention_s` if it never did). A real ``rolloutd up`` of its own (done_unacked counts every client)."""
 from __future__ import annotations
 
-from rolloutd.gateway.batch import BatchClient
+import time
+
+from rolloutd.gateway.batch import LATE_ACK_POLL_S, BatchClient
 from tests.conftest import wait_for
 
 
@@ -29,3 +31,52 @@ def test_cancelled_jobs_late_results_are_acknowledged_without_another_poll(up):
         wait_for(lambda: c.dropped_late == 8 and status.status()["done_unacked"] == 0, timeout_s=60,
                  what="the deadline's cancelled results acknowledged")
         assert status.status()["dispatched"] == 0 and status.status()["queued"] == 0
+
+
+def test_close_waits_for_the_ackers_poll_before_closing_its_socket(up):
+    """A zmq socket is one thread's. With the gateway frozen (SIGSTOP), the background acker sits
+    in a poll that outlasts close()'s join (the poll's retries); close() must not close the
+    poller's socket under it (a closed socket made the acker's poll fail silently, or worse, in
+    libzmq): it closes it only after that poll ended, and the acker raised nothing."""
+    import os
+    import signal
+    import threading
+
+    errors: list = []
+    hook, threading.excepthook = threading.excepthook, lambda a: errors.append(a.exc_value)
+    gw, run = up.daemon_pid("gateway"), up.daemon_pid("run")
+    c = BatchClient(up.gateway, poll_wait_s=0.2, timeout_s=1.0, retries=2)
+    try:
+        b = c.submit([task("slow", 60.0)], n=2, deadline_s=1.0)
+        with up.client() as st:
+            wait_for(lambda: st.status()["dispatched"] == 2, timeout_s=30, what="both jobs running")
+        os.kill(run, signal.SIGSTOP)  # the cancelled jobs' results cannot come: the acker keeps polling
+        try:
+            assert [r["error"]["type"] for r in c.gather(b)] == ["BatchDeadline"] * 2
+            acker = c._acker
+            assert acker is not None and acker.is_alive()
+            in_flight, polls_at_close = [], []
+            request, close_socket = c._poller.request, c._poller.close
+
+            def watched(*a, **kw):  # counts the acker's requests in flight on the poller's socket
+                in_flight.append(1)
+                try:
+                    return request(*a, **kw)
+                finally:
+                    in_flight.pop()
+
+            c._poller.request = watched
+            c._poller.close = lambda: (polls_at_close.append(len(in_flight)), close_socket())
+            os.kill(gw, signal.SIGSTOP)  # ...and its next poll hangs through all its retries
+            try:
+                time.sleep(2 * LATE_ACK_POLL_S)
+                c.close()
+                assert polls_at_close == [0], "close() closed the poller's socket under the acker's poll"
+            finally:
+                os.kill(gw, signal.SIGCONT)
+        finally:
+            os.kill(run, signal.SIGCONT)
+    finally:
+        c.close()
+        threading.excepthook = hook
+    assert errors == []
