@@ -324,8 +324,11 @@ def test_deadline_refuses_calls_and_cuts_one_in_flight(qwen_tokenizer, scripted,
     be = scripted(tok, "constant:text=slow", latency=60.0)
 
     async def main():
-        lim = EndpointLimits(max_context=4096, deadline=time.monotonic() + 1.0)
+        lim = EndpointLimits(max_context=4096)
         async with Endpoint(tok, be.url, limits=lim) as ep:
+            # Set once the server is up (its start can take seconds on a loaded machine), with room
+            # for the request to reach the backend (60 s away) before it passes.
+            lim.deadline = time.monotonic() + 3.0
             with pytest.raises(openai.APIStatusError) as ei:  # runs into the deadline at the backend
                 await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
             assert ei.value.status_code == 503 and ei.value.body["code"] == "deadline_exceeded"
