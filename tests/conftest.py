@@ -76,6 +76,19 @@ def isolated_layout(monkeypatch):
     remove_tree(base)
 
 
+def destroy_sandboxes(root: Path) -> None:
+    """Destroy every bwrap sandbox left under ``root`` (a test that failed midway, its deployment
+    stopped): no process or mount of it may outlive the test."""
+    from rolloutd.sandbox import get_runtime
+
+    rt = get_runtime("bwrap", root_dir=str(root))
+    for h in rt.list():
+        try:
+            rt.destroy(h)
+        except Exception as e:  # noqa: BLE001 - best effort, said
+            print(f"could not destroy sandbox {h.sandbox_id}: {e!r}")
+
+
 def require_tool(tool: str, package: str) -> str:
     """The path of a system tool a test needs: skip with the reason where it is missing, fail
     instead under ROLLOUTD_TEST_STRICT=1 (CI installs every such package)."""

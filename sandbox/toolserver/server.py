@@ -65,6 +65,8 @@ class ToolServer:
         self.tools.update(relay.tools(self))
         self.calls = 0
         self.abandoned = 0  # calls whose client went away while they waited for their tool
+        self.waiting = {name: 0 for name in self.locks}  # calls waiting for their tool's lock now
+        self._waiting_lock = threading.Lock()
         self._tools_ready = threading.Event()
         self._tools_error: Optional[str] = None
         self._grading = threading.Lock()  # one grade/purge at a time
@@ -403,11 +405,17 @@ class ToolServer:
         """The tool's lock; a call whose client gives up while it waits never starts."""
         lock = self.locks[name]
         deadline = time.monotonic() + timeout
-        while not lock.acquire(timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
-            if canceller.gone():
-                raise Abandoned()
-            if time.monotonic() >= deadline:
-                raise BusyError("the %s tool is busy with another call (waited %gs)" % (name, timeout))
+        with self._waiting_lock:
+            self.waiting[name] += 1
+        try:
+            while not lock.acquire(timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
+                if canceller.gone():
+                    raise Abandoned()
+                if time.monotonic() >= deadline:
+                    raise BusyError("the %s tool is busy with another call (waited %gs)" % (name, timeout))
+        finally:
+            with self._waiting_lock:
+                self.waiting[name] -= 1
         if canceller.gone():  # left while we waited (or just before): do not run it
             lock.release()
             raise Abandoned()
@@ -430,7 +438,8 @@ class ToolServer:
             "tools_loaded": self._tools_ready.is_set(),
             "bash_restarts": self.bash.restarts if self.bash else 0,
             "python_restarts": self.python.restarts if self.python else 0,
-            "abandoned": self.abandoned, "hardened": self.hardened, "refused_inside": self.refused_inside,
+            "abandoned": self.abandoned, "waiting": dict(self.waiting),
+            "hardened": self.hardened, "refused_inside": self.refused_inside,
             "data_limit": self.data_limit, "ignored_signals": self.ignored_signals,
             "unreported": sum(len(t.unreported) for t in (self.bash, self.python) if t),  # notes of unread replies
         }

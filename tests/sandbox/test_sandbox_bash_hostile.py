@@ -6,7 +6,6 @@ All of it runs in a real bwrap sandbox (tool_env never falls back to the local r
 import os
 import socket
 import threading
-import time
 
 import pytest
 
@@ -213,27 +212,32 @@ def _send_then_abandon(path, command, after):
 
 def test_queued_call_whose_client_gave_up_never_runs(tool_env):
     _, h, c = tool_env
-    c.call("bash", {"command": "rm -f /workspace/queued_ran"})
+    c.call("bash", {"command": "rm -f /workspace/queued_ran /workspace/release"})
     before = c.ping().info["abandoned"]
     holder = {}
 
-    def hold():
-        holder["r"] = c.call("bash", {"command": "touch /workspace/holding; sleep 2; echo held", "timeout": 15})
+    def hold():  # holds the bash tool until the test releases it
+        holder["r"] = c.call("bash", {"command": "touch /workspace/holding; "
+                                                 "while [ ! -e /workspace/release ]; do sleep 0.05; done; echo held",
+                                      "timeout": 60})
 
     t = threading.Thread(target=hold)
     t.start()
     try:
         wait_for(lambda: (h.workspace and os.path.exists(h.workspace + "/holding")), what="the first call")
-        # queued behind the sleep; its client gives up after a moment
-        _send_then_abandon(h.tool_socket, "touch /workspace/queued_ran", lambda: time.sleep(0.3))
+        # queued behind it (ping's info.waiting says so); then its client gives up
+        _send_then_abandon(h.tool_socket, "touch /workspace/queued_ran",
+                           lambda: wait_for(lambda: c.ping().info["waiting"]["bash"] == 1, what="the call to wait"))
+        wait_for(lambda: c.ping().info.get("abandoned", 0) > before, what="the queued call to be dropped")
     finally:
+        open(h.workspace + "/release", "w").close()
         t.join(20)
     assert holder["r"].output == "held\n"
-    wait_for(lambda: c.ping().info.get("abandoned", 0) > before or
-             os.path.exists(h.workspace + "/queued_ran"), what="the queued call to be dropped")
-    r = c.call("bash", {"command": "test -e /workspace/queued_ran && echo RAN || echo never; rm -f /workspace/holding"})
+    r = c.call("bash", {"command": "test -e /workspace/queued_ran && echo RAN || echo never; "
+                                   "rm -f /workspace/holding /workspace/release"})
     assert r.output == "never\n"
-    assert c.ping().info["abandoned"] == before + 1
+    info = c.ping().info
+    assert info["abandoned"] == before + 1 and info["waiting"] == {"bash": 0, "python": 0, "editor": 0}
 
 
 def test_restart_in_a_cancelled_call_is_reported_to_the_next_call(tool_env):
