@@ -115,6 +115,8 @@ class CreditReceiver:
         self.info = info or {}
 
     def update(self, free: int, force: bool = False):
+        if self.sock.closed:  # shutting down: a job's clean-up may end after the daemon closed its sockets
+            return
         now = time.monotonic()
         if self._free is not None and not force:
             seen_by_sender = self._free - (self.received - self._at_received)
