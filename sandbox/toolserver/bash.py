@@ -55,6 +55,8 @@ FD_CHECK, FD_SOURCE, FD_STATE, FD_ERR, FD_CTL = 250, 251, 252, 253, 254
 FD_TTY = 249
 _FILES = (FD_CHECK, FD_SOURCE, FD_STATE, FD_ERR)
 _TICK = 0.1
+# How long (x 2 ms) the next call waits for the shell to leave the last report's `>&254`.
+_STDOUT_SETTLE_STEPS = 500
 # After the exit status arrived, how long the end delimiter may lag in the pty (it was written
 # first; only a terminal mangled by the command itself can lose it).
 _END_GRACE = 2.0
@@ -528,9 +530,15 @@ class BashSession(Session):
     def _stdout_is_terminal(self) -> bool:
         try:
             fd = "/proc/%d/fd/%%d" % self.proc.pid
-            out = os.readlink(fd % 1)
-            # fd 254: the shell may still be in the report's `>&254` when the next call comes
-            return out in ("/dev/tty", os.readlink(fd % FD_TTY), os.readlink(fd % FD_CTL))
+            ctl = os.readlink(fd % FD_CTL)
+            # The shell may still be in the last report's `>&254` (its own fd 1 saved aside) when
+            # the next call comes: wait for it to put fd 1 back before judging.
+            for _ in range(_STDOUT_SETTLE_STEPS):
+                out = os.readlink(fd % 1)
+                if out != ctl:
+                    break
+                time.sleep(0.002)
+            return out in ("/dev/tty", os.readlink(fd % FD_TTY), ctl)
         except OSError:
             return True  # gone: other checks report that
 
