@@ -103,7 +103,11 @@ class Message:
     KIND: ClassVar[str]
 
     def to_wire(self) -> dict:
+        # req_id ahead of the other fields: a request refused before it is decoded whole (too
+        # many values) still gets its req_id back, read from the first entries (codec.peek_req_id).
         d = {"v": PROTOCOL_VERSION, "kind": self.KIND}
+        if hasattr(self, "req_id"):
+            d["req_id"] = self.req_id
         for f in dataclasses.fields(self):
             d[f.name] = getattr(self, f.name)
         return d

@@ -148,7 +148,7 @@ class Gateway(Daemon):
             return
         header = None
         try:
-            header = codec.decode(rest)
+            header = codec.decode(rest, max_values=int(self.gcfg["max_request_values"]))
             self._check_counts(header)
             msg = from_wire(header, expect=CLIENT_REQUESTS)
         except MessageError as e:
@@ -156,6 +156,12 @@ class Gateway(Daemon):
             rid = header.get("req_id") if isinstance(header, dict) else None  # decoded: no need to peek
             rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else codec.peek_req_id(rest)
             self._error(route, rid, e.code, str(e))
+            return
+        except codec.TooManyValues as e:
+            self.malformed["requests"] += 1
+            self._error(route, codec.peek_req_id(rest), e.code,
+                        f"{e}: over gateway.max_request_values ({self.gcfg['max_request_values']}); split it over "
+                        "several requests, and send long lists of numbers as numpy arrays (one value each)")
             return
         except codec.CodecError as e:
             self.malformed["requests"] += 1  # req_id read only here: a second decode of every request cost time

@@ -7,6 +7,8 @@ bench/bench_gateway_requests.py (docs/PROTOCOL.md, "Bounds"). Real ``rolloutd up
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rolloutd.bus import codec
@@ -15,6 +17,27 @@ from rolloutd.bus.sockets import Sockets
 from rolloutd.gateway.client import GatewayError
 
 from tests.conftest import synthetic, wait_for
+
+
+def in_order(up, *requests: dict) -> list[dict]:
+    """Send ``requests`` back to back on one DEALER; their replies in the order they came."""
+    with Sockets(asyncio=False, linger_ms=0) as s:
+        d = s.connect("DEALER", up.gateway)
+        for req_id, body in enumerate(requests, 1):
+            d.send_multipart([b""] + codec.encode(dict({"v": 1, "req_id": req_id}, **body)))
+        replies = []
+        for _ in requests:
+            assert d.poll(120_000), f"no reply after {[r['req_id'] for r in replies]}"
+            replies.append(codec.decode(d.recv_multipart()[1:]))
+    return replies
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory so far (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
 
 
 def test_over_the_caps_refused_with_the_cap_named_and_nothing_applied(up_factory, tmp_path):
@@ -97,3 +120,41 @@ def test_a_large_cancel_lets_other_requests_through_and_dispatches_none_of_its_j
                  "every result")
         assert {got[j]["status"] for j in ids} == {"cancelled"} and got[keep[0]]["status"] == "ok"
         assert all("init" not in got[j]["timing"] for j in ids)  # none of them reached a daemon
+
+
+def test_requests_too_costly_to_decode_are_refused_before_they_are_built(up_factory):
+    """Bytes do not bound a decode: 15 MiB of empty maps are 15 million objects (seconds and a
+    GiB of the gateway's memory to build). Refused ``too_large`` naming gateway.max_request_values,
+    the request's req_id echoed, the gateway's peak memory barely moved; so is a cancel of
+    1,000,000 ids (refused from its list header, no id built) and the shipped client gets the error."""
+    up = up_factory()
+    pid = up.daemon_pid("gateway")
+    with up.client() as c:
+        before = peak_rss_mb(pid)
+        maps = {"kind": "submit", "client_id": "x", "tasks": [{"handler": "synthetic", "instance": {
+            "m": [[{}] * 1000 for _ in range(15000)]}}]}
+        (r,) = in_order(up, maps)
+        assert r["kind"] == "error" and r["code"] == "too_large" and r["req_id"] == 1, r
+        assert "gateway.max_request_values" in r["message"] and "numpy" in r["message"]
+        with pytest.raises(GatewayError) as e:
+            c.request(Cancel(job_ids=list(range(10**15, 10**15 + 10**6))))
+        assert e.value.code == "too_large" and "1000000 entries" in e.value.message
+        grown = peak_rss_mb(pid) - before
+        assert grown < 150, f"the gateway's peak memory grew {grown:.0f} MB"
+        assert c.status()["malformed"]["requests"] == 2
+
+
+def test_the_client_splits_a_submit_by_values_the_gateway_would_refuse_whole(up_factory):
+    """4,096 tasks of ten-message instances hold ~660k values, over gateway.max_request_values:
+    sent as one request it is refused ``too_large`` (and the shipped client gets that error back,
+    not a timeout: its req_id is read from the header's first entries); ``submit`` splits it."""
+    up = up_factory()
+    msgs = [{"role": "user", "content": "x"}] * 10
+    tasks = [{"handler": "synthetic", "instance_id": f"d{i}", "instance": {"messages": msgs}} for i in range(4096)]
+    with up.client(retries=0) as c:
+        c.pause()
+        with pytest.raises(GatewayError) as e:
+            c.request(Submit(client_id=c.client_id, tasks=tasks))
+        assert e.value.code == "too_large" and "gateway.max_request_values" in e.value.message
+        ids = c.submit(tasks)
+        assert len(set(ids)) == 4096 and c.status()["totals"]["submitted"] == 4096
