@@ -89,6 +89,17 @@ def count_values(obj: Any) -> int:
     return n
 
 
+def encode_with(obj: dict, key: str, encoded: list) -> list:
+    """``encode(dict(obj, key=value))`` where ``encoded`` is ``encode(value)``, made once: a value
+    many messages carry (a task's instance, sent once per sample) is packed once, not per message.
+    ``obj`` itself holds no arrays (``encoded``'s array frames keep their numbers)."""
+    head = msgpack.packb(obj, use_bin_type=True, default=_plain_default)
+    n = len(obj)
+    skip = 1 if n < 16 else 3 if n < 1 << 16 else 5  # fixmap, map 16, map 32 header
+    p = _desc_packer()
+    return [p.pack_map_header(n + 1) + head[skip:] + p.pack(key) + bytes(_buffer(encoded[0])), *encoded[1:]]
+
+
 def decode(frames: Sequence, max_values: int | None = None) -> dict:
     """Decode frames (bytes, memoryview or zmq.Frame). Raises CodecError, never anything else.
 

@@ -72,3 +72,11 @@ def test_a_list_longer_than_the_value_bound_is_refused_from_its_header():
         codec.decode(frames, max_values=50)
     assert "100 entries" in str(e.value)
 
+
+def test_encode_with_splices_a_value_packed_once():
+    inst = {"a": [1, 2], "arr": np.arange(5)}
+    for n in (3, 15, 16):  # fixmap, and the switch to map 16 when the key is added
+        obj = {f"k{i}": i for i in range(n)}
+        out = codec.decode(codec.encode_with(obj, "instance", codec.encode(inst)))
+        assert out["instance"]["a"] == [1, 2] and out["instance"]["arr"].tolist() == list(range(5))
+        assert all(out[f"k{i}"] == i for i in range(n))
