@@ -22,7 +22,7 @@ from rolloutd.bus.sockets import POLLIN, poller, recv_now, send_now
 from rolloutd.bus.daemon import Daemon
 from rolloutd.gateway.jobs import JobRecord, JobTable
 from rolloutd.gateway.journal import Journal
-from rolloutd.gateway.submits import Submits
+from rolloutd.gateway.submits import SLICE_S, STEP, Submits
 from rolloutd.handlers.registry import handler_names
 
 ROUTER_OPS = ("add_llm_server", "clear_llm_server", "list_llm_servers")
@@ -312,11 +312,11 @@ class Gateway(Daemon):
         self.cancels.append([route, msg, 0, {}, {}])
 
     def _cancel_slices(self):
-        budget = CANCEL_SLICE
-        while self.cancels and budget > 0:
+        budget, until = CANCEL_SLICE, time.perf_counter() + SLICE_S  # the slice stops at whichever comes first
+        while self.cancels and budget > 0 and time.perf_counter() < until:
             c = self.cancels[0]
             route, msg, done, out, outcome = c
-            part = msg.job_ids[done:done + budget]
+            part = msg.job_ids[done:done + min(budget, STEP)]
             try:
                 self._cancel_part(part, out, outcome)
             except Exception as e:  # noqa: BLE001 - a bug still owes the client its one reply
