@@ -120,14 +120,17 @@ class Gateway(Daemon):
         while not self.stopping:
             timeout = poll_ms if not self.waiters else max(0, min(poll_ms, int((min(w[0] for w in self.waiters) - time.monotonic()) * 1000) + 1))
             await p.poll(0 if self.cancels or self.submits or self.dispatch_more else timeout)
+            # The slices of large requests get what is left of SLICE_S after this turn's receiving
+            # (a decode of the largest request may have used it all: then one step each).
+            slice_until = time.perf_counter() + SLICE_S
             self._drain(self.results, self._on_result)
             self._drain(self.front, self._on_request)
             self._drain(self.router, self._on_router_reply)
             self._drain(self.watch, self._on_event)
             self._drain(self.to_init.sock, self._on_credit)
-            self._cancel_slices()
+            self._cancel_slices(slice_until)
             if not self.journal.failing:  # its writes wait for the disk, and so does its next slice
-                self.submits.work()
+                self.submits.work(until=slice_until)
             self._answer_waiters()
             self._dispatch()
             # Everything this turn decided (jobs, results, acks, what the replies will carry, which
@@ -311,9 +314,13 @@ class Gateway(Daemon):
         self._refuse_if_journal_full()
         self.cancels.append([route, msg, 0, {}, {}])
 
-    def _cancel_slices(self):
-        budget, until = CANCEL_SLICE, time.perf_counter() + SLICE_S  # the slice stops at whichever comes first
-        while self.cancels and budget > 0 and time.perf_counter() < until:
+    def _cancel_slices(self, until: float | None = None):
+        """Up to CANCEL_SLICE ids, until ``until`` (default SLICE_S from now), at least STEP of them."""
+        budget = CANCEL_SLICE
+        until = time.perf_counter() + SLICE_S if until is None else until
+        first = True
+        while self.cancels and budget > 0 and (first or time.perf_counter() < until):
+            first = False
             c = self.cancels[0]
             route, msg, done, out, outcome = c
             part = msg.job_ids[done:done + min(budget, STEP)]

@@ -71,12 +71,14 @@ class Submits:
             if key:
                 self.by_key[key] = s
 
-    def work(self, budget: int = SUBMIT_SLICE, slice_s: float = SLICE_S):
-        """Up to ``budget`` tasks checked or jobs made, oldest submit first, for at most about
-        ``slice_s``. Writes go to the journal's pending statements: the gateway commits them at
-        the end of the turn."""
-        until = time.perf_counter() + slice_s
-        while self.queue and budget > 0 and time.perf_counter() < until:
+    def work(self, budget: int = SUBMIT_SLICE, until: float | None = None):
+        """Up to ``budget`` tasks checked or jobs made, oldest submit first, until ``time.perf_counter()``
+        passes ``until`` (default: ``SLICE_S`` from now), at least ``STEP`` of them. Writes go to the
+        journal's pending statements: the gateway commits them at the end of the turn."""
+        until = time.perf_counter() + SLICE_S if until is None else until
+        first = True
+        while self.queue and budget > 0 and (first or time.perf_counter() < until):
+            first = False
             s = self.queue[0]
             step = min(budget, STEP)
             try:
