@@ -7,6 +7,7 @@ appear on the wire.
 """
 from __future__ import annotations
 
+import gc
 import math
 import threading
 from typing import Any, Sequence
@@ -23,6 +24,17 @@ class CodecError(ValueError):
     """A frame set that does not decode. ``code`` is the wire error code."""
 
     code = "malformed"
+
+
+class TooManyValues(CodecError):
+    """A header holding more values than the decoder was allowed to build (``decode(max_values=)``)."""
+
+    code = "too_large"
+
+
+# What a list or map costs the decoder beside its entries, in numbers' worth: building an empty
+# one (and the hook that counts it) takes ~8x as long as a small int (bench/bench_gateway_requests.py).
+CONTAINER_VALUES = 8
 
 
 _local = threading.local()
@@ -60,13 +72,60 @@ def encode(obj: dict) -> list:
     return [header, *buffers]
 
 
-def decode(frames: Sequence, max_depth_arrays: int = 4096) -> dict:
-    """Decode frames (bytes, memoryview or zmq.Frame). Raises CodecError, never anything else."""
+def count_values(obj: Any) -> int:
+    """What ``decode(max_values=)`` counts for ``obj`` once encoded (a client splits its requests
+    by it): each list, map or array ``CONTAINER_VALUES`` plus its entries (two per map entry)."""
+    n, stack = 0, [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            n += CONTAINER_VALUES + 2 * len(v)
+            stack.extend(x for x in v.values() if isinstance(x, (dict, list, tuple, np.ndarray)))
+        elif isinstance(v, (list, tuple)):
+            n += CONTAINER_VALUES + len(v)
+            stack.extend(x for x in v if isinstance(x, (dict, list, tuple, np.ndarray)))
+        elif isinstance(v, np.ndarray):
+            n += CONTAINER_VALUES
+    return n
+
+
+def encode_with(obj: dict, key: str, encoded: list) -> list:
+    """``encode(dict(obj, key=value))`` where ``encoded`` is ``encode(value)``, made once: a value
+    many messages carry (a task's instance, sent once per sample) is packed once, not per message.
+    ``obj`` itself holds no arrays (``encoded``'s array frames keep their numbers)."""
+    head = msgpack.packb(obj, use_bin_type=True, default=_plain_default)
+    n = len(obj)
+    skip = 1 if n < 16 else 3 if n < 1 << 16 else 5  # fixmap, map 16, map 32 header
+    p = _desc_packer()
+    return [p.pack_map_header(n + 1) + head[skip:] + p.pack(key) + bytes(_buffer(encoded[0])), *encoded[1:]]
+
+
+def decode(frames: Sequence, max_values: int | None = None) -> dict:
+    """Decode frames (bytes, memoryview or zmq.Frame). Raises CodecError, never anything else.
+
+    ``max_values`` bounds the work of decoding an untrusted header, whose bytes alone do not: 15 MiB
+    of empty lists are 15 million objects (seconds and gigabytes to build). Every list, map or array
+    counts ``CONTAINER_VALUES`` plus one per entry (two per map entry) and decoding stops with
+    ``TooManyValues`` once the sum passes ``max_values``; no list or map may hold more entries than
+    that either (refused from its header, before anything in it is built). The cyclic collector is
+    off meanwhile (it walked the growing containers again and again: 1M empty lists took 1.7 s
+    with it, 0.1 s without)."""
     if not frames:
         raise CodecError("empty message")
     bufs = [_buffer(f) for f in frames]
+    left = max_values
+
+    def count(obj):  # list_hook / object_hook: called once each list or map is complete
+        nonlocal left
+        left -= CONTAINER_VALUES + (len(obj) if obj.__class__ is list else 2 * len(obj))
+        if left < 0:
+            raise TooManyValues(f"the request holds more than {max_values} values (each list or map counts "
+                                f"{CONTAINER_VALUES} plus its entries)")
+        return obj
 
     def ext_hook(code: int, data: bytes):
+        if max_values is not None:
+            count(())
         if code != ARRAY_EXT:
             raise CodecError(f"unknown msgpack ext type {code}")
         try:
@@ -86,17 +145,28 @@ def decode(frames: Sequence, max_depth_arrays: int = 4096) -> dict:
             raise CodecError(f"array frame {idx} has {len(buf)} bytes, shape {shape} of {dt} needs {n * dtype.itemsize}")
         return np.frombuffer(buf, dtype=dtype).reshape(shape) if n else np.zeros(shape, dtype=dtype)
 
+    limits = dict(max_array_len=1 << 20, max_map_len=1 << 20)
+    if max_values is not None:
+        limits = dict(max_array_len=max_values, max_map_len=max_values, list_hook=count, object_hook=count)
+    collecting = max_values is not None and gc.isenabled()
+    if collecting:
+        gc.disable()
     try:
-        obj = msgpack.unpackb(bufs[0], ext_hook=ext_hook, raw=False, strict_map_key=True,
-                              max_array_len=1 << 20, max_map_len=1 << 20)
+        obj = msgpack.unpackb(bufs[0], ext_hook=ext_hook, raw=False, strict_map_key=True, **limits)
     except CodecError:
         raise
     except ValueError as e:
         if "for map key" in str(e):  # valid msgpack, a key of the wrong type: name where it is
             raise _key_error(bufs[0]) from None
+        if max_values is not None and "exceeds max_" in str(e):  # "1000000 exceeds max_array_len(524288)"
+            raise TooManyValues(f"the request holds a list or map of {str(e).split()[0]} entries; at most "
+                                f"{max_values} values per request") from None
         raise CodecError(f"header is not msgpack: {type(e).__name__}: {e}") from None
     except Exception as e:  # noqa: BLE001 - msgpack raises many types on garbage
         raise CodecError(f"header is not msgpack: {type(e).__name__}: {e}") from None
+    finally:
+        if collecting:
+            gc.enable()
     if not isinstance(obj, dict):
         raise CodecError("header is not a map")
     return obj
@@ -143,11 +213,12 @@ def _short(k) -> str:
 def peek_req_id(frames: Sequence, limit: int = 1 << 16) -> int:
     """The ``req_id`` of a request too large (or too broken) to decode, so the error reply can
     still name it; 0 when it cannot be read cheaply. Keys of any type are read (a request refused
-    for a non-string key deep inside still gets its req_id)."""
+    for a non-string key deep inside still gets its req_id). A header over ``limit`` bytes is
+    read only up to its first list or map (the shipped client sends ``req_id`` third)."""
     try:
         head = _buffer(frames[0])
         if len(head) > limit:
-            return 0
+            return _leading_req_id(head)
         root = _pairs(head)
         if not isinstance(root, _Pairs):
             return 0
@@ -155,6 +226,25 @@ def peek_req_id(frames: Sequence, limit: int = 1 << 16) -> int:
         return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
     except Exception:  # noqa: BLE001 - best effort only
         return 0
+
+
+def _leading_req_id(head) -> int:
+    """``req_id`` among the scalar entries that open a large header's root map; 0 if a list or
+    map (or a non-string key) comes first."""
+    u = msgpack.Unpacker(raw=False, max_buffer_size=len(head))
+    u.feed(head)
+    for _ in range(min(u.read_map_header(), 16)):
+        for want_key in (True, False):
+            b = head[u.tell()]
+            if not (b <= 0x7f or 0xa0 <= b <= 0xbf or 0xc0 <= b <= 0xc3 or 0xca <= b <= 0xd3 or 0xd9 <= b <= 0xdb
+                    or b >= 0xe0) or (want_key and not (0xa0 <= b <= 0xbf or 0xd9 <= b <= 0xdb)):
+                return 0  # a container, bin or ext (or a key that is not a string): stop here
+            v = u.unpack()
+            if want_key:
+                key = v
+            elif key == "req_id":
+                return v if v.__class__ is int else 0
+    return 0
 
 
 def _buffer(f) -> memoryview | bytes:

@@ -30,7 +30,8 @@ DEFAULTS: dict = {
         "max_request_bytes": 16 << 20,
         # Work per request, so no request holds the gateway's loop long (docs/PROTOCOL.md, "Bounds"):
         "max_request_ids": 10000,    # job ids one cancel may name (worked through 256 per loop turn)
-        "max_request_jobs": 4096,    # jobs one submit may create (the sum of its tasks' n)
+        "max_request_jobs": 4096,    # jobs one submit may create (the sum of its tasks' n; made 512 per loop turn)
+        "max_request_values": 1 << 19,  # values a request may hold once decoded (a list or map counts 8 + entries)
         "max_poll_results": 256,     # results one poll reply carries at most (a larger max_results is cut)
         "journal": "",              # SQLite path; empty = in memory only
         "journal_sync": "normal",   # "full" also survives power loss, at a cost per commit

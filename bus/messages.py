@@ -103,14 +103,19 @@ class Message:
     KIND: ClassVar[str]
 
     def to_wire(self) -> dict:
+        # req_id ahead of the other fields: a request refused before it is decoded whole (too
+        # many values) still gets its req_id back, read from the first entries (codec.peek_req_id).
         d = {"v": PROTOCOL_VERSION, "kind": self.KIND}
+        if hasattr(self, "req_id"):
+            d["req_id"] = self.req_id
         for f in dataclasses.fields(self):
             d[f.name] = getattr(self, f.name)
         return d
 
 
-def from_wire(d: dict, expect: tuple[str, ...] | None = None) -> Message:
-    """Validate a decoded header and build its message object."""
+def from_wire(d: dict, expect: tuple[str, ...] | None = None, head_only: bool = False) -> Message:
+    """Validate a decoded header and build its message object. ``head_only``: a message with a
+    ``validate_head`` (submit) runs only that; the caller checks the rest in slices."""
     v = d.get("v")
     if v.__class__ is not int or v != PROTOCOL_VERSION:  # 1.0 and true compare equal to 1: not versions
         got = "missing" if "v" not in d else f"{v!r} ({_vname(v)})"
@@ -120,7 +125,7 @@ def from_wire(d: dict, expect: tuple[str, ...] | None = None) -> Message:
     if cls is None or (expect is not None and kind not in expect):
         raise MessageError("unknown_kind", f"unknown message kind {kind!r}")
     msg = cls(**check_fields(cls, d, kind))
-    validate = getattr(msg, "validate", None)
+    validate = getattr(msg, "validate_head" if head_only and hasattr(msg, "validate_head") else "validate", None)
     if validate is not None:
         validate()
     return msg
@@ -306,11 +311,19 @@ class Submit(Message):
     req_id: int = 0
 
     def validate(self):
+        self.validate_head()
+        self.check_tasks(0, len(self.tasks))
+
+    def validate_head(self):
+        """Everything but the tasks' own fields (a list of maps, not empty): the gateway checks
+        those in slices (``check_tasks``), so a large submit does not hold its loop in one turn."""
         _client_id("submit", self.client_id)
         if not self.tasks:
             raise MessageError("invalid", "submit.tasks is empty")
-        for i, t in enumerate(self.tasks):
-            Task.check(t, lambda i=i: f"submit.tasks[{i}]")
+
+    def check_tasks(self, start: int, stop: int):
+        for i in range(start, stop):
+            Task.check(self.tasks[i], lambda i=i: f"submit.tasks[{i}]")
 
 
 @message("poll")

@@ -22,6 +22,7 @@ from rolloutd.bus.sockets import Sockets
 
 # The gateway's default bounds on work per request (docs/PROTOCOL.md, "Bounds"): larger calls are split.
 SUBMIT_JOBS = 4096
+SUBMIT_VALUES = (1 << 19) - 64  # gateway.max_request_values, less the request's own fields
 CANCEL_IDS = 10000
 
 
@@ -105,16 +106,18 @@ class RolloutClient:
         ``n`` per task in order."""
         tasks = [dict(t, n=n) if n is not None else dict(t) for t in tasks]
         key = idempotency_key or uuid.uuid4().hex
-        # In requests of at most SUBMIT_JOBS jobs (the gateway's default gateway.max_request_jobs);
-        # each part has its own key (the first the given one), so a retried submit repeats none.
-        parts, part, jobs = [], [], 0
+        # In requests of at most SUBMIT_JOBS jobs and SUBMIT_VALUES values (the gateway's default
+        # gateway.max_request_jobs and max_request_values); each part has its own key (the first
+        # the given one), so a retried submit repeats none.
+        parts, part, jobs, values = [], [], 0, 0
         for t in tasks:
-            k = int(t.get("n") or 1)
-            if part and jobs + k > SUBMIT_JOBS:
+            k, v = int(t.get("n") or 1), codec.count_values(t) + 1
+            if part and (jobs + k > SUBMIT_JOBS or values + v > SUBMIT_VALUES):
                 parts.append(part)
-                part, jobs = [], 0
+                part, jobs, values = [], 0, 0
             part.append(t)
             jobs += k
+            values += v
         parts.append(part)
         job_ids: list[int] = []
         for i, p in enumerate(parts):

@@ -3,7 +3,9 @@
 One ROUTER socket answers REQ and DEALER clients, exactly one reply per request. The
 gateway assigns job ids, journals jobs before acknowledging them, dispatches them to the
 init daemons as their pipes accept, collects results, and answers polls. Each loop turn
-drains every ready socket, commits the journal once, then sends the replies.
+drains every ready socket, commits the journal once, then sends the replies. A large submit
+(gateway/submits.py) or cancel is worked through a slice per turn, so no request holds the loop
+for long (docs/PROTOCOL.md, "Bounds").
 """
 from __future__ import annotations
 
@@ -20,11 +22,13 @@ from rolloutd.bus.sockets import POLLIN, poller, recv_now, send_now
 from rolloutd.bus.daemon import Daemon
 from rolloutd.gateway.jobs import JobRecord, JobTable
 from rolloutd.gateway.journal import Journal
+from rolloutd.gateway.submits import SLICE_S, STEP, Submits
 from rolloutd.handlers.registry import handler_names
 
 ROUTER_OPS = ("add_llm_server", "clear_llm_server", "list_llm_servers")
 DRAIN_BATCH = 512
 CANCEL_SLICE = 256  # job ids the cancels in progress get through per loop turn
+DISPATCH_BYTES = 64 << 20  # jobs sent per loop turn stop past this many bytes (an instance can be MiBs)
 
 
 class Gateway(Daemon):
@@ -39,6 +43,8 @@ class Gateway(Daemon):
         self.replies: list[tuple[list, dict, list]] = []   # (route, header, buffers) to send after commit
         self.waiters: list[tuple[float, list, object]] = []  # (deadline, route, Poll)
         self.cancels: list[list] = []  # [route, Cancel, ids done, jobs answer, outcome]: see _op_cancel
+        self.submits = Submits(self)   # submits being worked through, a slice per loop turn
+        self.dispatch_more = False     # _dispatch stopped at DISPATCH_BYTES with credit left
         self.router_pending: dict[int, tuple[float, list, int]] = {}
         self.router_seq = 0
         self.daemons: dict[str, dict] = {}   # "name@node" -> last heartbeat
@@ -67,6 +73,9 @@ class Gateway(Daemon):
         self._recover()
 
     def _recover(self):
+        dropped = self.journal.rollback_open_submits()
+        if dropped:  # a submit was being written when the gateway stopped: it was never answered
+            self.log.warning("unanswered_submit_rolled_back", jobs=dropped)
         # Ids stay unique across restarts: from the journal, or from the clock without one.
         self.next_job_id = max(self.journal.max_job_id(), int(time.time() * 1e6) if not self.journal.durable else 0) + 1
         for cid, (next_seq, acked, sent) in self.journal.clients().items():
@@ -76,10 +85,17 @@ class Gateway(Daemon):
         self.backend_regs.update(self.journal.backends())
         n = 0
         now = time.monotonic()
-        for jid, cid, spec, attempt, state, seq, result in self.journal.unfinished():
+        rows = self.journal.unfinished()
+        # The queued samples of a task share its instance (stored once): packed once for them all.
+        shared = collections.Counter(id(r[2]["instance"]) for r in rows if r[4] == "queued")
+        wires: dict[int, list] = {}
+        for jid, cid, spec, attempt, state, seq, result in rows:
             rec = JobRecord(jid, cid, spec, attempt=attempt, state=state, last_seen=now)
             if state == "done":
                 rec.seq, rec.result = seq, result
+            elif state == "queued" and shared[id(spec["instance"])] > 1:
+                inst = spec["instance"]
+                rec.instance_wire = wires.get(id(inst)) or wires.setdefault(id(inst), codec.encode(inst))
             # In flight when the gateway stopped: daemons may still finish it and deliver the
             # result; if none lists it in a heartbeat within the lease timeout it is re-dispatched.
             self.table.add(rec)
@@ -103,13 +119,18 @@ class Gateway(Daemon):
         last_sweep = time.monotonic()
         while not self.stopping:
             timeout = poll_ms if not self.waiters else max(0, min(poll_ms, int((min(w[0] for w in self.waiters) - time.monotonic()) * 1000) + 1))
-            await p.poll(0 if self.cancels else timeout)
+            await p.poll(0 if self.cancels or self.submits or self.dispatch_more else timeout)
+            # The slices of large requests get what is left of SLICE_S after this turn's receiving
+            # (a decode of the largest request may have used it all: then one step each).
+            slice_until = time.perf_counter() + SLICE_S
             self._drain(self.results, self._on_result)
             self._drain(self.front, self._on_request)
             self._drain(self.router, self._on_router_reply)
             self._drain(self.watch, self._on_event)
             self._drain(self.to_init.sock, self._on_credit)
-            self._cancel_slices()
+            self._cancel_slices(slice_until)
+            if not self.journal.failing:  # its writes wait for the disk, and so does its next slice
+                self.submits.work(until=slice_until)
             self._answer_waiters()
             self._dispatch()
             # Everything this turn decided (jobs, results, acks, what the replies will carry, which
@@ -148,14 +169,20 @@ class Gateway(Daemon):
             return
         header = None
         try:
-            header = codec.decode(rest)
+            header = codec.decode(rest, max_values=int(self.gcfg["max_request_values"]))
             self._check_counts(header)
-            msg = from_wire(header, expect=CLIENT_REQUESTS)
+            msg = from_wire(header, expect=CLIENT_REQUESTS, head_only=True)  # a submit's tasks: Submits
         except MessageError as e:
             self.malformed["requests"] += 1
             rid = header.get("req_id") if isinstance(header, dict) else None  # decoded: no need to peek
             rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else codec.peek_req_id(rest)
             self._error(route, rid, e.code, str(e))
+            return
+        except codec.TooManyValues as e:
+            self.malformed["requests"] += 1
+            self._error(route, codec.peek_req_id(rest), e.code,
+                        f"{e}: over gateway.max_request_values ({self.gcfg['max_request_values']}); split it over "
+                        "several requests, and send long lists of numbers as numpy arrays (one value each)")
             return
         except codec.CodecError as e:
             self.malformed["requests"] += 1  # req_id read only here: a second decode of every request cost time
@@ -230,44 +257,9 @@ class Gateway(Daemon):
         self.replies.clear()
 
     def _op_submit(self, route, msg):
+        """Checked and made in slices over the next loop turns (gateway/submits.py), answered after the last."""
         self._refuse_if_journal_full()
-        key = (msg.client_id, msg.idempotency_key) if msg.idempotency_key else None
-        if key and key in self.table.idem:
-            self._reply(route, msg.req_id, job_ids=self.table.idem[key], duplicate=True)
-            return
-        cap, n = int(self.gcfg["max_request_jobs"]), sum(t.get("n", 1) for t in msg.tasks)
-        if n > cap:
-            raise MessageError("invalid", f"submit would create {n} jobs (the sum of its tasks' n); at most {cap} per "
-                               "request (gateway.max_request_jobs): split the tasks over several submits")
-        for i, t in enumerate(msg.tasks):
-            if t["handler"] not in self.handlers:
-                raise MessageError("unknown_handler", f"tasks[{i}]: no handler named {t['handler']!r}; "
-                                   f"registered: {', '.join(sorted(self.handlers))}")
-        job_ids, rows = [], []
-        budget = float(self.gcfg["default_budget_s"])
-        for t in msg.tasks:
-            # Default: unique per task across submits (job ids never repeat), so GRPO grouping by
-            # instance_id never merges two unrelated tasks. All n samples of the task share it.
-            iid = t.get("instance_id")
-            if iid is None:
-                iid = f"auto-{self.next_job_id}"
-            for k in range(t.get("n", 1)):
-                jid = self.next_job_id
-                self.next_job_id += 1
-                spec = {"handler": t["handler"], "instance": t.get("instance", {}), "instance_id": iid,
-                        "sample_index": k, "budget_s": float(t.get("timeout_s") or budget),
-                        "phase_limits": t.get("phase_timeouts") or {}}
-                self.table.add(JobRecord(jid, msg.client_id, spec, submitted=time.time()))
-                rows.append((jid, msg.client_id, spec))
-                job_ids.append(jid)
-        self.journal.add_jobs(rows)
-        c = self.table.touch(msg.client_id)
-        self.journal.set_client(msg.client_id, c.next_seq, c.acked)
-        if key:
-            self.table.idem[key] = job_ids
-            self.journal.add_idempotency(msg.client_id, msg.idempotency_key, job_ids)
-        self.table.totals["submitted"] += len(job_ids)
-        self._reply(route, msg.req_id, job_ids=job_ids, duplicate=False)
+        self.submits.start(route, msg)
 
     def _op_poll(self, route, msg):
         self._refuse_if_journal_full()  # a poll journals its acks and what it delivers
@@ -322,12 +314,16 @@ class Gateway(Daemon):
         self._refuse_if_journal_full()
         self.cancels.append([route, msg, 0, {}, {}])
 
-    def _cancel_slices(self):
+    def _cancel_slices(self, until: float | None = None):
+        """Up to CANCEL_SLICE ids, until ``until`` (default SLICE_S from now), at least STEP of them."""
         budget = CANCEL_SLICE
-        while self.cancels and budget > 0:
+        until = time.perf_counter() + SLICE_S if until is None else until
+        first = True
+        while self.cancels and budget > 0 and (first or time.perf_counter() < until):
+            first = False
             c = self.cancels[0]
             route, msg, done, out, outcome = c
-            part = msg.job_ids[done:done + budget]
+            part = msg.job_ids[done:done + min(budget, STEP)]
             try:
                 self._cancel_part(part, out, outcome)
             except Exception as e:  # noqa: BLE001 - a bug still owes the client its one reply
@@ -450,10 +446,12 @@ class Gateway(Daemon):
         the commit would leave them ``queued`` in the journal and recovery would run the same
         (job, attempt) a second time; journalled first, recovery finds them in flight and a re-run
         gets attempt + 1."""
+        self.dispatch_more = False
         if self.paused or self.journal.failing:
             return
         q = self.table.queue
         room = self.to_init.credit()
+        sent = 0
         while q and room > 0:
             jid = q.popleft()
             rec = self.table.jobs.get(jid)
@@ -463,10 +461,21 @@ class Gateway(Daemon):
             job = Job(job_id=jid, attempt=rec.attempt, handler=s["handler"], instance=s["instance"],
                       instance_id=s["instance_id"], sample_index=s["sample_index"], client_id=rec.client_id,
                       budget_s=s.get("budget_s"), phase_limits=s.get("phase_limits") or {}, sent_at=time.time())
+            if rec.instance_wire is not None:  # packed once for every sample of its task
+                wire = job.to_wire()
+                del wire["instance"]
+                frames = codec.encode_with(wire, "instance", rec.instance_wire)
+                rec.instance_wire = None  # a re-dispatch packs it again
+            else:
+                frames = codec.encode(job.to_wire())
             self.table.dispatch(rec)
             self.journal.set_state(jid, "dispatched", rec.attempt)
-            self.outgoing.append((rec, codec.encode(job.to_wire())))
+            self.outgoing.append((rec, frames))
             room -= 1
+            sent += codec.frames_size(frames)
+            if sent > DISPATCH_BYTES:  # the rest next turn (copying GiBs of instances would hold the loop)
+                self.dispatch_more = bool(q) and room > 0
+                return
 
     def _send_dispatched(self):
         now = time.monotonic()
@@ -820,6 +829,8 @@ class Gateway(Daemon):
     async def teardown(self):
         while self.cancels:
             self._cancel_slices()
+        while self.submits:  # answered, not dropped: its client would only send it again
+            self.submits.work()
         for _, route, msg in self.waiters:
             self._poll_reply(route, msg, [])
         self.journal.failing = False  # a last try, whatever the retry clock says

@@ -21,6 +21,7 @@ class JobRecord:
     cancel_requested: bool = False
     submitted: float = 0.0        # wall clock at submit (0 for jobs recovered from the journal)
     status: str = ""              # the result's status, once done ("" until known for recovered results)
+    instance_wire: list | None = None  # spec["instance"] packed once for all samples of its task (until dispatched)
 
 
 @dataclasses.dataclass
@@ -75,6 +76,15 @@ class JobTable:
             self.client(rec.client_id).ready[rec.seq] = rec.job_id
         else:
             self.client(rec.client_id).pending += 1
+
+    def add_many(self, recs: list[JobRecord]):
+        """Queued jobs of one submit, in one go (``add`` per job was ~4 us of a 4,096-job submit's turn)."""
+        if not recs:
+            return
+        self.jobs.update((r.job_id, r) for r in recs)
+        self.n_state["queued"] += len(recs)
+        self.queue.extend(r.job_id for r in recs)
+        self.client(recs[0].client_id).pending += len(recs)
 
     def _move(self, rec: JobRecord, state: str):
         self.n_state[rec.state] -= 1

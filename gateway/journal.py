@@ -12,6 +12,12 @@ statements stay pending, ``commit`` returns False and ``failing`` is set; the ga
 sends nothing that depends on them and refuses new work (error ``journal_full``). Each
 later commit (at most every RETRY_S) runs them again; once one sticks, the turn's replies go
 out. Committed rows are never touched by a failed commit.
+
+A task run ``n > 1`` times stores its instance once (``instances``, keyed by the task's first job
+id; its jobs name it in ``instance_ref``): stored per job, one 16 MiB request could write 4,096
+copies. A submit is written over several loop turns (gateway/submits.py) under an ``open_submits``
+mark that its last turn removes; recovery deletes the jobs of a mark still open (that submit was
+never answered). A journal written with these tables needs this gateway version or a later one.
 """
 from __future__ import annotations
 
@@ -44,6 +50,15 @@ CREATE TABLE IF NOT EXISTS idempotency (
 CREATE TABLE IF NOT EXISTS backends (
     address TEXT PRIMARY KEY,
     spec BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS instances (
+    id INTEGER PRIMARY KEY,
+    n INTEGER NOT NULL,
+    data BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS open_submits (
+    first INTEGER PRIMARY KEY,
+    last INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS clients (
     client_id TEXT PRIMARY KEY,
@@ -87,6 +102,8 @@ class Journal:
                 # A journal from before ``sent`` was kept: trust every sequence number it issued.
                 self.db.execute("ALTER TABLE clients ADD COLUMN sent INTEGER NOT NULL DEFAULT 0")
                 self.db.execute("UPDATE clients SET sent = next_seq - 1")
+            if "instance_ref" not in {r[1] for r in self.db.execute("PRAGMA table_info(jobs)")}:
+                self.db.execute("ALTER TABLE jobs ADD COLUMN instance_ref INTEGER")  # NULL: the spec holds it
 
     @property
     def durable(self) -> bool:
@@ -107,11 +124,41 @@ class Journal:
         self.pending.append((sql, params, many))
         self.dirty = True
 
-    def add_jobs(self, rows: list[tuple[int, str, dict]]):
+    def add_jobs(self, rows: list[tuple]):
+        """Rows ``(job_id, client_id, spec)`` or ``(job_id, client_id, spec, instance_ref)``: with a
+        ref, the spec is stored without its instance (``add_instance`` stored it once)."""
         if self.db:
             now = time.time()
-            self._write("INSERT INTO jobs(job_id, client_id, spec, attempt, state, updated) VALUES (?,?,?,?,?,?)",
-                        [(jid, cid, codec.pack(spec), 1, "queued", now) for jid, cid, spec in rows], many=True)
+            out = []
+            for row in rows:
+                jid, cid, spec = row[:3]
+                ref = row[3] if len(row) > 3 else None
+                if ref is not None:
+                    spec = {k: v for k, v in spec.items() if k != "instance"}
+                out.append((jid, cid, codec.pack(spec), 1, "queued", now, ref))
+            self._write("INSERT INTO jobs(job_id, client_id, spec, attempt, state, updated, instance_ref) "
+                        "VALUES (?,?,?,?,?,?,?)", out, many=True)
+
+    def add_instance(self, ref: int, n: int, instance: dict):
+        """The instance of the task whose ``n`` jobs are ``ref .. ref + n - 1``."""
+        if self.db:
+            self._write("INSERT INTO instances(id, n, data) VALUES (?,?,?)", (ref, n, codec.pack(instance)))
+
+    def open_submit(self, first: int, last: int):
+        """Jobs ``first .. last`` are being written over several turns: recovery drops them until ``close_submit``."""
+        if self.db:
+            self._write("INSERT INTO open_submits(first, last) VALUES (?,?)", (first, last))
+
+    def close_submit(self, first: int):
+        if self.db:
+            self._write("DELETE FROM open_submits WHERE first=?", (first,))
+
+    def drop_submit(self, first: int, last: int):
+        """Undo what an open submit wrote (it failed part-way)."""
+        if self.db:
+            self._write("DELETE FROM jobs WHERE job_id BETWEEN ? AND ?", (first, last))
+            self._write("DELETE FROM instances WHERE id BETWEEN ? AND ?", (first, last))
+            self._write("DELETE FROM open_submits WHERE first=?", (first,))
 
     def set_state(self, job_id: int, state: str, attempt: int | None = None):
         if self.db:
@@ -194,6 +241,9 @@ class Journal:
         try:
             self.db.execute("BEGIN")
             n = self.db.execute("DELETE FROM jobs WHERE state IN ('acked','dropped') AND updated < ?", (cutoff,)).rowcount
+            # An instance goes with the last of its task's jobs (they are the ids id .. id + n - 1).
+            self.db.execute("DELETE FROM instances WHERE NOT EXISTS "
+                            "(SELECT 1 FROM jobs WHERE job_id BETWEEN instances.id AND instances.id + instances.n - 1)")
             self.db.execute("DELETE FROM idempotency WHERE created < ?", (cutoff,))
             self.db.execute("COMMIT")
             self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -211,14 +261,42 @@ class Journal:
             return 0
         return self.db.execute("SELECT COALESCE(MAX(job_id), 0) FROM jobs").fetchone()[0]
 
+    def rollback_open_submits(self) -> int:
+        """At recovery: delete the jobs of every submit still open (never answered); returns how many."""
+        if not self.db:
+            return 0
+        marks = self.db.execute("SELECT first, last FROM open_submits").fetchall()
+        if not marks:
+            return 0
+        n = 0
+        self.db.execute("BEGIN")
+        for first, last in marks:
+            n += self.db.execute("DELETE FROM jobs WHERE job_id BETWEEN ? AND ?", (first, last)).rowcount
+            self.db.execute("DELETE FROM instances WHERE id BETWEEN ? AND ?", (first, last))
+        self.db.execute("DELETE FROM open_submits")
+        self.db.execute("COMMIT")
+        return n
+
     def unfinished(self):
-        """(job_id, client_id, spec, attempt, state, seq, result frames) of every job not yet acknowledged."""
+        """(job_id, client_id, spec, attempt, state, seq, result frames) of every job not yet
+        acknowledged. The samples of one task share one instance object, as they did when submitted."""
         if not self.db:
             return []
-        rows = self.db.execute("SELECT job_id, client_id, spec, attempt, state, seq, result FROM jobs "
+        rows = self.db.execute("SELECT job_id, client_id, spec, attempt, state, seq, result, instance_ref FROM jobs "
                                "WHERE state NOT IN ('acked','dropped') ORDER BY job_id").fetchall()
-        return [(jid, cid, codec.unpack(spec), att, st, seq, codec.unpack(res) if res else None)
-                for jid, cid, spec, att, st, seq, res in rows]
+        refs = sorted({r[7] for r in rows if r[7] is not None})
+        instances = {}
+        for i in range(0, len(refs), 500):
+            part = refs[i:i + 500]
+            instances.update((ref, codec.unpack(data)) for ref, data in self.db.execute(
+                f"SELECT id, data FROM instances WHERE id IN ({','.join('?' * len(part))})", part))
+        out = []
+        for jid, cid, spec, att, st, seq, res, ref in rows:
+            spec = codec.unpack(spec)
+            if ref is not None:
+                spec["instance"] = instances[ref]  # written in the turn of the task's first job
+            out.append((jid, cid, spec, att, st, seq, codec.unpack(res) if res else None))
+        return out
 
     def clients(self) -> dict[str, tuple[int, int, int]]:
         """client_id -> (next_seq, acked, sent)."""

@@ -52,3 +52,31 @@ def test_messages_validate_types_and_tolerate_unknown_fields():
     job = Job(job_id=1, attempt=1, handler="h", instance={"x": np.ones(3, np.float32)})
     back = from_wire(codec.decode(codec.encode(job.to_wire())))
     assert back.instance["x"].tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("obj", [{"a": [1, 2, {}], "b": np.arange(3)}, {"t": [{"m": [{"r": "u"}] * 5}] * 20},
+                                 {"x": [[[]] * 10] * 10, "y": ()}])
+def test_count_values_is_what_a_bounded_decode_counts(obj):
+    """A client splits requests by ``count_values``; the gateway decodes with ``max_values``: the
+    same count, so a request split to fit is never refused."""
+    n = codec.count_values(obj)
+    frames = codec.encode(obj)
+    assert codec.decode(frames, max_values=n)
+    with pytest.raises(codec.TooManyValues):
+        codec.decode(frames, max_values=n - 1)
+
+
+def test_a_list_longer_than_the_value_bound_is_refused_from_its_header():
+    frames = codec.encode({"ids": list(range(100))})
+    with pytest.raises(codec.TooManyValues) as e:
+        codec.decode(frames, max_values=50)
+    assert "100 entries" in str(e.value)
+
+
+def test_encode_with_splices_a_value_packed_once():
+    inst = {"a": [1, 2], "arr": np.arange(5)}
+    for n in (3, 15, 16):  # fixmap, and the switch to map 16 when the key is added
+        obj = {f"k{i}": i for i in range(n)}
+        out = codec.decode(codec.encode_with(obj, "instance", codec.encode(inst)))
+        assert out["instance"]["a"] == [1, 2] and out["instance"]["arr"].tolist() == list(range(5))
+        assert all(out[f"k{i}"] == i for i in range(n))
