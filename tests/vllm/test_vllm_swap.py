@@ -58,8 +58,12 @@ def test_continue_across_a_swap_with_vllms_real_abort(up_factory, vllm_server):
         ids = c.submit([{"handler": "synthetic_llm", "instance_id": f"s{i}",
                          "instance": {"seed": i, "llm_calls": 1, "max_tokens": MAX_TOKENS, "prompt_len": PROMPT_LEN}}
                         for i in range(JOBS)])
-        wait_for(lambda: metrics(v0)["num_requests_running"] >= JOBS, timeout_s=120,
-                 what="every job generating on version 0")
+        try:
+            wait_for(lambda: metrics(v0)["num_requests_running"] >= JOBS, timeout_s=180,
+                     what="every job generating on version 0")
+        except AssertionError as e:  # say where the jobs were (it failed once in a loaded CI run)
+            raise AssertionError(f"{e}; backends {c.list_backends()}; status {c.status()['totals']}; "
+                                 f"log tail {up.log()[-3000:]}") from None
         time.sleep(0.5)  # not a timing assertion: lets some tokens be sampled before the swap
         c.add_backend(v1, api="vllm", policy_version=1)
         results = list(c.gather(ids, timeout_s=240))
