@@ -152,6 +152,13 @@ def children_of(pid: int) -> list[int]:
     return children_map().get(pid, [])
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
+
+
 def alive(pid: int) -> bool:
     return is_running(pid)
 
@@ -216,12 +223,14 @@ class Up:
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
+                left = {pid: _cmdline(pid) for pid in self.children if alive(pid)}
                 self.proc.kill()
                 self.proc.wait(5)
                 for pid in self.children:
                     if alive(pid):
                         os.kill(pid, signal.SIGKILL)
-                raise AssertionError("rolloutd up did not stop in time")
+                raise AssertionError(f"rolloutd up did not stop in {timeout_s}s; still running: {left}; "
+                                     f"log tail:\n{self.log()[-3000:]}")
         return self.proc.returncode
 
 

@@ -24,6 +24,9 @@ def test_leases_balance_turn_versions_and_release(up, backends):
     with up.client() as c:
         for b in bs:
             c.add_backend(b.url, policy_version=0)
+        # All three admitted first (a health check each; slower on a loaded machine): the spread
+        # asserted below is the router's, not the order in which the checks happened to pass.
+        wait_for(lambda: all(b["healthy"] for b in c.list_backends()["backends"]), what="all three backends admitted")
         ids = c.submit([llm_job(i, calls=1 + i % 4, think={"dist": "uniform", "low": 0, "high": 0.05}) for i in range(60)])
         results = list(c.gather(ids, timeout_s=120))
         assert len(results) == 60
