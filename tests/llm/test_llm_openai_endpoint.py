@@ -260,12 +260,16 @@ def test_history_rewrite_opens_a_segment(qwen_tokenizer, scripted, arun):
     for k in ("prompt_ids", "response_ids", "loss_mask", "logprobs"):
         assert np.array_equal(t[k], segs[1][k])
     assert t["turns"] == segs[1]["turns"]
-    # the new segment's prompt is the template's rendering of the rewritten messages: the kept
-    # reply is re-encoded from its text (counted), not spliced in as sampled ids
+    # the new segment's prompt decodes to the template's rendering of the rewritten messages, the
+    # kept reply in it as its sampled (non-canonical) ids, never a re-encoding of its text
     text = tok.apply_chat_template(short, add_generation_prompt=True, tokenize=False)
-    assert segs[1]["prompt_ids"].tolist() == tok.encode(text, add_special_tokens=False)
-    assert t["metrics"]["assistant_tokens_reencoded"] == len(ep.seen[1][1])
-    assert t["metrics"]["assistant_tokens_reused"] == len(ep.seen[0][1])
+    prompt = segs[1]["prompt_ids"].tolist()
+    assert tok.decode(prompt) == text and prompt != tok.encode(text, add_special_tokens=False)
+    head = tok.encode(tok.apply_chat_template(short[:1], add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)
+    assert prompt[:len(head) + len(ep.seen[1][1])] == list(head) + ep.seen[1][1]
+    assert t["metrics"]["assistant_tokens_reencoded"] == 0
+    assert t["metrics"]["assistant_tokens_reused"] == len(ep.seen[0][1]) + len(ep.seen[1][1])
 
 
 def test_edited_reply_or_other_tools_open_a_segment(qwen_tokenizer, scripted, arun):
