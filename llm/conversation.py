@@ -660,7 +660,9 @@ class Conversation:
         hide = span[1] - span[0] if span else 0
         if check_context and self._n - self._n_hidden - hide + k > self.max_context:
             raise ContextOverflow(
-                f"observation of {k} tokens does not fit: {self._n} used of {self.max_context}"
+                f"observation of {k} tokens does not fit: {self._n} used of {self.max_context}",
+                tokens=self._n - self._n_hidden - hide + k,
+                limit=self.max_context,
             )
         if span:
             self._hidden.append(span)

@@ -173,6 +173,16 @@ def _unaddressed(e: BaseException) -> str:
     return _ADDRESS.sub("the backend", msg)
 
 
+def too_long(n: int, limit: int, detail: str = "", *, at_least: bool = False) -> EndpointError:
+    """A prompt past the context window, in vLLM's words (what harnesses match to compact and
+    retry: Pi's overflow recovery reads "maximum context length is N tokens")."""
+    past = ("which exceeds this limit even without any output tokens" if n > limit
+            else "which leaves no room for any output tokens")
+    return bad(f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+               f"{'at least ' if at_least else ''}{n} input tokens, {past}. Please reduce the length of the input "
+               f"prompt." + (f" ({detail})" if detail else ""), "messages", "context_length_exceeded")
+
+
 def _nesting_ok(obj: Any, limit: int) -> bool:
     """No container of ``obj`` deeper than ``limit`` (iterative: deep input must not recurse)."""
     stack = [(obj, 1)]
@@ -310,8 +320,7 @@ class EndpointSession:
         """A text refused by its encode worker, as the agent's error (docs/HARNESS.md, "Bounds")."""
         lim = self.limits
         if e.kind == "tokens":
-            return bad(f"the messages take at least {e.count} tokens (counting stopped there); this job's context "
-                       f"window is {lim.max_context}", "messages", "context_length_exceeded")
+            return too_long(e.count, lim.max_context, "counting stopped there", at_least=True)
         if e.kind == "cpu" and self.metrics["endpoint_cpu_s"] >= lim.max_cpu_s:
             return EndpointError(429, f"this job's requests used more than {lim.max_cpu_s:g} s of the endpoint's "
                                  "CPU", type="insufficient_quota", code="cpu_budget_exhausted", retry=False)
@@ -529,7 +538,9 @@ class EndpointSession:
                 try:
                     conv.add_messages(self.call_ids.prepare([m.template_dict() for m in tail]))
                 except ContextOverflow as e:
-                    raise bad(str(e), "messages", "context_length_exceeded") from None
+                    if e.tokens is None:
+                        raise bad(str(e), "messages", "context_length_exceeded") from None
+                    raise too_long(e.tokens, self.limits.max_context, str(e)) from None
                 except EncodeRefused:
                     raise
                 except Exception as e:  # noqa: BLE001 - the template refused them (e.g. raise_exception on role order)
@@ -567,8 +578,7 @@ class EndpointSession:
             raise bad(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                       "messages") from None
         if conv.remaining_context <= 0:
-            raise bad(f"the messages take {conv.num_tokens} tokens; this job's context window is "
-                      f"{self.limits.max_context}", "messages", "context_length_exceeded")
+            raise too_long(conv.num_tokens, self.limits.max_context)
         # earlier requests that never sampled (and are not being served): nothing to keep
         self.segments = [s for s in self.segments if s.busy or s.n_turns > 0]
         seg = _Segment(len(self.segments), conv, tools, list(msgs))

@@ -343,6 +343,22 @@ def test_deadline_refuses_calls_and_cuts_one_in_flight(qwen_tokenizer, scripted,
     assert be.stats["requests"] == 1
 
 
+def vllm_words(msg: str) -> None:
+    """A context overflow in vLLM's words, with its numbers: Pi's overflow recovery (compact, then
+    retry) matches "maximum context length is N tokens"; the Anthropic route turns the numbers into
+    "prompt is too long: N tokens > 64 maximum", which Claude Code reads."""
+    import re
+
+    from rolloutd.llm.anthropic_wire import error_body
+    from rolloutd.llm.openai_wire import bad
+
+    m = re.match(r"This model's maximum context length is 64 tokens\. However, your prompt contains (\d+) input "
+                 r"tokens, which exceeds this limit even without any output tokens\.", msg)
+    assert m and int(m[1]) > 64, msg
+    body = json.loads(error_body(bad(msg, "messages", "context_length_exceeded")))
+    assert body["error"]["message"].startswith(f"prompt is too long: {m[1]} tokens > 64 maximum"), body
+
+
 def test_n_greater_than_one_and_context_overflow_are_400(qwen_tokenizer, scripted, arun):
     tok = qwen_tokenizer
     be = scripted(tok, Script(tok, ["ok"]))
@@ -355,6 +371,7 @@ def test_n_greater_than_one_and_context_overflow_are_400(qwen_tokenizer, scripte
             with pytest.raises(openai.BadRequestError) as ei:
                 await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x " * 200}])
             assert ei.value.body["code"] == "context_length_exceeded"
+            vllm_words(ei.value.body["message"])
             # the first exchange fits; the next observation does not: refused, nothing recorded for it
             r = await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
             msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": r.choices[0].message.content},
@@ -362,6 +379,7 @@ def test_n_greater_than_one_and_context_overflow_are_400(qwen_tokenizer, scripte
             with pytest.raises(openai.BadRequestError) as ei:
                 await ep.client.chat.completions.create(model="m", messages=msgs)
             assert ei.value.body["code"] == "context_length_exceeded"
+            vllm_words(ei.value.body["message"])
             return ep
 
     ep = arun(main())
