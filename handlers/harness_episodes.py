@@ -18,8 +18,9 @@ them and each harness answers them:
   ``Agent``, Qwen Code's ``agent``, Gemini CLI's ``invoke_agent``, OpenCode's ``task``); the
   subagent runs one shell step and answers;
 * ``parallel_at``: at that step two shell calls in one reply;
-* ``retry_at``: at that step the first request gets an empty reply (an untrained model's
-  immediate end of turn), which the harness may send again;
+* ``retry_at``: at that step the episode's first request gets an empty reply (an untrained model's
+  immediate end of turn), which the harness may send again (Claude Code and Qwen Code do; the
+  others end their run on it);
 * ``pause_at``: at that step a reply without a call that says what comes next (Gemini CLI, with
   its next-speaker check on, continues with "Please continue."; the others end the run).
 
@@ -83,6 +84,24 @@ def _role_of_first(blocks: list[tuple[str, str]], needle: str) -> str | None:
     return next((role for role, body in blocks if needle in body), None)
 
 
+def _filled_call(tool: dict, args: dict) -> str:
+    """A hermes call of ``tool`` with ``args`` it has and every other required argument filled."""
+    from rolloutd.handlers.oracles import _call
+
+    def fill(schema: dict, given: dict | None = None) -> Any:
+        typ = schema.get("type")
+        if typ == "object" or "properties" in schema:
+            props = schema.get("properties") or {}
+            out = {a: v for a, v in (given or {}).items() if a in props}
+            for req in schema.get("required") or []:
+                if req not in out:
+                    out[req] = fill(props.get(req) or {})
+            return out
+        return {"boolean": False, "integer": 1, "number": 1, "array": []}.get(typ, "Subtask finished.")
+
+    return _call(tool["name"], fill(tool["parameters"] or {}, args))
+
+
 class EpisodePolicy(Policy):
     """``steps`` echo steps through the harness's shell tool, then a final answer (module doc). The
     task's ``[episode ...]`` tag (:func:`episode_task`), when the prompt has one, overrides the
@@ -96,7 +115,7 @@ class EpisodePolicy(Policy):
         self.steps = int(steps)
         self.subagent_at, self.parallel_at, self.retry_at, self.pause_at = subagent_at, parallel_at, retry_at, pause_at
         self.nonce = None
-        self._seen: set[bytes] = set()  # prompts already answered at the retry step
+        self._seen: set[bytes] = set()  # episodes (or prompts) that got their empty reply
         self._lock = threading.Lock()
         self.kinds: dict[str, int] = {}  # what it answered, by kind (tests read it)
 
@@ -137,14 +156,17 @@ class EpisodePolicy(Policy):
         if _role_of_first(blocks, _SUBTASK) == "user":  # a subagent's own conversation
             if _SUB_DONE in "".join(body for role, body in blocks if role == "user" and _SUBTASK not in body):
                 self._count("subagent_final")
-                return "Subtask finished."
+                done = next((t for t in tools if t["name"] == "complete_task"), None)  # Gemini CLI's subagents end so
+                return "Subtask finished." + ("\n" + _filled_call(done, {}) if done is not None else "")
             self._count("subagent_step")
             return "Running the subtask.\n" + (shell_call(tools, f"echo {_SUB_DONE}", "subtask") or "")
         if k >= steps:
             self._count("final")
             return "All steps done."
         if retry_at == k:
-            key = hashlib.sha256(repr(request.prompt_ids).encode()).digest()
+            # once per episode (its tag, nonce included; else this prompt): a harness may retry with an
+            # edited request, which must get the step
+            key = hashlib.sha256((tag.group(0) if tag is not None else repr(request.prompt_ids)).encode()).digest()
             with self._lock:
                 first = key not in self._seen
                 self._seen.add(key)
@@ -158,14 +180,10 @@ class EpisodePolicy(Policy):
             tool = next((t for t in tools if t["name"] in SUBAGENT_TOOLS), None)
             if tool is not None:
                 self._count("spawn")
-                args = {"description": f"rolloutd-spawned {STEP}{k}",
-                        "prompt": f"{_SUBTASK} run `echo {_SUB_DONE}` with your shell tool, then answer in one line.",
-                        **SUBAGENT_TOOLS[tool["name"]]}
-                props = (tool["parameters"] or {}).get("properties") or {}
-                args = {a: v for a, v in args.items() if a in props}
-                from rolloutd.handlers.oracles import _call
-
-                return f"Delegating step {k}.\n" + _call(tool["name"], args)
+                mark = f"(rolloutd-spawned {STEP}{k})"  # in the main's history from here on
+                args = {"description": f"Subtask {mark}", **SUBAGENT_TOOLS[tool["name"]],
+                        "prompt": f"{_SUBTASK} run `echo {_SUB_DONE}` with your shell tool, then answer in one line. {mark}"}
+                return f"Delegating step {k}.\n" + _filled_call(tool, args)
         self._count("step")
         call = shell_call(tools, f"echo {STEP}{k}", f"step {k}") or ""
         if knobs["parallel_at"] == k:
