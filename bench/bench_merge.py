@@ -63,7 +63,7 @@ def runs_kind(preset: str, kind: str) -> bool:
             "compaction": preset in COMPACTS}.get(kind, True)
 
 
-def episode_spec(preset: str, kind: str, steps: int, base: int | None) -> tuple[dict, int | None]:
+def episode_spec(preset: str, kind: str, steps: int, base: int | None, scale: float = 1.0) -> tuple[dict, int | None]:
     """(the episode's knobs, the compaction threshold or None) for ``preset`` and ``kind``."""
     from rolloutd.handlers.harness_episodes import COMPACT_AFTER
 
@@ -76,15 +76,15 @@ def episode_spec(preset: str, kind: str, steps: int, base: int | None) -> tuple[
         knobs["retry_at"] = min(2 if kind == "retry" else 6, steps - 1)
     at = None
     if kind in ("compaction", "mixed") and preset in COMPACTS and base is not None:
-        at = base + COMPACT_AFTER[preset]
-        if preset == "gemini-cli":
-            knobs["pause_at"] = min(5, steps - 1)
+        at = base + round(COMPACT_AFTER[preset] * scale)
+        if preset == "gemini-cli":  # past its threshold (it compresses at a pause only)
+            knobs["pause_at"] = min(round(5 * scale), steps - 1)
     return knobs, at
 
 
 async def episode(handler, preset: str, steps: int, backend_url: str, root: str, knobs: dict,
-                  at: int | None) -> dict:
-    from rolloutd.handlers.harness_episodes import compaction_instance, episode_task
+                  at: int | None, policy=None, compact_scale: float = 1.0) -> dict:
+    from rolloutd.handlers.harness_episodes import compaction_instance, episode_tag, episode_task
     from rolloutd.handlers.tasks import run_local
 
     task = ("Benchmark: follow the instructions." if preset == "mini-swe-agent"
@@ -99,6 +99,8 @@ async def episode(handler, preset: str, steps: int, backend_url: str, root: str,
     m = r["metrics"]
     out = {k: m[k] for k in METRICS}
     out["failed"] = int(r["status"] != "ok")
+    # what the model did in it (EpisodePolicy's count for this episode): finished, summaries, ...
+    out["did"] = dict(policy.episodes.get(episode_tag(task), {})) if policy is not None else {}
     # the main conversation's first prompt (the largest first prompt: opencode's title call is small)
     segs = r.get("segments") or [r]
     out["first_prompt"] = max((len(s["prompt_ids"]) for s in segs), default=0)
@@ -114,6 +116,9 @@ def main(argv=None) -> int:
     ap.add_argument("--venv", default=None)
     ap.add_argument("--presets", default="all")
     ap.add_argument("--kinds", default="all", help="comma-separated of " + ",".join(KINDS))
+    ap.add_argument("--compact-scale", type=float, default=1.0,
+                    help="compaction threshold past the first prompt: COMPACT_AFTER x this (5: about 5x as many steps "
+                         "between compactions)")
     ap.add_argument("--quick", action="store_true",
                     help="make bench-smoke: 2 steps, 1 episode, mini-swe-agent and pi, linear and parallel")
     ns = ap.parse_args(argv)
@@ -141,8 +146,9 @@ def main(argv=None) -> int:
     os.chmod(work, 0o711)
     tok = str(make_tiny_model(work / "tok", tokenizer_only=True))
     # the coding harnesses' prompts run to ~40K tokens of the tiny vocabulary
+    policy = EpisodePolicy(ns.steps)
     backends = {"mini": ScriptedBackend(tok, policy=EchoSteps(ns.steps), max_model_len=1 << 20),
-                "tools": ScriptedBackend(tok, policy=EpisodePolicy(ns.steps), max_model_len=1 << 20)}
+                "tools": ScriptedBackend(tok, policy=policy, max_model_len=1 << 20)}
     for be in backends.values():
         be.start()
     handler = HarnessHandler({"tokenizer": tok, "agent_venv": venv})
@@ -155,14 +161,19 @@ def main(argv=None) -> int:
             for kind in kinds:
                 if not runs_kind(preset, kind):
                     continue
-                knobs, at = episode_spec(preset, kind, ns.steps, base)
-                runs = [asyncio.run(episode(handler, preset, ns.steps, url, str(work / "sb"), knobs, at))
+                knobs, at = episode_spec(preset, kind, ns.steps, base, ns.compact_scale)
+                runs = [asyncio.run(episode(handler, preset, ns.steps, url, str(work / "sb"), knobs, at, policy))
                         for _ in range(ns.repeats)]
                 if kind == "linear":
                     base = max(r["first_prompt"] for r in runs)
                 row = {k: sum(r[k] for r in runs) for k in (*METRICS, "failed")}
+                did: dict[str, int] = {}
+                for r in runs:
+                    for k, v in r["did"].items():
+                        did[k] = did.get(k, 0) + v
+                row["did"] = did
                 row.update(bench="merge", preset=preset, kind=kind, episodes=len(runs), steps=ns.steps, knobs=knobs,
-                           compact_at=at, first_prompt=base,
+                           compact_at=at, first_prompt=base, compact_scale=ns.compact_scale,
                            rows_per_call=round(row["segments"] / max(1, row["llm_calls"]), 4),
                            calls_per_row=round(row["llm_calls"] / max(1, row["segments"]), 2))
                 t = totals[kind]
@@ -186,7 +197,9 @@ def main(argv=None) -> int:
                       "loadavg": loadavg(), "machine": machine(), "revision": revision(REPO),
                       "command": f"python bench/bench_merge.py --steps {ns.steps} --repeats {ns.repeats}"
                                  + (f" --presets {ns.presets}" if ns.presets != "all" else "")
-                                 + (f" --kinds {ns.kinds}" if ns.kinds != "all" else "")}), flush=True)
+                                 + (f" --kinds {ns.kinds}" if ns.kinds != "all" else "")
+                                 + (f" --compact-scale {ns.compact_scale:g}" if ns.compact_scale != 1 else "")}),
+          flush=True)
     return 0
 
 

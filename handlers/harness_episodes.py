@@ -12,7 +12,8 @@ them and each harness answers them:
 * a compaction request (each harness's own summary prompt: ``SUMMARY_MARKERS``) gets a summary:
   ``<analysis>`` then ``<summary>`` (Claude Code asks again without one) holding a
   ``<state_snapshot>`` (Qwen Code rejects a summary without it);
-* Gemini CLI's next-speaker check gets its JSON (``next_speaker: model``);
+* Gemini CLI's next-speaker check and its loop check (after 30 turns) get their JSON
+  (``next_speaker: model``; no loop);
 * a side call without tools (a title) gets a title;
 * ``subagent_at``: at that step the main loop calls the harness's subagent tool (Claude Code's
   ``Agent``, Qwen Code's ``agent``, Gemini CLI's ``invoke_agent``, OpenCode's ``task``); the
@@ -39,7 +40,7 @@ from typing import Any
 
 from rolloutd.llm.policies import Policy, PolicyReply, PolicyRequest
 
-__all__ = ["COMPACT_AFTER", "EpisodePolicy", "SUMMARY_MARKERS", "SUBAGENT_TOOLS", "STEP", "compaction_instance",
+__all__ = ["COMPACT_AFTER", "EpisodePolicy", "episode_tag", "SUMMARY_MARKERS", "SUBAGENT_TOOLS", "STEP", "compaction_instance",
            "episode_task"]
 
 STEP = "rolloutd-step-"
@@ -55,12 +56,19 @@ SUMMARY_MARKERS = ("CONTEXT CHECKPOINT COMPACTION", "Respond with TEXT ONLY", "c
                    "Critically evaluate the <state_snapshot>", "State Update: Agent Continuity",
                    "context summarization agent", "context summarization assistant")
 _NEXT_SPEAKER = "who should logically speak next"
+_LOOP_CHECK = "stuck in a repetitive, non-productive state"  # Gemini CLI's loop check, after 30 turns
 # The subagent tool of each harness and the arguments that name the kind of agent.
 SUBAGENT_TOOLS = {"Agent": {"subagent_type": "general-purpose"}, "agent": {"subagent_type": "general-purpose"},
                   "invoke_agent": {"agent_name": "generalist"}, "task": {"subagent_type": "general"}}
 _BLOCK = re.compile(r"<\|im_start\|>(\w+)\n")
 _KNOBS = ("steps", "subagent_at", "parallel_at", "retry_at", "pause_at", "nonce")  # nonce: tells episodes apart
 _TAG_RE = re.compile(r"\[episode((?: \w+=\d+)*)\]")
+
+
+def episode_tag(task: str) -> str:
+    """The ``[episode ...]`` tag of a task text (the key of ``EpisodePolicy.episodes``)."""
+    m = _TAG_RE.search(task)
+    return m.group(0) if m else ""
 
 
 def episode_task(steps: int, **knobs: int | None) -> str:
@@ -118,16 +126,21 @@ class EpisodePolicy(Policy):
         self._seen: set[bytes] = set()  # episodes (or prompts) that got their empty reply
         self._lock = threading.Lock()
         self.kinds: dict[str, int] = {}  # what it answered, by kind (tests read it)
+        self.episodes: dict[str, dict[str, int]] = {}  # the same per episode tag ("" without one)
+        self._tag = threading.local()
 
     def _count(self, kind: str) -> None:
         with self._lock:
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
+            per = self.episodes.setdefault(getattr(self._tag, "key", ""), {})
+            per[kind] = per.get(kind, 0) + 1
 
     def reply(self, request: PolicyRequest) -> str | PolicyReply:
         from rolloutd.handlers.harness_presets import TITLE_REPLY, offered_tools, shell_call
 
         text = request.prompt_text
         tag = _TAG_RE.search(text)
+        self._tag.key = tag.group(0) if tag is not None else ""
         knobs = {k: getattr(self, k) for k in _KNOBS}
         if tag is not None:  # this job's episode (the task text, or a summary that carried it on)
             knobs.update((k, int(v)) for k, v in (kv.split("=") for kv in tag.group(1).split()) if k in knobs)
@@ -142,6 +155,10 @@ class EpisodePolicy(Policy):
             self._count("next_speaker")
             nxt = "model" if k < steps else "user"
             return json.dumps({"reasoning": "The last response says what the model does next.", "next_speaker": nxt})
+        if _LOOP_CHECK in last_user:
+            self._count("loop_check")
+            return json.dumps({"unproductive_state_analysis": "Each step runs a new command: progress.",
+                               "unproductive_state_confidence": 0.0})
         if any(m in last_user or m in system for m in SUMMARY_MARKERS):
             self._count("summary")
             notes = "".join(f" {m}." for m in (_PAUSED, "rolloutd-spawned") if m in text)
