@@ -99,6 +99,7 @@ async def episode(handler, preset: str, steps: int, backend_url: str, root: str,
     m = r["metrics"]
     out = {k: m[k] for k in METRICS}
     out["failed"] = int(r["status"] != "ok")
+    out["exit"] = (r["eval_details"].get("agent") or {}).get("exit_code")  # 1: Claude Code's "Autocompact is thrashing"
     # what the model did in it (EpisodePolicy's count for this episode): finished, summaries, ...
     out["did"] = dict(policy.episodes.get(episode_tag(task), {})) if policy is not None else {}
     # the main conversation's first prompt (the largest first prompt: opencode's title call is small)
@@ -172,6 +173,7 @@ def main(argv=None) -> int:
                     for k, v in r["did"].items():
                         did[k] = did.get(k, 0) + v
                 row["did"] = did
+                row["exits"] = [r["exit"] for r in runs]
                 row.update(bench="merge", preset=preset, kind=kind, episodes=len(runs), steps=ns.steps, knobs=knobs,
                            compact_at=at, first_prompt=base, compact_scale=ns.compact_scale,
                            rows_per_call=round(row["segments"] / max(1, row["llm_calls"]), 4),

@@ -213,7 +213,7 @@ class EpisodePolicy(Policy):
 # compaction sets in: Claude Code's compacted history is ~400-650 tokens over its first prompt and
 # stops with "Autocompact is thrashing" when that passes the threshold at once; Pi's is where the
 # window itself ends (it compacts on an overflow).
-COMPACT_AFTER = {"codex": 600, "claude-code": 750, "opencode": 450, "pi": 380, "qwen-code": 480, "gemini-cli": 350}
+COMPACT_AFTER = {"codex": 600, "claude-code": 1000, "opencode": 450, "pi": 380, "qwen-code": 480, "gemini-cli": 350}
 
 # Gemini CLI applies its threshold to its own token limit for a model name it does not know.
 GEMINI_TOKEN_LIMIT = 1_048_576
