@@ -62,7 +62,8 @@ def error_body(e: EndpointError) -> bytes:
     msg = e.message
     if e.code == "context_length_exceeded" and not msg.startswith("prompt is too long"):
         # Anthropic's own wording, "prompt is too long: N tokens > M maximum", when the numbers are known
-        n, m = re.search(r"(\d+) tokens", msg), re.search(r"context window (?:is|of) (\d+)", msg)
+        n = re.search(r"contains (?:at least )?(\d+) input tokens", msg) or re.search(r"(\d+) tokens", msg)
+        m = re.search(r"maximum context length is (\d+)", msg) or re.search(r"context window (?:is|of) (\d+)", msg)
         msg = f"prompt is too long: {n[1]} tokens > {m[1]} maximum ({msg})" if n and m else \
             f"prompt is too long: {msg}"
     return dumps({"type": "error", "error": {"type": kind, "message": msg}, "request_id": None})

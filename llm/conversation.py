@@ -85,6 +85,19 @@ class Turn:
     cause: str | None = None  # why it ended where the finish reason does not say (a context window cut)
 
 
+class _Spliced:
+    """A reply sampled elsewhere, as :meth:`Conversation.add_generation` takes it (its logprobs
+    are its own conversation's business: here it is prompt)."""
+
+    __slots__ = ("token_ids", "logprobs")
+    finish_reason = "stop"
+    latency_s = 0.0
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.token_ids = np.asarray(ids, dtype=np.int32)
+        self.logprobs = np.zeros(len(self.token_ids), dtype=np.float32)
+
+
 def _compile(template: str):
     """transformers' own compiled Jinja template (same sandbox, filters, extensions), or None."""
     try:
@@ -647,7 +660,9 @@ class Conversation:
         hide = span[1] - span[0] if span else 0
         if check_context and self._n - self._n_hidden - hide + k > self.max_context:
             raise ContextOverflow(
-                f"observation of {k} tokens does not fit: {self._n} used of {self.max_context}"
+                f"observation of {k} tokens does not fit: {self._n} used of {self.max_context}",
+                tokens=self._n - self._n_hidden - hide + k,
+                limit=self.max_context,
             )
         if span:
             self._hidden.append(span)
@@ -707,6 +722,26 @@ class Conversation:
         new.reasoning, new._rule = self.reasoning, self._rule
         new._start(prompt)
         return new
+
+    def splice(self, pieces: Sequence[tuple[Sequence[int], Sequence[dict]]]) -> "Conversation":
+        """Append assistant messages sampled in another conversation, each as its sampled ids
+        verbatim, each followed by messages rendered with the template's delimiters; all of it
+        prompt (``loss_mask`` 0), the reasoning hidden as :meth:`add_messages` would hide it. The
+        result is the prompt an extension would have built had those replies been sampled here:
+        a compaction request with other tools or another system prompt still shows the model its
+        own ids, never a re-encoding of their text. ``pieces``: ``(ids, messages)``, each with at
+        least one message. Only before the first generation; raises :class:`TemplateError` when
+        the template cannot render the messages incrementally and :class:`ContextOverflow` when
+        they do not fit (the conversation is then unusable)."""
+        if self._turns or not self._open:
+            raise ValueError("splice: only into a prompt that awaits its first generation")
+        for ids, msgs in pieces:
+            if not msgs:
+                raise ValueError("splice: a reply must be followed by messages")
+            self.add_generation(_Spliced(ids), "", 0)
+            self.add_messages(msgs)
+        self._start(np.array(self.context_ids, dtype=np.int32))
+        return self
 
     def set_last_finish_reason(self, reason: str, cause: str | None = None) -> None:
         if self._turns:

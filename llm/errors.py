@@ -28,8 +28,14 @@ class ContextOverflow(LLMError):
     """The request does not fit the context window (ours or the server's).
 
     Not a backend fault: retrying elsewhere does not help. The agent loop turns it
-    into ``finish_reason == "context_overflow"``.
+    into ``finish_reason == "context_overflow"``. ``tokens`` and ``limit``: the prompt's length and
+    the window, when known.
     """
+
+    def __init__(self, message: str, *, tokens: int | None = None, limit: int | None = None) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+        self.limit = limit
 
 
 class RequestError(LLMError):

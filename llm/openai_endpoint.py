@@ -173,6 +173,16 @@ def _unaddressed(e: BaseException) -> str:
     return _ADDRESS.sub("the backend", msg)
 
 
+def too_long(n: int, limit: int, detail: str = "", *, at_least: bool = False) -> EndpointError:
+    """A prompt past the context window, in vLLM's words (what harnesses match to compact and
+    retry: Pi's overflow recovery reads "maximum context length is N tokens")."""
+    past = ("which exceeds this limit even without any output tokens" if n > limit
+            else "which leaves no room for any output tokens")
+    return bad(f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+               f"{'at least ' if at_least else ''}{n} input tokens, {past}. Please reduce the length of the input "
+               f"prompt." + (f" ({detail})" if detail else ""), "messages", "context_length_exceeded")
+
+
 def _nesting_ok(obj: Any, limit: int) -> bool:
     """No container of ``obj`` deeper than ``limit`` (iterative: deep input must not recurse)."""
     stack = [(obj, 1)]
@@ -195,6 +205,7 @@ class _Gen:
     raw: str  # the full sampled text (tool-call markup included)
     calls: tuple  # ((name, canonical JSON arguments), ...) as returned in tool_calls
     n_tokens: int
+    ids: np.ndarray | None = None  # the sampled ids (what a new segment's prompt holds for it)
     reused: bool = False
     reencoded: bool = False
 
@@ -309,8 +320,7 @@ class EndpointSession:
         """A text refused by its encode worker, as the agent's error (docs/HARNESS.md, "Bounds")."""
         lim = self.limits
         if e.kind == "tokens":
-            return bad(f"the messages take at least {e.count} tokens (counting stopped there); this job's context "
-                       f"window is {lim.max_context}", "messages", "context_length_exceeded")
+            return too_long(e.count, lim.max_context, "counting stopped there", at_least=True)
         if e.kind == "cpu" and self.metrics["endpoint_cpu_s"] >= lim.max_cpu_s:
             return EndpointError(429, f"this job's requests used more than {lim.max_cpu_s:g} s of the endpoint's "
                                  "CPU", type="insufficient_quota", code="cpu_budget_exhausted", retry=False)
@@ -477,7 +487,7 @@ class EndpointSession:
         if finish == "stop" and tool_calls:
             finish = "tool_calls"
             seg.conv.set_last_finish_reason(finish)  # the turn records what the agent saw
-        gen = _Gen(content=content or "", raw=text, calls=calls, n_tokens=len(ids))
+        gen = _Gen(content=content or "", raw=text, calls=calls, n_tokens=len(ids), ids=np.asarray(ids, np.int32))
         seg.entries.append(gen)
         seg.cuts.append((len(seg.entries), seg.conv.num_turns))
         self._gens.append(gen)
@@ -528,7 +538,9 @@ class EndpointSession:
                 try:
                     conv.add_messages(self.call_ids.prepare([m.template_dict() for m in tail]))
                 except ContextOverflow as e:
-                    raise bad(str(e), "messages", "context_length_exceeded") from None
+                    if e.tokens is None:
+                        raise bad(str(e), "messages", "context_length_exceeded") from None
+                    raise too_long(e.tokens, self.limits.max_context, str(e)) from None
                 except EncodeRefused:
                     raise
                 except Exception as e:  # noqa: BLE001 - the template refused them (e.g. raise_exception on role order)
@@ -546,25 +558,68 @@ class EndpointSession:
         return seg
 
     def _new_segment(self, msgs: list[Msg], tools: list | None) -> _Segment:
+        tds = self.call_ids.prepare([m.template_dict() for m in msgs])
+        conv, spliced = None, self._replies(msgs, 0)
+        if spliced:  # our replies go in as their sampled ids, the rest rendered as an extension would
+            try:
+                conv = Conversation(self.tokenizer, tds[:spliced[0][0]], tools, self.limits.max_context,
+                                    **self.conv_options).splice(self._pieces(spliced, tds))
+            except EncodeRefused:
+                raise
+            except Exception as e:  # noqa: BLE001 - TemplateError, raise_exception, ContextOverflow
+                log.info("endpoint_replies_rendered_from_text", messages=len(msgs), error=f"{type(e).__name__}: {e}")
+                conv, spliced = None, []
         try:
-            conv = Conversation(self.tokenizer, self.call_ids.prepare([m.template_dict() for m in msgs]), tools,
-                                self.limits.max_context, **self.conv_options)
+            if conv is None:
+                conv = Conversation(self.tokenizer, tds, tools, self.limits.max_context, **self.conv_options)
         except EncodeRefused:
             raise
         except Exception as e:  # noqa: BLE001 - TemplateError, or the template's own raise_exception
             raise bad(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                       "messages") from None
         if conv.remaining_context <= 0:
-            raise bad(f"the messages take {conv.num_tokens} tokens; this job's context window is "
-                      f"{self.limits.max_context}", "messages", "context_length_exceeded")
+            raise too_long(conv.num_tokens, self.limits.max_context)
         # earlier requests that never sampled (and are not being served): nothing to keep
         self.segments = [s for s in self.segments if s.busy or s.n_turns > 0]
         seg = _Segment(len(self.segments), conv, tools, list(msgs))
         if seg.index:
-            log.info("endpoint_segment_opened", segment=seg.index, messages=len(msgs), prompt_tokens=conv.num_tokens)
-        self._count_reencoded(msgs)
+            log.info("endpoint_segment_opened", segment=seg.index, messages=len(msgs), prompt_tokens=conv.num_tokens,
+                     replies_spliced=len(spliced))
+        self._count_spliced(msgs, spliced, 0)
         self.segments.append(seg)
         return seg
+
+    def _gen_for(self, m: Msg) -> _Gen | None:
+        """The reply of ours that ``m`` sends back (the latest, if the same text was sampled twice)."""
+        if m.role != "assistant":
+            return None
+        return next((g for g in reversed(self._gens) if g.matches(m)), None)
+
+    def _replies(self, msgs: list[Msg], start: int) -> list[tuple[int, _Gen]]:
+        """Our replies in ``msgs[start:]`` that a new prompt can hold as their sampled ids: each
+        after at least one message of the prompt and followed by a message that is not an
+        assistant's (the next piece to render)."""
+        out: list[tuple[int, _Gen]] = []
+        for j in range(start + 1, len(msgs) - 1):
+            if msgs[j + 1].role != "assistant" and (g := self._gen_for(msgs[j])) is not None and g.ids is not None:
+                out.append((j, g))
+        return out
+
+    @staticmethod
+    def _pieces(spliced: list[tuple[int, _Gen]], tds: list[dict]) -> list[tuple[Any, list[dict]]]:
+        """``Conversation.splice``'s pieces: each reply's ids and the messages up to the next one."""
+        ends = [j for j, _ in spliced[1:]] + [len(tds)]
+        return [(g.ids, tds[j + 1:end]) for (j, g), end in zip(spliced, ends)]
+
+    def _count_spliced(self, msgs: list[Msg], spliced: list[tuple[int, _Gen]], start: int) -> None:
+        """Metrics for a prompt built from ``msgs[start:]``: spliced replies reused, others of ours
+        rendered from their text re-encoded (each message counted once)."""
+        at = {j for j, _ in spliced}
+        for _, g in spliced:
+            if not g.reused:
+                g.reused = True
+                self.metrics["assistant_tokens_reused"] += g.n_tokens
+        self._count_reencoded([m for j, m in enumerate(msgs[start:], start) if j not in at])
 
     def _count_reencoded(self, msgs: list[Msg]) -> None:
         """Our replies among ``msgs``, rendered from their text into a new segment (once each)."""
@@ -606,8 +661,12 @@ class EndpointSession:
         None (counted in ``fork_fallbacks``) when the template cannot render it that way or it
         does not fit: the request then gets today's segment rendered from its messages."""
         tail = msgs[g:]
+        spliced = self._replies(msgs, g)  # replies of ours sampled elsewhere, in the fork's own messages
         try:
-            conv = parent.conv.fork(turns, self.call_ids.prepare([m.template_dict() for m in tail]))
+            tds = self.call_ids.prepare([m.template_dict() for m in msgs])
+            conv = parent.conv.fork(turns, tds[g:spliced[0][0]] if spliced else tds[g:])
+            if spliced:
+                conv.splice(self._pieces(spliced, tds))
             if conv.remaining_context <= 0:
                 raise ContextOverflow(f"the fork's prompt of {conv.num_tokens} tokens leaves no room")
         except EncodeRefused:
@@ -623,7 +682,7 @@ class EndpointSession:
             if type(e) is _Gen and not e.reused:
                 e.reused = True
                 self.metrics["assistant_tokens_reused"] += e.n_tokens
-        self._count_reencoded(tail)
+        self._count_spliced(msgs, spliced, g)
         log.info("endpoint_segment_forked", segment=seg.index, parent=parent.index, messages=g,
                  prompt_tokens=conv.num_tokens)
         self.segments.append(seg)

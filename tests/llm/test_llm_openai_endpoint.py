@@ -260,12 +260,16 @@ def test_history_rewrite_opens_a_segment(qwen_tokenizer, scripted, arun):
     for k in ("prompt_ids", "response_ids", "loss_mask", "logprobs"):
         assert np.array_equal(t[k], segs[1][k])
     assert t["turns"] == segs[1]["turns"]
-    # the new segment's prompt is the template's rendering of the rewritten messages: the kept
-    # reply is re-encoded from its text (counted), not spliced in as sampled ids
+    # the new segment's prompt decodes to the template's rendering of the rewritten messages, the
+    # kept reply in it as its sampled (non-canonical) ids, never a re-encoding of its text
     text = tok.apply_chat_template(short, add_generation_prompt=True, tokenize=False)
-    assert segs[1]["prompt_ids"].tolist() == tok.encode(text, add_special_tokens=False)
-    assert t["metrics"]["assistant_tokens_reencoded"] == len(ep.seen[1][1])
-    assert t["metrics"]["assistant_tokens_reused"] == len(ep.seen[0][1])
+    prompt = segs[1]["prompt_ids"].tolist()
+    assert tok.decode(prompt) == text and prompt != tok.encode(text, add_special_tokens=False)
+    head = tok.encode(tok.apply_chat_template(short[:1], add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)
+    assert prompt[:len(head) + len(ep.seen[1][1])] == list(head) + ep.seen[1][1]
+    assert t["metrics"]["assistant_tokens_reencoded"] == 0
+    assert t["metrics"]["assistant_tokens_reused"] == len(ep.seen[0][1]) + len(ep.seen[1][1])
 
 
 def test_edited_reply_or_other_tools_open_a_segment(qwen_tokenizer, scripted, arun):
@@ -342,6 +346,22 @@ def test_deadline_refuses_calls_and_cuts_one_in_flight(qwen_tokenizer, scripted,
     assert be.stats["requests"] == 1
 
 
+def vllm_words(msg: str) -> None:
+    """A context overflow in vLLM's words, with its numbers: Pi's overflow recovery (compact, then
+    retry) matches "maximum context length is N tokens"; the Anthropic route turns the numbers into
+    "prompt is too long: N tokens > 64 maximum", which Claude Code reads."""
+    import re
+
+    from rolloutd.llm.anthropic_wire import error_body
+    from rolloutd.llm.openai_wire import bad
+
+    m = re.match(r"This model's maximum context length is 64 tokens\. However, your prompt contains (\d+) input "
+                 r"tokens, which exceeds this limit even without any output tokens\.", msg)
+    assert m and int(m[1]) > 64, msg
+    body = json.loads(error_body(bad(msg, "messages", "context_length_exceeded")))
+    assert body["error"]["message"].startswith(f"prompt is too long: {m[1]} tokens > 64 maximum"), body
+
+
 def test_n_greater_than_one_and_context_overflow_are_400(qwen_tokenizer, scripted, arun):
     tok = qwen_tokenizer
     be = scripted(tok, Script(tok, ["ok"]))
@@ -354,6 +374,7 @@ def test_n_greater_than_one_and_context_overflow_are_400(qwen_tokenizer, scripte
             with pytest.raises(openai.BadRequestError) as ei:
                 await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x " * 200}])
             assert ei.value.body["code"] == "context_length_exceeded"
+            vllm_words(ei.value.body["message"])
             # the first exchange fits; the next observation does not: refused, nothing recorded for it
             r = await ep.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
             msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": r.choices[0].message.content},
@@ -361,6 +382,7 @@ def test_n_greater_than_one_and_context_overflow_are_400(qwen_tokenizer, scripte
             with pytest.raises(openai.BadRequestError) as ei:
                 await ep.client.chat.completions.create(model="m", messages=msgs)
             assert ei.value.body["code"] == "context_length_exceeded"
+            vllm_words(ei.value.body["message"])
             return ep
 
     ep = arun(main())
