@@ -191,10 +191,12 @@ def main(argv=None) -> int:
 
         shutil.rmtree(work, ignore_errors=True)
     for kind, t in totals.items():
-        print(json.dumps({"bench": "merge", "kind": kind, **t, "calls_per_row": round(t["calls"] / max(1, t["rows"]), 2)}),
-              flush=True)
-    every = {a: sum(t[a] for t in totals.values()) for a in ("calls", "rows", "forks", "reencoded", "episodes", "failed")}
-    print(json.dumps({"bench": "merge", "total": every, "calls_per_row": round(every["calls"] / max(1, every["rows"]), 2),
+        print(json.dumps({"bench": "merge", "kind": kind, **t,
+                          "calls_per_row": round(t["calls"] / max(1, t["rows"]), 2)}), flush=True)
+    every = {a: sum(t[a] for t in totals.values())
+             for a in ("calls", "rows", "forks", "reencoded", "episodes", "failed")}
+    print(json.dumps({"bench": "merge", "total": every,
+                      "calls_per_row": round(every["calls"] / max(1, every["rows"]), 2),
                       "polar": POLAR, "polar_calls_per_row": round(POLAR["calls"] / POLAR["rows"], 2),
                       "loadavg": loadavg(), "machine": machine(), "revision": revision(REPO),
                       "command": f"python bench/bench_merge.py --steps {ns.steps} --repeats {ns.repeats}"

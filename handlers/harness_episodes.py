@@ -40,7 +40,8 @@ from typing import Any
 
 from rolloutd.llm.policies import Policy, PolicyReply, PolicyRequest
 
-__all__ = ["COMPACT_AFTER", "EpisodePolicy", "episode_tag", "SUMMARY_MARKERS", "SUBAGENT_TOOLS", "STEP", "compaction_instance",
+__all__ = ["COMPACT_AFTER", "EpisodePolicy", "episode_tag", "SUMMARY_MARKERS", "SUBAGENT_TOOLS", "STEP",
+           "compaction_instance",
            "episode_task"]
 
 STEP = "rolloutd-step-"
@@ -51,7 +52,8 @@ _PAUSED = "rolloutd-paused"
 # Each harness's compaction prompt, as it reaches the template (the last user message or the
 # system prompt): Codex, Claude Code, Qwen Code (its forked and cold requests), Gemini CLI
 # (summary, verification, its experimental history provider), OpenCode, Pi.
-SUMMARY_MARKERS = ("CONTEXT CHECKPOINT COMPACTION", "Respond with TEXT ONLY", "component that summarizes a conversation",
+SUMMARY_MARKERS = ("CONTEXT CHECKPOINT COMPACTION", "Respond with TEXT ONLY",
+                   "component that summarizes a conversation",
                    "Then, produce the <state_snapshot>", "generate the updated <state_snapshot>",
                    "Critically evaluate the <state_snapshot>", "State Update: Agent Continuity",
                    "context summarization agent", "context summarization assistant")
@@ -199,7 +201,8 @@ class EpisodePolicy(Policy):
                 self._count("spawn")
                 mark = f"(rolloutd-spawned {STEP}{k})"  # in the main's history from here on
                 args = {"description": f"Subtask {mark}", **SUBAGENT_TOOLS[tool["name"]],
-                        "prompt": f"{_SUBTASK} run `echo {_SUB_DONE}` with your shell tool, then answer in one line. {mark}"}
+                        "prompt": f"{_SUBTASK} run `echo {_SUB_DONE}` with your shell tool, then answer in one line. "
+                                  f"{mark}"}
                 return f"Delegating step {k}.\n" + _filled_call(tool, args)
         self._count("step")
         call = shell_call(tools, f"echo {STEP}{k}", f"step {k}") or ""
@@ -244,7 +247,8 @@ def compaction_instance(preset: str, at: int) -> dict:
         path = ".codex/config.toml"
         return {"home_files": {path: f"model_auto_compact_token_limit = {at}\n" + files[path]}}
     if preset == "claude-code":
-        return {"env": {"CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(2 * at + 20_000), "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "50"}}
+        return {"env": {"CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(2 * at + 20_000),
+                        "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "50"}}
     if preset == "opencode":
         path = ".config/opencode/opencode.json"
         cfg = json.loads(files[path])

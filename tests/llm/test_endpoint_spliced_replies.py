@@ -26,8 +26,10 @@ CALL = 'Listing.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\
 
 def as_vllm(msgs: list[dict]) -> list[dict]:
     """The messages as vLLM hands them to the template (tool-call arguments as objects)."""
-    return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
-                                 for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in msgs]
+    def call(c: dict) -> dict:
+        return {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+
+    return [{**m, "tool_calls": [call(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in msgs]
 
 
 def find(hay: list[int], needle: list[int]) -> int:
