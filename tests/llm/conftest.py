@@ -64,6 +64,21 @@ def thinking_policy():
     return Thinks()
 
 
+def urgent_template_tokenizer():
+    """The tiny tokenizer with a template whose earlier turns depend on later messages (the system
+    prompt gains " Hurry." once any message says "urgent"): it cannot render incrementally."""
+    from rolloutd.llm.tiny_model import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    plain = "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    assert tok.chat_template.count(plain) == 1
+    tok.chat_template = tok.chat_template.replace(plain, (
+        "{%- set ns = namespace(urgent=false) %}{%- for m in messages %}{%- if m.content is string and 'urgent'"
+        " in m.content %}{%- set ns.urgent = true %}{%- endif %}{%- endfor %}"
+        "{{- '<|im_start|>system\\n' + messages[0]['content'] + (' Hurry.' if ns.urgent else '') + '<|im_end|>\\n' }}"))
+    return tok
+
+
 BASH_TOOL = {
     "type": "function",
     "function": {

@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai", reason="the openai SDK is not installed (
 from rolloutd.llm.client import LLMClient, simple_generate
 from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
 
-from .conftest import thinking_policy
+from .conftest import thinking_policy, urgent_template_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -280,15 +280,7 @@ def test_a_fork_the_template_cannot_render_incrementally_falls_back_to_a_full_re
     prompt changes once a message says "urgent", as Qwen3's depends on where the last user query
     is) cannot continue the shared prefix: the fork falls back to a segment rendered from the
     request's messages, counted, and the prompt is still the template's rendering."""
-    from rolloutd.llm.tiny_model import build_tiny_tokenizer
-
-    tok = build_tiny_tokenizer()
-    plain = "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    assert tok.chat_template.count(plain) == 1
-    tok.chat_template = tok.chat_template.replace(plain, (
-        "{%- set ns = namespace(urgent=false) %}{%- for m in messages %}{%- if m.content is string and 'urgent'"
-        " in m.content %}{%- set ns.urgent = true %}{%- endif %}{%- endfor %}"
-        "{{- '<|im_start|>system\\n' + messages[0]['content'] + (' Hurry.' if ns.urgent else '') + '<|im_end|>\\n' }}"))
+    tok = urgent_template_tokenizer()
     be = scripted(tok, "echo")
 
     async def episode():

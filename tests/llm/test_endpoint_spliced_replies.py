@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from .conftest import thinking_policy
+from .conftest import thinking_policy, urgent_template_tokenizer
 from .test_llm_openai_endpoint import TOOLS, Endpoint, Script, check_exact
 
 pytestmark = pytest.mark.timeout(300)
@@ -160,15 +160,7 @@ def test_a_template_that_cannot_render_incrementally_renders_the_replies_from_te
     """A template whose earlier turns depend on later messages (the system prompt changes once a
     message says "urgent"): the new segment is the template's full rendering, its replies
     re-encoded and counted."""
-    from rolloutd.llm.tiny_model import build_tiny_tokenizer
-
-    tok = build_tiny_tokenizer()
-    plain = "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    assert tok.chat_template.count(plain) == 1
-    tok.chat_template = tok.chat_template.replace(plain, (
-        "{%- set ns = namespace(urgent=false) %}{%- for m in messages %}{%- if m.content is string and 'urgent'"
-        " in m.content %}{%- set ns.urgent = true %}{%- endif %}{%- endfor %}"
-        "{{- '<|im_start|>system\\n' + messages[0]['content'] + (' Hurry.' if ns.urgent else '') + '<|im_end|>\\n' }}"))
+    tok = urgent_template_tokenizer()
     be = scripted(tok, "echo")
 
     async def run():
