@@ -122,12 +122,19 @@ class SyntheticLLMHandler(SyntheticHandler):
     through the leased backend (any vLLM/SGLang-API server), sleeping ``think`` between them.
     Used to test and benchmark the router, failover and checkpoint swaps.
 
-    Extra instance fields: ``{"llm_calls": 3, "max_tokens": 4, "prompt_len": 16, "think": <latency>}``
+    Extra instance fields: ``{"llm_calls": 3, "max_tokens": 4, "prompt_len": 16, "think": <latency>,
+    "ignore_eos": false}`` (``ignore_eos``: every call samples exactly ``max_tokens``)
     """
 
     name = "synthetic_llm"
     needs_llm = True
-    instance_keys = SyntheticHandler.instance_keys | {"llm_calls", "max_tokens", "prompt_len", "think"}
+    instance_keys = SyntheticHandler.instance_keys | {"llm_calls", "max_tokens", "prompt_len", "think", "ignore_eos"}
+
+    def _check_instance(self, ctx: JobContext):
+        super()._check_instance(ctx)
+        if not isinstance(ctx.instance.get("ignore_eos", False), bool):
+            raise SyntheticInstanceError(f"{self.name}: instance ignore_eos is {ctx.instance['ignore_eos']!r}; "
+                                         "must be true or false")
 
     async def run(self, ctx):
         import numpy as np
@@ -136,7 +143,8 @@ class SyntheticLLMHandler(SyntheticHandler):
 
         rng = self._rng(ctx, "run")
         calls = int(ctx.instance.get("llm_calls", 1))
-        params = SamplingParams(max_tokens=int(ctx.instance.get("max_tokens", 4)), temperature=1.0)
+        params = SamplingParams(max_tokens=int(ctx.instance.get("max_tokens", 4)), temperature=1.0,
+                                ignore_eos=bool(ctx.instance.get("ignore_eos", False)))
         prompt = np.arange(1, 1 + int(ctx.instance.get("prompt_len", 16)), dtype=np.int32)
         traj = ctx.trajectory
         response, logprobs, turns = [], [], []

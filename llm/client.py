@@ -7,7 +7,7 @@ with one logprob per token, exactly as the server produced them.
 Wire formats (checked against the servers' own request/response models):
 
 * vLLM, ``POST /v1/completions``: ``{"model", "prompt": [ids], "max_tokens", "temperature",
-  "top_p", "top_k", "seed", "stop_token_ids", "logprobs": 0, "return_token_ids": true,
+  "top_p", "top_k", "seed", "stop_token_ids", "stop", "ignore_eos", "logprobs": 0, "return_token_ids": true,
   "return_tokens_as_token_ids": true}``; reply ``choices[0].token_ids`` (vLLM >= 0.10.2;
   older servers: parsed from ``logprobs.tokens == ["token_id:N", ...]``),
   ``choices[0].logprobs.token_logprobs``, ``choices[0].finish_reason`` in
@@ -90,6 +90,9 @@ class SamplingParams:
     # Stop strings (vLLM's and SGLang's `stop`): the server ends the generation at the token that
     # completes one; that token is kept in the ids (docs/LLM.md, "A real vLLM").
     stop: list[str] = field(default_factory=list)
+    # Sample on past EOS until max_tokens (vLLM's and SGLang's `ignore_eos`): fixed-length calls
+    # for benchmarks and tests; the EOS token, when sampled, stays in the ids like any other.
+    ignore_eos: bool = False
 
     def replace(self, **changes: Any) -> "SamplingParams":
         return replace(self, **changes)
@@ -330,6 +333,8 @@ class LLMClient:
                 d["stop_token_ids"] = [int(x) for x in p.stop_token_ids]
             if p.stop:
                 d["stop"] = [str(x) for x in p.stop]
+            if p.ignore_eos:
+                d["ignore_eos"] = True
             key = '"prompt":'
         else:
             sp: dict[str, Any] = {
@@ -345,6 +350,8 @@ class LLMClient:
                 sp["stop_token_ids"] = [int(x) for x in p.stop_token_ids]
             if p.stop:
                 sp["stop"] = [str(x) for x in p.stop]
+            if p.ignore_eos:
+                sp["ignore_eos"] = True
             d = {"sampling_params": sp, "return_logprob": True, "logprob_start_len": -1, "stream": False}
             if rid is not None:  # lets abort(rid) end it early with the tokens sampled so far
                 d["rid"] = rid

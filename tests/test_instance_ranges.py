@@ -28,6 +28,14 @@ def test_synthetic_instance_numbers_out_of_range_fail_in_init_with_the_range_nam
     assert got[ids[-1]]["status"] == "ok"  # in range: runs as before
 
 
+def test_synthetic_llm_ignore_eos_must_be_a_bool(shared_up):
+    with shared_up.client() as c:
+        ids = c.submit([{"handler": "synthetic_llm", "instance_id": "e", "instance": {"ignore_eos": "yes"}, "timeout_s": 60}])
+        r = next(iter(c.gather(ids, timeout_s=60)))
+    assert r["status"] == "failed" and r["failed_phase"] == "init", (r["status"], r["error"])
+    assert r["error"]["type"] == "SyntheticInstanceError" and "ignore_eos is 'yes'" in r["error"]["message"], r["error"]
+
+
 def test_a_negative_policy_version_is_refused_by_the_gateway_and_the_router(shared_up):
     with shared_up.client() as c:
         with pytest.raises(GatewayError) as e:

@@ -46,3 +46,24 @@ def test_prompts_that_fill_or_pass_the_context_are_context_overflow(vllm_server)
 
     assert "max_tokens must be at least 1" in (asyncio.run(go(L)) or "")
     assert "maximum context length" in (asyncio.run(go(L + 3)) or "")
+
+
+def test_ignore_eos_samples_past_eos_to_max_tokens(vllm_server):
+    """``SamplingParams.ignore_eos`` reaches vLLM: seeded calls that end at EOS without it run on
+    to ``max_tokens`` with it, sampling the same ids up to and including that EOS (the swap test's
+    jobs must all still be generating at the swap; a random model samples EOS now and then)."""
+    from rolloutd.llm.client import LLMClient, SamplingParams
+
+    n = 300
+
+    async def go(ignore_eos):
+        async with LLMClient(vllm_server.url, "vllm") as c:
+            return [await c.generate(list(range(1, 17)), SamplingParams(max_tokens=n, seed=s, ignore_eos=ignore_eos))
+                    for s in range(8)]
+
+    plain, ignoring = asyncio.run(go(False)), asyncio.run(go(True))
+    stopped = [i for i, g in enumerate(plain) if g.finish_reason == "stop"]
+    assert stopped, [g.finish_reason for g in plain]  # the seeds are chosen so that some calls hit EOS
+    for p, g in zip(plain, ignoring):
+        assert g.finish_reason == "length" and len(g.token_ids) == n
+        assert list(g.token_ids[:len(p.token_ids)]) == list(p.token_ids)  # same seed: same ids up to the EOS
