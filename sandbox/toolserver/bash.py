@@ -37,13 +37,13 @@ import subprocess
 import tempfile
 import termios
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ptyprocess import PtyProcess
 
 from .cancel import NEVER, Canceller
 from .guard import check_spawn, child_filter
-from .output import DEFAULT_MAX_OUTPUT, CappedBuffer, finish_text
+from .output import CappedBuffer, finish_text
 from .procs import MANAGED, SPAWN_LOCK, apply_limits, kill_pids, session_members
 from .session import Session, call_result
 
@@ -161,22 +161,9 @@ def _child_setup(fds: List[Tuple[int, int]]):
 
 
 class BashSession(Session):
-    def __init__(
-        self,
-        env: Dict[str, str],
-        cwd: str,
-        shell: str = "/bin/bash",
-        limits: Optional[Dict[str, Optional[float]]] = None,
-        max_output: int = DEFAULT_MAX_OUTPUT,
-        interrupt_grace: float = 1.0,
-    ) -> None:
-        super().__init__()
-        self.env = dict(env)
-        self.cwd = cwd
+    def __init__(self, env: Dict[str, str], cwd: str, shell: str = "/bin/bash", **session: Any) -> None:
+        super().__init__(env, cwd, **session)  # limits, max_output, interrupt_grace: Session
         self.shell = shell
-        self.limits = limits or {}
-        self.max_output = max_output
-        self.interrupt_grace = interrupt_grace
         self.proc: Optional[PtyProcess] = None
         self._files: Dict[int, int] = {}   # fd number in the shell -> our fd
         self._ctl_r: Optional[int] = None

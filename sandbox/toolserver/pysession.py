@@ -14,10 +14,10 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from .cancel import NEVER, Canceller
-from .output import DEFAULT_MAX_OUTPUT, CappedBuffer, finish_text
+from .output import CappedBuffer, finish_text
 from .session import Session, call_result
 from .guard import check_spawn, child_filter
 from .procs import MANAGED, SPAWN_LOCK, apply_limits
@@ -77,22 +77,9 @@ class _FrameReader:
 
 
 class PythonSession(Session):
-    def __init__(
-        self,
-        env: Dict[str, str],
-        cwd: str,
-        python: str = sys.executable,
-        limits: Optional[Dict[str, Optional[float]]] = None,
-        max_output: int = DEFAULT_MAX_OUTPUT,
-        interrupt_grace: float = 1.0,
-    ) -> None:
-        super().__init__()
-        self.env = dict(env)
-        self.cwd = cwd
+    def __init__(self, env: Dict[str, str], cwd: str, python: str = sys.executable, **session: Any) -> None:
+        super().__init__(env, cwd, **session)  # limits, max_output, interrupt_grace: Session
         self.python = python
-        self.limits = limits or {}
-        self.max_output = max_output
-        self.interrupt_grace = interrupt_grace
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self, timeout: float = 15.0) -> None:

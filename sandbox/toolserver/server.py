@@ -21,13 +21,13 @@ from typing import Any, Callable, Dict, Optional
 from . import PROTOCOL_VERSION
 from .cancel import Canceller
 from .errors import Abandoned, ArgError, BusyError, ToolError
+from .output import DEFAULT_MAX_OUTPUT
 from .toollog import clip, log
 from .wire import FrameError, encode, recv_frame
 
 # The tools (ptyprocess, subprocess, ctypes, re...) are imported by a background thread
 # after "ready" is signalled: half of the interpreter's start-up is those imports, and a
 # ping does not need them. The first tool call waits for them (see _tools_ready).
-DEFAULT_MAX_OUTPUT = 64 * 1024
 # An error text in a reply (an exception's repr can hold a whole payload).
 MAX_ERROR = 4096
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional
 
+from .output import DEFAULT_MAX_OUTPUT
+
 
 class Session:
     """Subclasses provide ``proc``, ``start()``, ``alive()`` and ``kill()``.
@@ -15,7 +17,13 @@ class Session:
     when the reply of that call will not be delivered.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, env: Dict[str, str], cwd: str, limits: Optional[Dict[str, Optional[float]]] = None,
+                 max_output: int = DEFAULT_MAX_OUTPUT, interrupt_grace: float = 1.0) -> None:
+        self.env = dict(env)
+        self.cwd = cwd
+        self.limits = limits or {}
+        self.max_output = max_output
+        self.interrupt_grace = interrupt_grace
         self.restarts = 0
         self.restart_notes: List[str] = []   # restarts the current call's reply reports
         self.unreported: List[str] = []      # restarts no delivered reply has reported yet
