@@ -162,20 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     stream_args(p)
     p.add_argument("--port", type=int, required=True, help="HTTP port for /metrics")
     p.add_argument("--addr", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--dead-after", type=float, default=5.0, help="a daemon silent this long counts as down")
-    p.add_argument("--duration", type=float, default=None, help="exit after this many seconds")
     a = p.parse_args(argv)
 
     from prometheus_client import CollectorRegistry, start_http_server
 
     from rolloutd.bus import logs
-    from rolloutd.bus.config import ConfigError
 
-    try:
-        sub, address, cfg = open_stream(a, "exporter")
-    except (ConfigError, OSError) as e:
-        print(f"rolloutd exporter: {e}", file=sys.stderr)
+    opened = open_stream(a, "exporter")
+    if opened is None:
         return 2
+    sub, address, cfg = opened
     lc = cfg.section("logging")
     logs.configure(lc["format"], lc["level"], daemon="exporter", node=cfg.node)
     log = logs.get("rolloutd.exporter")

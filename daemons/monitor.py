@@ -416,46 +416,50 @@ def _dur(s) -> str:
 
 
 # -- command line ---------------------------------------------------------------------------------
-def stream_args(p: argparse.ArgumentParser):
+def stream_args(p: argparse.ArgumentParser, silent: str = "counts as down"):
+    """The options of a tool reading the events stream (monitor, exporter)."""
     p.add_argument("--events", help="events stream address (default: endpoints.events_out of the config)")
     p.add_argument("--config", help="TOML config (default: $ROLLOUTD_CONFIG or built-in defaults)")
     p.add_argument("--runtime-dir", help="runtime directory of a one-machine deployment (`rolloutd up`)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--key-name", default=None, help="CURVE key name to connect with (when keys_dir is set)")
+    p.add_argument("--dead-after", type=float, default=5.0, help=f"a daemon silent this long {silent}")
+    p.add_argument("--duration", type=float, default=None, help="exit after this many seconds")
 
 
 def open_stream(a, key_name: str):
-    """(Subscriber, address) for parsed ``stream_args``."""
+    """(Subscriber, address, config) for parsed ``stream_args``; None (the error printed) when
+    the config or the address is bad."""
+    from rolloutd.bus.config import ConfigError
     from rolloutd.bus.events import Subscriber
     from rolloutd.daemons.supervisor import config_from_args
 
-    cfg = config_from_args(a.config, a.runtime_dir, a.set)
-    address = a.events or cfg.endpoints.events_out
-    curve = cfg.curve(a.key_name or key_name) if address.startswith("tcp://") else None
-    return Subscriber(address, curve=curve), address, cfg
+    try:
+        cfg = config_from_args(a.config, a.runtime_dir, a.set)
+        address = a.events or cfg.endpoints.events_out
+        curve = cfg.curve(a.key_name or key_name) if address.startswith("tcp://") else None
+        return Subscriber(address, curve=curve), address, cfg
+    except (ConfigError, OSError) as e:
+        print(f"rolloutd {key_name}: {e}", file=sys.stderr)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rolloutd monitor", description="live view of the rolloutd events stream")
-    stream_args(p)
+    stream_args(p, "is shown as silent")
     p.add_argument("--once", action="store_true", help="collect for --collect seconds, print one snapshot, exit")
     p.add_argument("--collect", type=float, default=3.0, help="seconds to collect before --once prints (default 3)")
     p.add_argument("--json", action="store_true", help="with --once: print the snapshot as JSON")
-    p.add_argument("--duration", type=float, default=None, help="exit after this many seconds")
     p.add_argument("--refresh", type=float, default=0.5, help="seconds between redraws")
-    p.add_argument("--dead-after", type=float, default=5.0, help="a daemon silent this long is shown as silent")
     p.add_argument("--width", type=int, default=None, help="output width (default: the terminal's, else 120)")
     a = p.parse_args(argv)
 
     from rich.console import Console
 
-    from rolloutd.bus.config import ConfigError
-
-    try:
-        sub, address, _ = open_stream(a, "monitor")
-    except (ConfigError, OSError) as e:
-        print(f"rolloutd monitor: {e}", file=sys.stderr)
+    opened = open_stream(a, "monitor")
+    if opened is None:
         return 2
+    sub, address, _ = opened
     state = State(dead_after_s=a.dead_after)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
