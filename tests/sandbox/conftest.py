@@ -130,3 +130,30 @@ def bash(tool_env):
         return c.call("bash", dict(command=command, timeout=timeout, **args))
 
     return run
+
+
+def swe_sandbox(bwrap_rt, workspace_files: dict | None = None):
+    """A swe sandbox of the first task, its repository copied in (and ``workspace_files`` beside
+    it); (handler, ctx, handle, client, task). Skips when the task cannot be built."""
+    from rolloutd.bus.messages import Job
+    from rolloutd.handlers.base import JobContext, Services
+    from rolloutd.handlers.swe import SWEHandler
+    from rolloutd.handlers.swe_tasks import DownloadError, build_task, get_task, task_ids
+
+    task_id = sorted(task_ids())[0]
+    try:
+        build_task(task_id)
+    except DownloadError as e:  # only a cold cache with no package index
+        pytest.skip(f"swe task sdist not cached and the package index cannot be reached: {e}")
+    handler = SWEHandler()
+    ctx = JobContext(Job(job_id=1, attempt=1, handler="swe", instance={"task_id": task_id}, sandbox=None),
+                     Services(lambda: bwrap_rt.rt))
+    ctx.phase = "eval"
+    handler.setup_task(ctx)
+    spec = handler.sandbox_spec(ctx)
+    if workspace_files:
+        spec.workspace_files = dict(spec.workspace_files or {}, **workspace_files)
+    h = bwrap_rt.create("swe", spec)
+    ctx.job.sandbox = h.to_dict()
+    handler.prepare_sandbox(ctx)
+    return handler, ctx, h, bwrap_rt.client(h, timeout=30), get_task(task_id)

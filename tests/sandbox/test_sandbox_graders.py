@@ -15,6 +15,7 @@ from pathlib import Path
 from rolloutd.bus.messages import Job
 from rolloutd.handlers.base import JobContext, Services
 from rolloutd.sandbox import SandboxSpec
+from tests.sandbox.conftest import swe_sandbox
 
 FORGER = (Path(__file__).parent / "forger.py").read_text()
 
@@ -71,25 +72,7 @@ def test_harness_eval_command_ignores_a_forger_daemon(bwrap_rt):
 
 
 def test_swe_grader_ignores_a_forger_daemon(bwrap_rt):
-    from rolloutd.handlers.swe import SWEHandler
-    from rolloutd.handlers.swe_tasks import DownloadError, build_task, task_ids
-
-    task_id = sorted(task_ids())[0]
-    try:
-        build_task(task_id)
-    except DownloadError as e:  # only a cold cache with no package index
-        import pytest
-        pytest.skip(f"swe task sdist not cached and the package index cannot be reached: {e}")
-    handler = SWEHandler()
-    ctx = _ctx(type("H", (), {"to_dict": lambda self: None})(), bwrap_rt.rt)
-    ctx.job.instance = {"task_id": task_id}
-    handler.setup_task(ctx)
-    spec = handler.sandbox_spec(ctx)
-    spec.workspace_files = {"forger.py": FORGER}
-    h = bwrap_rt.create("swe", spec)
-    ctx.job.sandbox = h.to_dict()
-    handler.prepare_sandbox(ctx)
-    c = bwrap_rt.client(h, timeout=20)
+    handler, ctx, h, c, _ = swe_sandbox(bwrap_rt, {"forger.py": FORGER})
     _forger_owns_the_shell(c)
     reward, details = asyncio.run(handler.evaluate(ctx))  # the unfixed repository: its tests fail
     assert reward == 0.0 and details["resolved"] is False, details

@@ -22,7 +22,8 @@ from rolloutd.handlers.base import JobContext, Services
 
 # -- swe ---------------------------------------------------------------------------------------------
 # A swe sandbox of the first task (boltons, tests/test_strutils.py), its repository copied in.
-from tests.sandbox.test_sandbox_redteam_swe import FORCE_PASS, _swe  # noqa: E402
+from tests.sandbox.conftest import swe_sandbox  # noqa: E402
+from tests.sandbox.test_sandbox_redteam_swe import FORCE_PASS  # noqa: E402
 
 
 # Imported by pytest as the tests package (rootdir-based import) before any test runs: every report
@@ -40,7 +41,7 @@ _rp.TestReport.from_item_and_call = classmethod(_passed)
 
 def test_swe_a_report_patch_in_tests_init_cannot_pass_the_unfixed_repository(bwrap_rt):
     """Before: tests/__init__.py was neither restored nor removed, and this was reward 1 (resolved)."""
-    handler, ctx, h, c, task = _swe(bwrap_rt)
+    handler, ctx, h, c, task = swe_sandbox(bwrap_rt)
     r = c.call("bash", {"command": "cat >> tests/__init__.py <<'EOF'\n" + INIT_PATCH + "EOF\n"
                                    "echo '# mine' > tests/helper_added.py && echo ok", "timeout": 20})
     assert "ok" in r.output, r
@@ -62,7 +63,7 @@ DEEP = ("python3 -c \"import os\nos.chdir('{where}')\nfor i in range(1100):\n   
 @pytest.mark.parametrize("where", [".", "tests"])
 def test_swe_a_1100_deep_tree_is_graded_zero_with_a_reason(bwrap_rt, where):
     """Before: os.fwalk in the conftest sweep raised RecursionError (the job failed: an abstention)."""
-    handler, ctx, h, c, task = _swe(bwrap_rt)
+    handler, ctx, h, c, task = swe_sandbox(bwrap_rt)
     r = c.call("bash", {"command": DEEP.format(where=where), "timeout": 60})
     assert "deep" in r.output, r
     reward, details = asyncio.run(handler.evaluate(ctx))
@@ -76,7 +77,7 @@ def test_swe_a_1100_deep_tree_is_graded_zero_with_a_reason(bwrap_rt, where):
 
 def test_swe_restore_walks_a_wide_and_looped_tree_without_raising(bwrap_rt):
     """Symlink loops and a wide tree under the test directory: restored, swept, graded (no raise)."""
-    handler, ctx, h, c, task = _swe(bwrap_rt)
+    handler, ctx, h, c, task = swe_sandbox(bwrap_rt)
     r = c.call("bash", {"command": "mkdir -p tests/x && ln -s .. tests/x/up && ln -s ../tests tests/self && "
                                    "for i in $(seq 200); do mkdir -p tests/w$i/conftest.py; done; ln -s tests/self "
                                    "conftest.py; echo ok", "timeout": 60})

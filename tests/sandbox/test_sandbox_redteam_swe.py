@@ -5,34 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 from pathlib import Path
 
-import pytest
-
-from rolloutd.bus.messages import Job
-from rolloutd.handlers.base import JobContext, Services
-
-
-def _swe(bwrap_rt):
-    """A swe sandbox of the first task, its repository copied in; (handler, ctx, handle, client, task)."""
-    from rolloutd.handlers.swe import SWEHandler
-    from rolloutd.handlers.swe_tasks import DownloadError, build_task, get_task, task_ids
-
-    task_id = sorted(task_ids())[0]
-    try:
-        build_task(task_id)
-    except DownloadError as e:  # only a cold cache with no package index
-        pytest.skip(f"swe task sdist not cached and the package index cannot be reached: {e}")
-    handler = SWEHandler()
-    ctx = JobContext(Job(job_id=1, attempt=1, handler="swe", instance={"task_id": task_id}, sandbox=None),
-                     Services(lambda: bwrap_rt.rt))
-    ctx.phase = "eval"
-    handler.setup_task(ctx)
-    h = bwrap_rt.create("swe", handler.sandbox_spec(ctx))
-    ctx.job.sandbox = h.to_dict()
-    handler.prepare_sandbox(ctx)
-    return handler, ctx, h, bwrap_rt.client(h, timeout=30), get_task(task_id)
+from tests.sandbox.conftest import swe_sandbox
 
 
 FORCE_PASS = '''
@@ -61,7 +36,7 @@ sys.exit(pytest.main(sys.argv[1:], plugins=[ForcePass()]))
 
 
 def test_swe_an_agents_conftest_cannot_pass_the_unfixed_repository(bwrap_rt):
-    handler, ctx, h, c, task = _swe(bwrap_rt)
+    handler, ctx, h, c, task = swe_sandbox(bwrap_rt)
     r = c.call("bash", {"command": "cat >> conftest.py <<'EOF'\n" + FORCE_PASS + "EOF\necho ok", "timeout": 20})
     assert "ok" in r.output, r
     reward, details = asyncio.run(handler.evaluate(ctx))
@@ -70,7 +45,7 @@ def test_swe_an_agents_conftest_cannot_pass_the_unfixed_repository(bwrap_rt):
 
 
 def test_swe_a_pytest_module_in_the_workspace_is_not_the_grader(bwrap_rt):
-    handler, ctx, h, c, task = _swe(bwrap_rt)
+    handler, ctx, h, c, task = swe_sandbox(bwrap_rt)
     assert task["test_cmd"][:4] == ["python3", "-B", "-m", "pytest"], task["test_cmd"]
     (Path(h.workspace) / "pytest.py").write_text(FAKE_PYTEST)  # as the agent's editor would
     from rolloutd.handlers.tasks import give_to_sandbox
@@ -81,7 +56,7 @@ def test_swe_a_pytest_module_in_the_workspace_is_not_the_grader(bwrap_rt):
 
 
 def test_swe_a_fifo_in_place_of_a_test_file_is_graded_not_an_error(bwrap_rt):
-    handler, ctx, h, c, task = _swe(bwrap_rt)
+    handler, ctx, h, c, task = swe_sandbox(bwrap_rt)
     rel = task["test_files"][0]
     r = c.call("bash", {"command": f"rm -f {rel} && mkfifo {rel} && ls -l {rel}", "timeout": 20})
     assert r.output.startswith("p"), r
@@ -97,7 +72,7 @@ def test_swe_restore_never_writes_through_a_symlinked_test_file(bwrap_rt, tmp_pa
     os.chmod(tmp_path, 0o755)
     victim = tmp_path / "victim.conf"
     victim.write_text("ORIGINAL\n")
-    handler, ctx, h, c, task = _swe(bwrap_rt)
+    handler, ctx, h, c, task = swe_sandbox(bwrap_rt)
     rel = task["test_files"][0]
     r = c.call("bash", {"command": f"ln -sf {victim} {rel} && ls -l {rel}", "timeout": 20})
     assert "->" in r.output, r
@@ -153,7 +128,7 @@ ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: the leader only
 
 
 def test_swe_a_daemon_started_by_the_diff_grader_cannot_outlive_it(bwrap_rt):
-    handler, ctx, h, c, task = _swe(bwrap_rt)
+    handler, ctx, h, c, task = swe_sandbox(bwrap_rt)
     rel = task["test_files"][0]
     (Path(h.workspace) / ".git" / "d.py").write_text(FSMONITOR_DAEMON)  # as the agent's editor would
     from rolloutd.handlers.tasks import give_to_sandbox
@@ -190,7 +165,7 @@ _atexit.register(_rolloutd_redteam_summary)
 
 
 def test_swe_code_under_test_cannot_print_a_summary_of_its_own(bwrap_rt):
-    handler, ctx, h, c, task = _swe(bwrap_rt)
+    handler, ctx, h, c, task = swe_sandbox(bwrap_rt)
     lib = Path(h.workspace) / "boltons" / "strutils.py"
     assert task["test_files"] == ["tests/test_strutils.py"] and lib.is_file(), task
     with lib.open("a") as f:  # as the agent's editor would
@@ -204,7 +179,7 @@ def test_swe_the_repositorys_own_conftest_is_restored_and_others_deleted(bwrap_r
     """The agent's hook goes into the repository's own tests/conftest.py and into new conftest.py
     files below the tests and the library: the grade restores the first and deletes the others.
     On the old code (every conftest loaded, only test_files restored) this was reward 1.0."""
-    handler, ctx, h, c, task = _swe(bwrap_rt)
+    handler, ctx, h, c, task = swe_sandbox(bwrap_rt)
     ws = Path(h.workspace)
     assert (ws / "tests" / "conftest.py").is_file()
     r = c.call("bash", {"command": "cat >> tests/conftest.py <<'EOF'\n" + FORCE_PASS + "EOF\nmkdir -p tests/sub && "
@@ -222,7 +197,7 @@ def test_swe_the_diff_grader_runs_none_of_the_agents_git_programs(bwrap_rt):
     """The agent's .git/config names programs for git to run in `git diff` (fsmonitor hook,
     external diff, textconv, pager) and its .gitattributes selects the textconv driver: the diff
     grade runs none of them (each would leave a file). On the old code the fsmonitor hook ran."""
-    handler, ctx, h, c, task = _swe(bwrap_rt)
+    handler, ctx, h, c, task = swe_sandbox(bwrap_rt)
     ws = Path(h.workspace)
     cmd = ("printf '#!/bin/sh\\ntouch /workspace/.git/ran-$1\\ncat \"$2\" 2>/dev/null\\nexit 1\\n' > .git/prog.sh && "
            "chmod +x .git/prog.sh && git config core.fsmonitor '/workspace/.git/prog.sh fsmonitor' && "
