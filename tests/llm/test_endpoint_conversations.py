@@ -17,43 +17,10 @@ import pytest
 openai = pytest.importorskip("openai", reason="the openai SDK is not installed (pip install rolloutd[harness])")
 anthropic = pytest.importorskip("anthropic", reason="the anthropic SDK is not installed (pip install rolloutd[harness])")
 
-from rolloutd.llm.client import LLMClient, simple_generate
-from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
-
 from .conftest import BASH_TOOL
+from .served_session import ServedSession as Served
 
 pytestmark = pytest.mark.timeout(300)
-
-
-class Served:
-    def __init__(self, tok, url):
-        self.tok, self.url = tok, url
-        self.inflight = self.max_inflight = 0
-
-    async def __aenter__(self):
-        self.llm = LLMClient(self.url, timeout=60)
-        inner = simple_generate(self.llm, "b0", 0)
-
-        async def generate(ids, params):  # counts the backend calls in flight at once
-            self.inflight += 1
-            self.max_inflight = max(self.max_inflight, self.inflight)
-            try:
-                return await inner(ids, params)
-            finally:
-                self.inflight -= 1
-
-        self.session = EndpointSession(generate, self.tok, limits=EndpointLimits(max_context=8192, max_tokens=24))
-        self.server = await serve(make_app(self.session), host="127.0.0.1", port=0)
-        base = f"http://127.0.0.1:{self.server.port}"
-        self.oa = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
-        self.an = anthropic.AsyncAnthropic(base_url=base, api_key="k", max_retries=0)
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.oa.close()
-        await self.an.close()
-        await self.server.stop()
-        await self.llm.aclose()
 
 
 async def chat(ep: Served, msgs: list, tools=None) -> dict:

@@ -16,10 +16,8 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the openai SDK is not installed (pip install rolloutd[harness])")
 
-from rolloutd.llm.client import LLMClient, simple_generate
-from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
-
 from .conftest import thinking_policy, urgent_template_tokenizer
+from .served_session import ServedSession
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,38 +34,12 @@ def tok(request):
     return request.getfixturevalue("qwen_tokenizer" if request.param == "qwen" else "tiny_tokenizer")
 
 
-class Agent:
-    """An ``openai``-SDK agent on a served session; records every prompt the backend saw and
-    the messages of every call."""
+class Agent(ServedSession):
+    """An ``openai``-SDK agent on a served session; also records the messages of every call."""
 
     def __init__(self, tok, url):
-        self.tok, self.url = tok, url
-        self.prompts: list[list[int]] = []
+        super().__init__(tok, url, max_context=4096)
         self.calls: list[list[dict]] = []
-        self.inflight = self.max_inflight = 0
-
-    async def __aenter__(self):
-        self.llm = LLMClient(self.url, timeout=60)
-        inner = simple_generate(self.llm, "b0", 0)
-
-        async def generate(ids, params):
-            self.prompts.append(np.asarray(ids).tolist())
-            self.inflight += 1
-            self.max_inflight = max(self.max_inflight, self.inflight)
-            try:
-                return await inner(ids, params)
-            finally:
-                self.inflight -= 1
-
-        self.session = EndpointSession(generate, self.tok, limits=EndpointLimits(max_context=4096, max_tokens=24))
-        self.server = await serve(make_app(self.session), host="127.0.0.1", port=0)
-        self.oa = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{self.server.port}/v1", api_key="k", max_retries=0)
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.oa.close()
-        await self.server.stop()
-        await self.llm.aclose()
 
     async def chat(self, msgs: list[dict]) -> dict:
         self.calls.append([dict(m) for m in msgs])
