@@ -41,6 +41,16 @@ class Agent(ServedSession):
         super().__init__(tok, url, max_context=4096)
         self.calls: list[list[dict]] = []
 
+    async def two_turns_then_compaction(self) -> list[dict]:
+        """The main loop's first two turns, then a compaction side call (main history + "summarize");
+        the main messages so far."""
+        main = [{"role": "system", "content": "You are the main agent."}, user("fix the bug")]
+        main.append(await self.chat(main))
+        main.append(user("look at foo.py"))
+        main.append(await self.chat(main))
+        await self.chat(main + [user("Summarize the conversation so far.")])
+        return main
+
     async def chat(self, msgs: list[dict]) -> dict:
         self.calls.append([dict(m) for m in msgs])
         r = await self.oa.chat.completions.create(model="m", messages=msgs, max_tokens=24)
@@ -88,11 +98,7 @@ def test_compaction_side_calls_fork_the_main_conversation_without_reencoding(tok
 
     async def episode():
         async with Agent(tok, be.url) as ag:
-            main = [{"role": "system", "content": "You are the main agent."}, user("fix the bug")]
-            main.append(await ag.chat(main))
-            main.append(user("look at foo.py"))
-            main.append(await ag.chat(main))
-            await ag.chat(main + [user("Summarize the conversation so far.")])  # compaction 1
+            main = await ag.two_turns_then_compaction()  # compaction 1
             main.append(user("now run the tests"))
             main.append(await ag.chat(main))
             main.append(user("tests fail in bar"))
@@ -188,11 +194,7 @@ def test_qwen3_reasoning_dropped_from_earlier_turns_stays_dropped_in_a_fork(qwen
     async def episode():
         async with Agent(tok, be.url) as ag:
             ag.session.conv_options = {"reasoning": "drop"}
-            main = [{"role": "system", "content": "You are the main agent."}, user("fix the bug")]
-            main.append(await ag.chat(main))
-            main.append(user("look at foo.py"))
-            main.append(await ag.chat(main))
-            await ag.chat(main + [user("Summarize the conversation so far.")])
+            main = await ag.two_turns_then_compaction()
             main.append(user("now run the tests"))
             main.append(await ag.chat(main))
             main.append(user("done?"))
@@ -257,11 +259,7 @@ def test_a_fork_the_template_cannot_render_incrementally_falls_back_to_a_full_re
 
     async def episode():
         async with Agent(tok, be.url) as ag:
-            main = [{"role": "system", "content": "You are the main agent."}, user("fix the bug")]
-            main.append(await ag.chat(main))
-            main.append(user("look at foo.py"))
-            main.append(await ag.chat(main))
-            await ag.chat(main + [user("Summarize the conversation so far.")])
+            main = await ag.two_turns_then_compaction()
             main.append(user("this is urgent: run the tests"))
             await ag.chat(main)
             return ag.session.trajectory(), ag
