@@ -89,6 +89,16 @@ def destroy_sandboxes(root: Path) -> None:
             print(f"could not destroy sandbox {h.sandbox_id}: {e!r}")
 
 
+@pytest.fixture(scope="module")
+def sandbox_root():
+    """A private sandbox root for the module's deployments, a sandbox left in it destroyed and the
+    tree removed afterwards (no janitor of another deployment on this machine sees these)."""
+    d = traversable_tmpdir("rd-sb-")
+    yield str(d)
+    destroy_sandboxes(d)
+    remove_tree(d)
+
+
 def require_tool(tool: str, package: str) -> str:
     """The path of a system tool a test needs: skip with the reason where it is missing, fail
     instead under ROLLOUTD_TEST_STRICT=1 (CI installs every such package)."""

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.conftest import require_bwrap, wait_for
-from tests.harness.conftest import agent_venv, harness_sets, sandbox_root, tok_dir  # noqa: F401 (fixtures)
+from tests.harness.conftest import agent_venv, harness_sets, tok_dir  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

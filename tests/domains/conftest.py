@@ -104,18 +104,6 @@ def domain_sets(tok_dir, sandbox_root):
 
 
 @pytest.fixture(scope="module")
-def sandbox_root():
-    """A private sandbox root for the module's deployments, removed afterwards (no janitor of
-    another deployment on this machine can ever see these sandboxes)."""
-    import shutil
-
-    d = tempfile.mkdtemp(prefix="rd-sb-", dir="/tmp")
-    os.chmod(d, 0o711)  # bwrap started by root runs the sandbox as nobody
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
 def domains_up(module_up_factory, domain_sets, need_bwrap, oracle_backend):
     up = module_up_factory(*domain_sets("bwrap"))
     with up.client() as c:

@@ -94,18 +94,6 @@ def _contains(seq: list[int], sub: list[int]) -> bool:
     return any(seq[i:i + n] == sub for i in range(len(seq) - n + 1))
 
 
-@pytest.fixture(scope="module")
-def sandbox_root():
-    import os
-    import shutil
-    import tempfile
-
-    d = tempfile.mkdtemp(prefix="rd-sb-", dir="/tmp")
-    os.chmod(d, 0o711)  # bwrap started by root runs the sandbox as nobody
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 CASES = [(f, "keep", None) for f in sorted(FAMILIES)] + [
     ("qwen3", "drop", None),
     ("deepseek_v31", "drop", {"thinking": True}),

@@ -80,14 +80,6 @@ def swe_built():
 
 
 @pytest.fixture(scope="module")
-def sandbox_root():
-    d = tempfile.mkdtemp(prefix="rd-hsb-", dir="/tmp")
-    os.chmod(d, 0o711)  # bwrap started by root runs the sandbox as nobody
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
 def oracle_backend(tok_dir):
     """Both presets' oracle on an in-process scripted vLLM-API backend: odd keys wrong."""
     from rolloutd.handlers.harness_presets import HarnessOracle
@@ -122,10 +114,15 @@ def harness_sets(tok_dir: str, sandbox_root: str, venv: str, **extra) -> list[st
     return ["sandbox.runtime=bwrap", f"sandbox.root_dir={sandbox_root}", "handlers=" + json.dumps(cfg)]
 
 
+def harness_deployment(factory, tok_dir: str, sandbox_root: str, venv: str, backend_url: str, **extra):
+    """A ``rolloutd up`` (from ``factory``) running the harness domain in bwrap, one backend registered."""
+    need_bwrap()
+    up = factory(*harness_sets(tok_dir, sandbox_root, venv, **extra))
+    with up.client() as c:
+        c.add_backend(backend_url)
+    return up
+
+
 @pytest.fixture(scope="module")
 def harness_up(module_up_factory, tok_dir, sandbox_root, agent_venv, oracle_backend):
-    need_bwrap()
-    up = module_up_factory(*harness_sets(tok_dir, sandbox_root, agent_venv))
-    with up.client() as c:
-        c.add_backend(oracle_backend.url)
-    return up
+    return harness_deployment(module_up_factory, tok_dir, sandbox_root, agent_venv, oracle_backend.url)

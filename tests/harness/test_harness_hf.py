@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install rolloutd[torch])")
 
-from tests.harness.conftest import harness_sets  # noqa: E402
+from tests.harness.conftest import harness_deployment  # noqa: E402
 from tests.harness.test_harness_live import gather, swe_ids, well_formed  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -18,13 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def hf_up(module_up_factory, tiny_model_dir, sandbox_root, agent_venv, hf_server):
-    from tests.harness.conftest import need_bwrap
-
-    need_bwrap()
-    up = module_up_factory(*harness_sets(tiny_model_dir, sandbox_root, agent_venv))
-    with up.client() as c:
-        c.add_backend(hf_server.url)
-    return up
+    return harness_deployment(module_up_factory, tiny_model_dir, sandbox_root, agent_venv, hf_server.url)
 
 
 def logprob_parity(r, model):

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.llm.policies import Policy
-from tests.harness.conftest import harness_sets, long_prompt_backend, need_bwrap
+from tests.harness.conftest import harness_deployment, long_prompt_backend
 from tests.harness.test_harness_live import gather, swe_ids, well_formed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -136,11 +136,8 @@ def record_dir():
 
 @pytest.fixture(scope="module")
 def presets_up(module_up_factory, tok_dir, sandbox_root, agent_venv, preset_backend, record_dir):
-    need_bwrap()
-    up = module_up_factory(*harness_sets(tok_dir, sandbox_root, agent_venv, record_requests=record_dir))
-    with up.client() as c:
-        c.add_backend(preset_backend.url)
-    return up
+    return harness_deployment(module_up_factory, tok_dir, sandbox_root, agent_venv, preset_backend.url,
+                              record_requests=record_dir)
 
 
 def preset_task(preset: str, i: int, task_id: str) -> dict:

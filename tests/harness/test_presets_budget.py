@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness.conftest import harness_sets, long_prompt_backend, need_bwrap
+from tests.harness.conftest import harness_deployment, long_prompt_backend
 from tests.harness.test_harness_live import gather, swe_ids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -30,10 +30,7 @@ def backend(tok_dir):
 
 @pytest.fixture(scope="module")
 def results(module_up_factory, tok_dir, sandbox_root, agent_venv, backend, swe_built):
-    need_bwrap()
-    up = module_up_factory(*harness_sets(tok_dir, sandbox_root, agent_venv))
-    with up.client() as c:
-        c.add_backend(backend.url)
+    up = harness_deployment(module_up_factory, tok_dir, sandbox_root, agent_venv, backend.url)
     task = swe_ids()[0]
     tasks = [{"handler": "harness", "instance_id": p, "instance": {
         "preset": p, "setup": {"domain": "swe", "instance": {"task_id": task}},

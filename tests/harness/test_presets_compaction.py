@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.llm.policies import Policy, PolicyReply
-from tests.harness.conftest import harness_sets, long_prompt_backend, need_bwrap
+from tests.harness.conftest import harness_deployment, long_prompt_backend
 from tests.harness.test_harness_live import gather, well_formed
 from tests.harness.test_presets import check_fidelity
 
@@ -90,10 +90,7 @@ def results(module_up_factory, tok_dir, sandbox_root, agent_venv, backend, recor
     """A one-call probe per preset (its first prompt's size), then each preset's compaction episode."""
     from rolloutd.handlers.harness_episodes import COMPACT_AFTER
 
-    need_bwrap()
-    up = module_up_factory(*harness_sets(tok_dir, sandbox_root, agent_venv, record_requests=record_dir))
-    with up.client() as c:
-        c.add_backend(backend.url)
+    up = harness_deployment(module_up_factory, tok_dir, sandbox_root, agent_venv, backend.url, record_requests=record_dir)
     probes = {r["instance_id"]: r for r in gather(up, [job(p, p, 0) for p in PRESETS], timeout_s=1200)}
     base = {}
     for p, r in probes.items():

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.llm.policies import Policy, PolicyReply
-from tests.harness.conftest import harness_sets, long_prompt_backend, need_bwrap
+from tests.harness.conftest import harness_deployment, long_prompt_backend
 from tests.harness.test_harness_live import gather
 from tests.harness.test_presets import GENERATING, record_dir  # noqa: F401 - a module-scoped fixture
 
@@ -74,15 +74,12 @@ def backend(tok_dir):
 
 @pytest.fixture(scope="module")
 def results(module_up_factory, tok_dir, sandbox_root, agent_venv, backend, record_dir):
-    need_bwrap()
     from rolloutd.handlers.harness_presets import NPM_PACKAGES, PRESETS, node_bin
 
     for p in CLIS:
         binary = PRESETS[p]["command"][0]
         assert p in NPM_PACKAGES and Path(node_bin(agent_venv), binary).exists(), f"{binary} missing from the venv"
-    up = module_up_factory(*harness_sets(tok_dir, sandbox_root, agent_venv, record_requests=record_dir))
-    with up.client() as c:
-        c.add_backend(backend.url)
+    up = harness_deployment(module_up_factory, tok_dir, sandbox_root, agent_venv, backend.url, record_requests=record_dir)
     tasks = [{"handler": "harness", "instance_id": f"{p}/{case}", "instance": {
         "preset": p, "task": f"Run one command, then stop. case:{case}", "setup": {"files": {"README.md": "hi\n"}},
         "eval": {"command": ["true"]}, "limits": {"max_llm_calls": 6, "wall_s": 300}}}

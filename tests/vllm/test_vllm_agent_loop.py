@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.domains.conftest import _domain_sets, domain_entry_points, need_bwrap, sandbox_root, swe_built  # noqa: F401
+from tests.domains.conftest import _domain_sets, domain_entry_points, need_bwrap, swe_built  # noqa: F401
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import require_bwrap
-from tests.harness.conftest import agent_venv, harness_sets, sandbox_root  # noqa: F401 (fixtures)
+from tests.harness.conftest import agent_venv, harness_sets  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
