@@ -14,7 +14,7 @@ import numpy as np
 import zmq
 
 from rolloutd.bus import codec
-from rolloutd.bus.sockets import Sockets
+from rolloutd.bus.sockets import Closing, Sockets
 
 EVENTS_HWM = 10000
 
@@ -144,7 +144,7 @@ class HeldJobs:
         return added
 
 
-class Subscriber:
+class Subscriber(Closing):
     """Sync subscriber for monitors and tests."""
 
     def __init__(self, address: str, topics: list[str] | None = None, curve=None):
@@ -160,12 +160,6 @@ class Subscriber:
 
     def close(self):
         self.sockets.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class Proxy:

@@ -23,6 +23,16 @@ TYPES = {name: getattr(zmq, name) for name in ("PUSH", "PULL", "ROUTER", "DEALER
 
 
 @dataclasses.dataclass
+class Closing:
+    """``with X() as x:`` closes ``x`` on the way out: for the classes that own sockets."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 class Curve:
     """CURVE keys. A binder with ``secret_key`` is a server; a connecter with
     ``server_key`` is a client. ``authorized_dir`` holds the clients' public keys."""
@@ -47,7 +57,7 @@ class Curve:
                    authorized_dir=str(auth_dir) if auth_dir.is_dir() else None)
 
 
-class Sockets:
+class Sockets(Closing):
     def __init__(self, endpoints: Endpoints | None = None, *, asyncio: bool = True,
                  curve: Curve | None = None, linger_ms: int = DEFAULT_LINGER_MS):
         self.endpoints = endpoints
@@ -145,12 +155,6 @@ class Sockets:
             self._auth.stop()
             self._auth = None
         self.ctx.term()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 async def recv(sock: zmq.asyncio.Socket, timeout_s: float) -> list | None:

@@ -53,6 +53,7 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from rolloutd.bus.sockets import Closing
 from rolloutd.gateway.client import GatewayError, GatewayTimeout, RolloutClient
 
 __all__ = [
@@ -163,7 +164,7 @@ def has_reward_variance(group: Sequence[dict]) -> bool:
     return len(r) >= 2 and max(r) > min(r)
 
 
-class BatchClient:
+class BatchClient(Closing):
     """Batch submit/gather for trainers (thread-safe; async methods usable from any one event loop)."""
 
     def __init__(self, address: str | None = None, *, client: RolloutClient | None = None,
@@ -231,12 +232,6 @@ class BatchClient:
         with self._poll_lock:  # a zmq socket is one thread's: the acker's last poll (with its retries) may outlast the join
             self._poller.close()
         self._ctl.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     async def aclose(self):
         task = self._poll_task

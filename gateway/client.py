@@ -17,7 +17,7 @@ from typing import Iterable, Iterator
 from rolloutd.bus import codec
 from rolloutd.bus.messages import (PROTOCOL_VERSION, AddLLMServer, Cancel, ClearLLMServer, ListLLMServers, Poll, Start, Status,
                           Stop, Submit)
-from rolloutd.bus.sockets import Sockets
+from rolloutd.bus.sockets import Closing, Sockets
 
 
 # The gateway's default bounds on work per request (docs/PROTOCOL.md, "Bounds"): larger calls are split.
@@ -39,7 +39,7 @@ class GatewayTimeout(TimeoutError):
     pass
 
 
-class RolloutClient:
+class RolloutClient(Closing):
     def __init__(self, address: str | None = None, *, timeout_s: float = 10.0, retries: int = 3,
                  client_id: str | None = None, curve=None):
         if address is None:
@@ -93,12 +93,6 @@ class RolloutClient:
 
     def close(self):
         self.sockets.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     # -- operations ----------------------------------------------------------------------
     def submit(self, tasks: Iterable[dict], n: int | None = None, idempotency_key: str | None = None) -> list[int]:
