@@ -128,6 +128,10 @@ class Gateway(Daemon):
             self._drain(self.router, self._on_router_reply)
             self._drain(self.watch, self._on_event)
             self._drain(self.to_init.sock, self._on_credit)
+            if (self.cancels or self.submits) and self.replies and self._commit():
+                # A large request is being worked: what this turn received is answered before its
+                # slice, so another client waits one slice at most, not two (issue 38.3).
+                self._flush_replies()
             self._cancel_slices(slice_until)
             if not self.journal.failing:  # its writes wait for the disk, and so does its next slice
                 self.submits.work(until=slice_until)
