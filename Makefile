@@ -33,7 +33,7 @@ agent-venv: $(STAMP)
 	$(BIN)/python -m rolloutd.handlers.harness_presets venv $(AGENT_VENV)
 
 vllm-venv: $(STAMP)
-	$(BIN)/python -m rolloutd.llm.vllm_cpu venv $(VLLM_VENV)
+	$(BIN)/python -m rolloutd.backends.vllm_cpu venv $(VLLM_VENV)
 
 demo: $(STAMP)
 	$(BIN)/rolloutd demo

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Agent-loop overhead benchmark (client + tokenization + parsing), zero-latency backend.
 
-The scripted backend (a stand-in for vLLM, ``rolloutd.llm.scripted``) runs in a separate
+The scripted backend (a stand-in for vLLM, ``rolloutd.backends.scripted``) runs in a separate
 process with zero latency and the ``tool_then_answer`` policy, so every rollout does
 ``--turns`` generations (``--turns - 1`` Hermes tool calls, then a final answer) with a
 tool observation between turns. This process runs the real agent loop
@@ -108,16 +108,16 @@ def tokenizer_dir(kind: str) -> tuple[Path, str]:
         except ImportError:
             if kind == "qwen":
                 raise
-    from rolloutd.llm.tiny_model import make_tiny_model
+    from rolloutd.backends.tiny_model import make_tiny_model
 
     d = Path(tempfile.mkdtemp(prefix="bench-tok-"))
     make_tiny_model(d, tokenizer_only=True)
-    return d, "tiny ChatML BPE (rolloutd.llm.tiny_model)"
+    return d, "tiny ChatML BPE (rolloutd.backends.tiny_model)"
 
 
 def start_backend(tok_dir: Path, turns: int) -> tuple[subprocess.Popen, int]:
     cmd = [
-        sys.executable, "-m", "rolloutd.llm.scripted", "--port", "0", "--tokenizer", str(tok_dir),
+        sys.executable, "-m", "rolloutd.backends.scripted", "--port", "0", "--tokenizer", str(tok_dir),
         "--policy", POLICY.format(n=turns - 1), "--latency", "constant:0", "--max-model-len", "65536",
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -470,7 +470,7 @@ def main():
     sizes = [int(x) for x in (a.nodes or ("100,1000" if a.quick else "100,1000,5000")).split(",")]
     a.seconds = a.seconds or (8.0 if a.quick else 20.0)
     a.protocol = a.protocol or ("changes" if a.quick else "changes,full")
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.scripted import ScriptedBackend
 
     print(f"control plane: sizes {sizes}, {a.seconds:.0f} s windows, heartbeat {a.hb_s} s, {a.listing} listings, run pool {a.run_pool}, "
           f"tree {common.revision(a.root)}, {common.machine()}, load {common.loadavg()}", flush=True)

@@ -40,12 +40,10 @@ from bench.common import stop_procs
 from rolloutd.llm.agent_loop import run_agent_loop
 from rolloutd.llm.client import LLMClient, SamplingParams, simple_generate
 from rolloutd.llm.conversation import Conversation
-from rolloutd.llm.openai_endpoint import (
-    EndpointLimits,
-    EndpointSession,
-    make_app,
-    serve,
-)
+from rolloutd.endpoint.app import make_app
+from rolloutd.endpoint.bounds import EndpointLimits
+from rolloutd.endpoint.server import serve
+from rolloutd.endpoint.session import EndpointSession
 from rolloutd.llm.tokenizer_utils import load_tokenizer
 from rolloutd.llm.toolparse import get_parser
 

@@ -43,9 +43,12 @@ ATTACKS = ("big8", "big60", "nested", "conns", "slow", "noread")
 
 SERVER = r"""
 import asyncio, json, os, sys, time
-import rolloutd.llm.openai_endpoint
+import rolloutd.endpoint.session
 from rolloutd.llm.client import LLMClient, simple_generate
-from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
+from rolloutd.endpoint.app import make_app
+from rolloutd.endpoint.bounds import EndpointLimits
+from rolloutd.endpoint.server import serve
+from rolloutd.endpoint.session import EndpointSession
 from rolloutd.llm.tokenizer_utils import load_tokenizer
 tok_dir, backend, d, n, max_context = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 
@@ -58,7 +61,7 @@ async def main():
                             api_key="k")
         await s.max_body()
         servers.append(await serve(make_app(s), uds=f"{d}/job{i}.sock"))
-    print("READY", rolloutd.llm.openai_endpoint.__file__, flush=True)
+    print("READY", rolloutd.endpoint.session.__file__, flush=True)
     lag = 0.0
     while True:  # the loop's lag: how late a 10 ms sleep wakes up; reported (max) every 0.25 s
         t_end = time.monotonic() + 0.25
@@ -230,7 +233,7 @@ def main() -> int:
     attacks = a.attacks.split(",")
     profiled = set((a.profile or "").split(","))
     try:
-        be = subprocess.Popen([sys.executable, "-m", "rolloutd.llm.scripted", "--port", "0", "--tokenizer",
+        be = subprocess.Popen([sys.executable, "-m", "rolloutd.backends.scripted", "--port", "0", "--tokenizer",
                                str(tok_dir), "--policy", "echo", "--latency", "constant:0"],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         procs.append(be)

@@ -39,7 +39,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.common import loadavg, machine, median, revision  # noqa: E402
-from rolloutd.llm.policies import Policy, PolicyRequest  # noqa: E402
+from rolloutd.backends.policies import Policy, PolicyRequest  # noqa: E402
 
 
 class EchoSteps(Policy):
@@ -131,8 +131,8 @@ def main(argv=None) -> int:
 
     from rolloutd.handlers.harness import HarnessHandler
     from rolloutd.handlers.harness_presets import build_agent_venv
-    from rolloutd.llm.scripted import ScriptedBackend
-    from rolloutd.llm.tiny_model import make_tiny_model
+    from rolloutd.backends.scripted import ScriptedBackend
+    from rolloutd.backends.tiny_model import make_tiny_model
 
     venv = build_agent_venv(ns.venv or os.environ.get("ROLLOUTD_AGENT_VENV")
                             or f"/var/tmp/rolloutd-agent-venv-{os.getuid()}")

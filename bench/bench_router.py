@@ -24,7 +24,7 @@ Two ``rolloutd up`` (``--set router.policy=round_robin`` and ``=least_inflight``
 ``run.pool=64`` and ``router.lease_ttl_s=3``) run side by side for the whole benchmark and take
 turns (the order alternates every rep), so machine noise hits both alike; each experiment is
 repeated ``--reps`` times (fresh draws per rep, the same draws for both policies within a rep)
-and medians are quoted. Eight in-process scripted vLLM-API backends (``rolloutd.llm.scripted``) serve
+and medians are quoted. Eight in-process scripted vLLM-API backends (``rolloutd.backends.scripted``) serve
 the LLM calls.
 
 The experiment (one "tick" = ``--tick-ms`` of wall time, default 20 ms):
@@ -104,7 +104,7 @@ def recording_policy():
     job's first call (its lease was just granted) and any other its second and last (it is about
     to release): per backend, first calls minus last calls is the number of jobs really running
     there, whatever the router believes, and the first calls give the order jobs started in."""
-    from rolloutd.llm.policies import Policy
+    from rolloutd.backends.policies import Policy
 
     class Recording(Policy):
         name = "recording"
@@ -126,8 +126,8 @@ class Fleet:
     def __init__(self, tick_s: float):
         import structlog
 
-        from rolloutd.llm.scripted import ScriptedBackend
-        from rolloutd.llm.tiny_model import build_tiny_tokenizer
+        from rolloutd.backends.scripted import ScriptedBackend
+        from rolloutd.backends.tiny_model import build_tiny_tokenizer
 
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
         tok = build_tiny_tokenizer()
@@ -793,8 +793,8 @@ def main_vllm(args) -> int:
         if args.vllm == "start":
             import tempfile
 
-            from rolloutd.llm.tiny_model import make_tiny_model
-            from rolloutd.llm.vllm_cpu import VLLMServer, default_venv
+            from rolloutd.backends.tiny_model import make_tiny_model
+            from rolloutd.backends.vllm_cpu import VLLMServer, default_venv
 
             d = Path(tempfile.mkdtemp(prefix="bench-router-vllm-"))
             make_tiny_model(d / "m", seed=0, variant="vllm")

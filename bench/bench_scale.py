@@ -11,7 +11,7 @@ daemons, node name and runtime directory, all started with the invocation the Sl
 over tcp on loopback. Nodes are added to the same head as N grows (1, then 2, 4, ...), so the
 one-node figure and every N share the run, the head and the machine's load.
 
-Each node has one node-local scripted vLLM-API backend (``rolloutd.llm.scripted``, registered with
+Each node has one node-local scripted vLLM-API backend (``rolloutd.backends.scripted``, registered with
 ``node=<name>``; ``router.node_affinity`` keeps a node's jobs on it) whose per-call latency grows
 with its own requests in flight: ``call_s x (1 + slope x running)``, as a real engine slows down
 with its batch. Jobs are ``synthetic_llm`` with ``llm_calls`` calls: seconds of simulated LLM time
@@ -123,8 +123,8 @@ def main():
 
     import structlog
     from rolloutd.gateway.client import RolloutClient
-    from rolloutd.llm.scripted import ScriptedBackend
-    from rolloutd.llm.tiny_model import build_tiny_tokenizer
+    from rolloutd.backends.scripted import ScriptedBackend
+    from rolloutd.backends.tiny_model import build_tiny_tokenizer
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     print(f"scale: N = {sizes}, run.pool {a.pool}, {a.calls} calls x {a.call_s} s (+{a.slope:.0%} per request in "

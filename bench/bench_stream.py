@@ -81,7 +81,7 @@ def main(argv=None) -> int:
 
     import tempfile
 
-    from rolloutd.llm.tiny_model import build_tiny_tokenizer
+    from rolloutd.backends.tiny_model import build_tiny_tokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-stream-"))
     build_tiny_tokenizer().save_pretrained(str(tmp))

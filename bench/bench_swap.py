@@ -98,9 +98,9 @@ def main(argv=None) -> int:
         args.groups, args.n, args.steps = 4, 4, 2
     variants = [v for v in VARIANTS if not args.only or v[0] in args.only.split(",")]
 
-    from rolloutd.llm.policies import get_policy
-    from rolloutd.llm.scripted import ScriptedBackend
-    from rolloutd.llm.tiny_model import build_tiny_tokenizer
+    from rolloutd.backends.policies import get_policy
+    from rolloutd.backends.scripted import ScriptedBackend
+    from rolloutd.backends.tiny_model import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     text = "tok " * (args.max_tokens + 8)

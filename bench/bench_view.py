@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     reps = args.repeats or (1 if args.quick else 3)
 
     from rolloutd.daemons.viewer import page
-    from rolloutd.llm.tiny_model import build_tiny_tokenizer
+    from rolloutd.backends.tiny_model import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     work = Path(tempfile.mkdtemp(prefix="rb-view-"))

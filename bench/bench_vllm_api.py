@@ -165,8 +165,8 @@ def main(argv=None) -> int:
     srv = d = None
     try:
         if not args.url:  # start one (the routes measured need --enable-scale-out)
-            from rolloutd.llm.tiny_model import make_tiny_model
-            from rolloutd.llm.vllm_cpu import VLLMServer, default_venv, venv_ready
+            from rolloutd.backends.tiny_model import make_tiny_model
+            from rolloutd.backends.vllm_cpu import VLLMServer, default_venv, venv_ready
 
             venv = os.environ.get("ROLLOUTD_VLLM_VENV") or default_venv()
             if not venv_ready(venv):

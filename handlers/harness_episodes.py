@@ -38,7 +38,7 @@ import re
 import threading
 from typing import Any
 
-from rolloutd.llm.policies import Policy, PolicyReply, PolicyRequest
+from rolloutd.backends.policies import Policy, PolicyReply, PolicyRequest
 
 __all__ = ["COMPACT_AFTER", "EpisodePolicy", "episode_tag", "SUMMARY_MARKERS", "SUBAGENT_TOOLS", "STEP",
            "compaction_instance",

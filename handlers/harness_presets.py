@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rolloutd.llm.policies import Policy, PolicyRequest
+from rolloutd.backends.policies import Policy, PolicyRequest
 
 AGENT_DIR = "/opt/rolloutd-agents"
 _SCRIPTS = Path(__file__).resolve().parent / "harness_agents"
@@ -259,7 +259,7 @@ def record_requests(app, directory: str | None, job_id: str):
     request (and for debugging a preset). Off (the app itself) by default."""
     if not directory:
         return app
-    from rolloutd.llm.openai_endpoint import api_shape
+    from rolloutd.endpoint.app import api_shape
 
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"{job_id}.jsonl")

@@ -34,7 +34,7 @@ import re
 import shlex
 from typing import Any
 
-from rolloutd.llm.policies import Policy, PolicyRequest
+from rolloutd.backends.policies import Policy, PolicyRequest
 from rolloutd.handlers.tasks import find_task_tag, humaneval_problem, math_problem, question_key, read_jsonl
 
 __all__ = ["Oracle", "MathOracle", "CodeOracle", "SWEOracle", "assistant_turns", "last_observation"]

@@ -1,7 +1,7 @@
 """rolloutd: rollout-as-a-service for multi-turn agent RL.
 
 The repository keeps the design card's folders at its top (``bus/ daemons/ gateway/
-handlers/ sandbox/ llm/ systemd/``); they install and import as subpackages of this one
+handlers/ sandbox/ llm/ endpoint/ backends/ systemd/``); they install and import as subpackages of this one
 package (``rolloutd.bus``, ``rolloutd.gateway``, ...). Importing ``rolloutd`` itself is
 cheap: the client names below load on first use, and need only pyzmq, msgpack and numpy.
 """

@@ -333,7 +333,7 @@ def synthetic(i: int, **instance) -> dict:
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
     """The tiny model's tokenizer and chat template as a directory (no weights)."""
-    from rolloutd.llm.tiny_model import make_tiny_model
+    from rolloutd.backends.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_tok"), tokenizer_only=True)
 
@@ -349,7 +349,7 @@ def tiny_tokenizer(tiny_tokenizer_dir):
 def tiny_model_dir(tmp_path_factory) -> str:
     """The tiny random Qwen2 model (torch; weights and tokenizer), built once per session."""
     pytest.importorskip("torch", reason="torch is not installed (pip install rolloutd[torch])")
-    from rolloutd.llm.tiny_model import make_tiny_model
+    from rolloutd.backends.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0))
 
@@ -357,7 +357,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def hf_server(tiny_model_dir):
     """serve-hf on the tiny model (4 in a batch, one thread), one per test module."""
-    from rolloutd.llm.serve_hf import HFServer
+    from rolloutd.backends.serve_hf import HFServer
 
     srv = HFServer(tiny_model_dir, max_batch_size=4, served_model_name="tiny", threads=1)
     srv.start()
@@ -367,7 +367,7 @@ def hf_server(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from rolloutd.llm.tiny_model import build_tiny_tokenizer
+    from rolloutd.backends.tiny_model import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 
@@ -375,7 +375,7 @@ def tokenizer():
 @pytest.fixture
 def scripted():
     """Factory: scripted(tokenizer, policy, **kw) -> started ScriptedBackend (stopped at teardown)."""
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.scripted import ScriptedBackend
 
     started: list[ScriptedBackend] = []
 

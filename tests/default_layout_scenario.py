@@ -18,7 +18,7 @@ from rolloutd.bus.config import Config
 from rolloutd.daemons.supervisor import wait_ready
 from rolloutd.gateway.client import RolloutClient
 from rolloutd.handlers.oracles import Oracle
-from rolloutd.llm.scripted import ScriptedBackend
+from rolloutd.backends.scripted import ScriptedBackend
 from rolloutd.sandbox import get_runtime
 from rolloutd.sandbox.procs import is_running
 

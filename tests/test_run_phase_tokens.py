@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-from rolloutd.llm.policies import Policy
+from rolloutd.backends.policies import Policy
 
 TOOL_CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>'
 

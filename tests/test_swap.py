@@ -15,8 +15,8 @@ MAX_TOKENS = 48
 
 @pytest.fixture
 def servers(tokenizer):
-    from rolloutd.llm.policies import get_policy
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.policies import get_policy
+    from rolloutd.backends.scripted import ScriptedBackend
 
     made = []
 

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture
 def oracle_servers(tok_dir):  # noqa: F811
     from rolloutd.handlers.harness_presets import HarnessOracle
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.scripted import ScriptedBackend
 
     made = []
     for _ in range(2):

@@ -130,7 +130,7 @@ def train(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from rolloutd.gateway.batch import BatchClient, status_counts
-    from rolloutd.llm.tiny_model import make_tiny_model
+    from rolloutd.backends.tiny_model import make_tiny_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -148,7 +148,7 @@ def main(argv=None) -> int:
 
     from rolloutd.gateway import verl_adapter as va
     from rolloutd.gateway.batch import BatchClient
-    from rolloutd.llm.tiny_model import make_tiny_model
+    from rolloutd.backends.tiny_model import make_tiny_model
 
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)

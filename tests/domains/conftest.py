@@ -40,7 +40,7 @@ def domain_entry_points():
 
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory):
-    from rolloutd.llm.tiny_model import make_tiny_model
+    from rolloutd.backends.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tok"), tokenizer_only=True))
 
@@ -82,7 +82,7 @@ def math_jsonl(tmp_path_factory):
 def oracle_backend(tok_dir, math_jsonl):
     """The oracle on an in-process scripted vLLM-API backend: odd keys wrong."""
     from rolloutd.handlers.oracles import Oracle
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.scripted import ScriptedBackend
 
     pol = Oracle(wrong_every=2, jsonl=math_jsonl)
     pol.warm()

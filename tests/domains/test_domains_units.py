@@ -86,7 +86,7 @@ def _chat(user: str, turns: list[tuple[str, str]]) -> str:
 
 
 def _ask(policy, text):
-    from rolloutd.llm.policies import PolicyRequest
+    from rolloutd.backends.policies import PolicyRequest
 
     return policy.reply(PolicyRequest(prompt_ids=[1], api="vllm", max_tokens=4096, decode=lambda ids: text))
 
@@ -224,7 +224,7 @@ def test_registry_finds_the_domains():
 
     assert {"math", "code", "swe"} <= set(handler_names())
     assert get_handler("swe").name == "swe"
-    from rolloutd.llm.policies import available_policies, get_policy
+    from rolloutd.backends.policies import available_policies, get_policy
 
     assert {"oracle", "math_oracle", "code_oracle", "swe_oracle"} <= set(available_policies())
     assert get_policy("oracle:wrong_every=5").wrong_every == 5
@@ -236,7 +236,7 @@ def test_math_without_tools_runs_with_no_sandbox(tok_dir):
 
     from rolloutd.handlers.math import MathHandler
     from rolloutd.handlers.tasks import run_local
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.scripted import ScriptedBackend
 
     b = ScriptedBackend(tok_dir, policy="constant:text=\"It is \\\\boxed{2}.\"")
     b.start()

@@ -13,7 +13,7 @@ import json
 
 import pytest
 from rolloutd.llm.families import FAMILIES, get_family
-from rolloutd.llm.policies import Policy, PolicyReply
+from rolloutd.backends.policies import Policy, PolicyReply
 
 from .conftest import BASH, family_dir_or_skip, family_or_skip
 
@@ -130,7 +130,10 @@ async def endpoint_over(be, tok, seen: list, text):
     text is ``text(g)``."""
     import numpy as np
     from rolloutd.llm.client import LLMClient, simple_generate
-    from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
+    from rolloutd.endpoint.app import make_app
+    from rolloutd.endpoint.bounds import EndpointLimits
+    from rolloutd.endpoint.server import serve
+    from rolloutd.endpoint.session import EndpointSession
 
     llm = LLMClient(be.url, timeout=60)
     inner = simple_generate(llm, "b0", 7)

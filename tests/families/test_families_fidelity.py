@@ -18,7 +18,7 @@ import threading
 import numpy as np
 import pytest
 from rolloutd.llm.families import FAMILIES, get_family
-from rolloutd.llm.policies import Policy, PolicyReply
+from rolloutd.backends.policies import Policy, PolicyReply
 
 from .conftest import family_dir_or_skip, family_or_skip
 
@@ -104,7 +104,7 @@ CASES = [(f, "keep", None) for f in sorted(FAMILIES)] + [
 @pytest.mark.parametrize("family,reasoning,template_kwargs", CASES)
 def test_family_token_fidelity_through_run_daemon(family, reasoning, template_kwargs, up_factory, bwrap_required,
                                                   sandbox_root):
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.scripted import ScriptedBackend
 
     tok_dir = str(family_dir_or_skip(family))
     tok = family_or_skip(family)

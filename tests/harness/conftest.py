@@ -61,7 +61,7 @@ def agent_venv():
 
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory):
-    from rolloutd.llm.tiny_model import make_tiny_model
+    from rolloutd.backends.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tok"), tokenizer_only=True))
 
@@ -83,7 +83,7 @@ def swe_built():
 def oracle_backend(tok_dir):
     """Both presets' oracle on an in-process scripted vLLM-API backend: odd keys wrong."""
     from rolloutd.handlers.harness_presets import HarnessOracle
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.scripted import ScriptedBackend
 
     pol = HarnessOracle(wrong_every=2)
     pol.warm()
@@ -97,7 +97,7 @@ def long_prompt_backend(tok_dir: str, policy):
     """A scripted backend for the coding harnesses, whose system prompts and tool lists run to
     ~40K tokens of the tiny vocabulary (far beyond the default 32K window): ``yield from`` it in a
     fixture; stopped at teardown."""
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.scripted import ScriptedBackend
 
     b = ScriptedBackend(tok_dir, policy=policy, max_model_len=1 << 20)
     b.start()

@@ -61,7 +61,7 @@ def peak_rss_mb(pid: int) -> float:
 
 @pytest.fixture(scope="module")
 def echo_backend(tok_dir):
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.scripted import ScriptedBackend
 
     b = ScriptedBackend(tok_dir, policy="echo")
     b.start()

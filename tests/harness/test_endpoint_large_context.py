@@ -62,7 +62,7 @@ def qwen_dir():
 
 @pytest.fixture(scope="module")
 def qwen_up(module_up_factory, qwen_dir, sandbox_root):
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.scripted import ScriptedBackend
     from tests.conftest import require_bwrap
 
     require_bwrap()

@@ -63,8 +63,8 @@ def job(mode: str, answer: str = "42") -> dict:
 
 @pytest.fixture(scope="module")
 def failing_echo(tok_dir):
-    from rolloutd.llm.policies import EchoPolicy
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.policies import EchoPolicy
+    from rolloutd.backends.scripted import ScriptedBackend
 
     class EchoUnlessFail(EchoPolicy):
         def reply(self, request):

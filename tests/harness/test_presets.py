@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutd.llm.policies import Policy
+from rolloutd.backends.policies import Policy
 from tests.harness.conftest import harness_deployment, long_prompt_backend
 from tests.harness.test_harness_live import gather, swe_ids, well_formed
 
@@ -66,7 +66,7 @@ class RecordingOracle(Policy):
         self.inner.warm()
 
     def reply(self, request):
-        from rolloutd.llm.policies import PolicyReply
+        from rolloutd.backends.policies import PolicyReply
 
         text = self.inner.reply(request)
         ids = list(self.tok.encode(text, add_special_tokens=False)) + [self.eos]
@@ -82,7 +82,8 @@ def missing_route(preset: str) -> str | None:
         return None
     import asyncio
 
-    from rolloutd.llm.openai_endpoint import EndpointSession, make_app
+    from rolloutd.endpoint.app import make_app
+    from rolloutd.endpoint.session import EndpointSession
 
     async def probe():
         async def generate(*a, **k):  # never reached: the probe bodies are refused or empty
@@ -162,24 +163,24 @@ def _nfc(s: str) -> str:
 
 def translated(row: dict):
     """(messages as the template takes them, tools) of one recorded generating request."""
-    from rolloutd.llm import openai_wire
+    from rolloutd.endpoint import wire as openai_wire
 
     body = json.loads(row["body"])
     path = row["path"]
     if path.endswith("/chat/completions"):
         msgs, tools = openai_wire.parse_messages(body["messages"]), openai_wire.parse_tools(body.get("tools"))
     elif path.endswith("/messages"):
-        from rolloutd.llm import anthropic_wire
+        from rolloutd.endpoint.shapes import anthropic as anthropic_wire
 
         w = anthropic_wire.parse(body)
         msgs, tools = w.messages, w.tools
     elif path.endswith("/responses"):
-        from rolloutd.llm import responses_wire
+        from rolloutd.endpoint.shapes import responses as responses_wire
 
         w = responses_wire.parse(body)
         msgs, tools = w.messages, w.tools
     else:
-        from rolloutd.llm import gemini_wire
+        from rolloutd.endpoint.shapes import gemini as gemini_wire
 
         model = path.rsplit("/", 1)[-1].split(":")[0]
         w = gemini_wire.parse(body, model=model, stream=":streamGenerateContent" in path)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutd.llm.policies import Policy, PolicyReply
+from rolloutd.backends.policies import Policy, PolicyReply
 from tests.harness.conftest import harness_deployment, long_prompt_backend
 from tests.harness.test_harness_live import gather, well_formed
 from tests.harness.test_presets import check_fidelity

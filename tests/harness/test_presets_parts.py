@@ -126,7 +126,7 @@ DECOYS = [{"name": "read_file", "parameters": {"type": "object", "properties": {
 @pytest.mark.parametrize("harness", list(HARNESS_TOOLS))
 def test_preset_oracle_answers_with_the_offered_shell_tool(harness, tiny_tokenizer):
     from rolloutd.handlers.swe_tasks import task_ids
-    from rolloutd.llm.policies import PolicyRequest
+    from rolloutd.backends.policies import PolicyRequest
 
     tool = HARNESS_TOOLS[harness]
     tools = [{"type": "function", "function": dict(t, description="d")} for t in DECOYS + [tool]]

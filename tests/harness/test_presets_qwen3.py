@@ -36,7 +36,7 @@ def qwen3_dir():
 
 @pytest.fixture(scope="module")
 def qwen3_backend(qwen3_dir):
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.scripted import ScriptedBackend
 
     pol = RecordingOracle(qwen3_dir)
     pol.warm()

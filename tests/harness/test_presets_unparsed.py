@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutd.llm.policies import Policy, PolicyReply
+from rolloutd.backends.policies import Policy, PolicyReply
 from tests.harness.conftest import harness_deployment, long_prompt_backend
 from tests.harness.test_harness_live import gather
 from tests.harness.test_presets import GENERATING, record_dir  # noqa: F401 - a module-scoped fixture

@@ -15,7 +15,9 @@ import structlog
 pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[daemon])")
 
 from rolloutd.handlers.harness_presets import record_requests
-from rolloutd.llm.openai_endpoint import EndpointSession, make_app, serve
+from rolloutd.endpoint.app import make_app
+from rolloutd.endpoint.server import serve
+from rolloutd.endpoint.session import EndpointSession
 
 
 def test_refused_requests_are_recorded_and_logged_with_path_and_shape(tmp_path):

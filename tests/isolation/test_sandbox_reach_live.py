@@ -60,7 +60,7 @@ def sandbox_root():
 
 @pytest.fixture
 def echo_backend(tiny_tokenizer_dir):
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.scripted import ScriptedBackend
 
     b = ScriptedBackend(str(tiny_tokenizer_dir), policy="echo")
     b.start()

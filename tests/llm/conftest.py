@@ -52,7 +52,7 @@ def qwen3_tokenizer():
 
 def thinking_policy():
     """A scripted-backend policy whose k-th reply is ``<think>...step k...</think>`` then ``answer k``."""
-    from rolloutd.llm.policies import Policy
+    from rolloutd.backends.policies import Policy
 
     class Thinks(Policy):
         n = 0
@@ -67,7 +67,7 @@ def thinking_policy():
 def urgent_template_tokenizer():
     """The tiny tokenizer with a template whose earlier turns depend on later messages (the system
     prompt gains " Hurry." once any message says "urgent"): it cannot render incrementally."""
-    from rolloutd.llm.tiny_model import build_tiny_tokenizer
+    from rolloutd.backends.tiny_model import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     plain = "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"

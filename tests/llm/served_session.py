@@ -6,7 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 from rolloutd.llm.client import LLMClient, simple_generate
-from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
+from rolloutd.endpoint.app import make_app
+from rolloutd.endpoint.bounds import EndpointLimits
+from rolloutd.endpoint.server import serve
+from rolloutd.endpoint.session import EndpointSession
 
 
 class ServedSession:

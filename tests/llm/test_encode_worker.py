@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from rolloutd.llm import encode_worker as ew
+from rolloutd.endpoint import encode_worker as ew
 from rolloutd.llm.tokenizer_utils import WORKER_CHARS, encode_bounds, fast_encoder
 
 WORDS = ["foo", "bar", "Ünï", "数字", "123", "x=1;", "\n", "  ", "\n\n", "<|im_end|>", "<tool_call>", "def", "'s",
@@ -24,7 +24,7 @@ def texts(seed: int, n: int = 3, words: int = 40000):
 def tok(request, qwen_tokenizer, tmp_path_factory):
     if request.param == "qwen":
         return qwen_tokenizer
-    from rolloutd.llm.tiny_model import make_tiny_model
+    from rolloutd.backends.tiny_model import make_tiny_model
     from rolloutd.llm.tokenizer_utils import load_tokenizer
 
     return load_tokenizer(make_tiny_model(tmp_path_factory.mktemp("tiny"), tokenizer_only=True))
@@ -83,7 +83,8 @@ def test_short_texts_and_unbounded_threads_stay_in_process(qwen_tokenizer, monke
 
 # -- the endpoint's answers (EndpointSession, the real tokenizer and workers) ------------------
 def session(tok, **limits):
-    from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession
+    from rolloutd.endpoint.bounds import EndpointLimits
+    from rolloutd.endpoint.session import EndpointSession
 
     async def generate(ids, params):  # never reached: every request here is refused before sampling
         raise AssertionError("sampled")
@@ -97,8 +98,8 @@ def test_the_agent_gets_each_refusal_in_its_api_shape(arun, qwen_tokenizer):
     429 cpu_budget_exhausted, refused at admission afterwards. The CPU is the job's, worker included."""
     import json
 
-    from rolloutd.llm import anthropic_wire as aw
-    from rolloutd.llm.openai_wire import EndpointError
+    from rolloutd.endpoint.shapes import anthropic as aw
+    from rolloutd.endpoint.wire import EndpointError
 
     async def go():
         s = session(qwen_tokenizer, max_context=131072)

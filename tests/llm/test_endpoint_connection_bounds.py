@@ -10,7 +10,8 @@ import asyncio
 import socket
 import time
 
-from rolloutd.llm.openai_endpoint import EndpointBounds, serve
+from rolloutd.endpoint.bounds import EndpointBounds
+from rolloutd.endpoint.server import serve
 
 
 async def ok_app(scope, receive, send) -> None:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer():
-    from rolloutd.llm.tiny_model import build_tiny_tokenizer
+    from rolloutd.backends.tiny_model import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 

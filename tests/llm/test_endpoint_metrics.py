@@ -13,7 +13,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the openai SDK is not installed (pip install rolloutd[harness])")
 
-from rolloutd.llm.openai_endpoint import EndpointLimits
+from rolloutd.endpoint.bounds import EndpointLimits
 
 from .conftest import BASH_TOOL
 from .test_llm_openai_endpoint import Endpoint, Script

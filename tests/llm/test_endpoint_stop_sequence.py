@@ -10,7 +10,10 @@ import pytest
 anthropic = pytest.importorskip("anthropic", reason="the anthropic SDK is not installed (pip install rolloutd[harness])")
 
 from rolloutd.llm.client import LLMClient, simple_generate
-from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
+from rolloutd.endpoint.app import make_app
+from rolloutd.endpoint.bounds import EndpointLimits
+from rolloutd.endpoint.server import serve
+from rolloutd.endpoint.session import EndpointSession
 
 pytestmark = pytest.mark.timeout(120)
 

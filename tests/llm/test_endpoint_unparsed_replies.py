@@ -19,8 +19,11 @@ import pytest
 pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[daemon])")
 
 from rolloutd.llm.client import LLMClient, simple_generate
-from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
-from rolloutd.llm.policies import Policy, PolicyReply
+from rolloutd.endpoint.app import make_app
+from rolloutd.endpoint.bounds import EndpointLimits
+from rolloutd.endpoint.server import serve
+from rolloutd.endpoint.session import EndpointSession
+from rolloutd.backends.policies import Policy, PolicyReply
 
 from .conftest import BASH_TOOL
 
@@ -157,7 +160,7 @@ def served(qwen_tokenizer):
     import asyncio
     import threading
 
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.scripted import ScriptedBackend
 
     tok = qwen_tokenizer
     cases = case_ids(tok)

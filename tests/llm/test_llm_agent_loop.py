@@ -9,7 +9,7 @@ import pytest
 from rolloutd.llm.agent_loop import run_agent_loop
 from rolloutd.llm.client import BackendError, LLMClient, SamplingParams, simple_generate
 from rolloutd.llm.conversation import Conversation
-from rolloutd.llm.policies import Policy, PolicyReply
+from rolloutd.backends.policies import Policy, PolicyReply
 from rolloutd.llm.toolparse import get_parser
 
 

@@ -26,8 +26,8 @@ from rolloutd.llm.client import (
     simple_generate,
 )
 from rolloutd.llm.conversation import Conversation
-from rolloutd.llm.policies import Policy, PolicyReply, get_policy, parse_policy_spec
-from rolloutd.llm.scripted import Latency
+from rolloutd.backends.policies import Policy, PolicyReply, get_policy, parse_policy_spec
+from rolloutd.backends.scripted import Latency
 from rolloutd.llm.toolparse import get_parser
 
 from .uvicorn_server import ThreadedUvicorn, read_body
@@ -390,7 +390,7 @@ def test_custom_policy_reply_with_explicit_ids(qwen_tokenizer, scripted, arun):
 
 def test_scripted_backend_cli_process(tiny_tokenizer_dir, arun):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rolloutd.llm.scripted", "--port", "0", "--tokenizer", str(tiny_tokenizer_dir),
+        [sys.executable, "-m", "rolloutd.backends.scripted", "--port", "0", "--tokenizer", str(tiny_tokenizer_dir),
          "--policy", "tool_then_answer", "--latency", "constant:0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -432,7 +432,7 @@ def test_scripted_backend_cli_process(tiny_tokenizer_dir, arun):
 
 
 def test_registered_policy_and_policy_failure(qwen_tokenizer, scripted, arun):
-    from rolloutd.llm.policies import available_policies, register_policy
+    from rolloutd.backends.policies import available_policies, register_policy
 
     @register_policy("test_upper")
     class Upper(Policy):

@@ -16,10 +16,10 @@ def test_llm_works_with_torch_blocked(tiny_tokenizer_dir, tmp_path):
         import sys
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
         import asyncio
-        import rolloutd.llm, rolloutd.llm.client, rolloutd.llm.conversation, rolloutd.llm.toolparse, rolloutd.llm.agent_loop, rolloutd.llm.policies
-        import rolloutd.llm.scripted, rolloutd.llm.serve_hf, rolloutd.llm.tiny_model, rolloutd.llm.http_transport, rolloutd.llm.tokenizer_utils
+        import rolloutd.llm, rolloutd.llm.client, rolloutd.llm.conversation, rolloutd.llm.toolparse, rolloutd.llm.agent_loop, rolloutd.backends.policies
+        import rolloutd.backends.scripted, rolloutd.backends.serve_hf, rolloutd.backends.tiny_model, rolloutd.llm.http_transport, rolloutd.llm.tokenizer_utils
         from rolloutd.llm import Conversation, LLMClient, SamplingParams, get_parser, run_agent_loop
-        from rolloutd.llm.scripted import ScriptedBackend
+        from rolloutd.backends.scripted import ScriptedBackend
         from rolloutd.llm.tokenizer_utils import load_tokenizer
         from rolloutd.llm.client import simple_generate
 
@@ -42,7 +42,7 @@ def test_llm_works_with_torch_blocked(tiny_tokenizer_dir, tmp_path):
             be.stop()
         assert res.stop_reason == "no_tool_call", res.stop_reason
         try:
-            rolloutd.llm.tiny_model.make_tiny_model({str(tmp_path / "model")!r}, tokenizer_only=False)
+            rolloutd.backends.tiny_model.make_tiny_model({str(tmp_path / "model")!r}, tokenizer_only=False)
         except ImportError:
             pass
         else:

@@ -18,13 +18,11 @@ openai = pytest.importorskip("openai", reason="the openai SDK is not installed (
 pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[daemon])")
 
 from rolloutd.llm.client import LLMClient, simple_generate
-from rolloutd.llm.openai_endpoint import (
-    EndpointLimits,
-    EndpointSession,
-    make_app,
-    serve,
-)
-from rolloutd.llm.policies import Policy, PolicyReply
+from rolloutd.endpoint.app import make_app
+from rolloutd.endpoint.bounds import EndpointLimits
+from rolloutd.endpoint.server import serve
+from rolloutd.endpoint.session import EndpointSession
+from rolloutd.backends.policies import Policy, PolicyReply
 
 from .conftest import BASH_TOOL
 
@@ -352,8 +350,8 @@ def vllm_words(msg: str) -> None:
     "prompt is too long: N tokens > 64 maximum", which Claude Code reads."""
     import re
 
-    from rolloutd.llm.anthropic_wire import error_body
-    from rolloutd.llm.openai_wire import bad
+    from rolloutd.endpoint.shapes.anthropic import error_body
+    from rolloutd.endpoint.wire import bad
 
     m = re.match(r"This model's maximum context length is 64 tokens\. However, your prompt contains (\d+) input "
                  r"tokens, which exceeds this limit even without any output tokens\.", msg)

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from rolloutd.llm.openai_wire import EndpointError, parse_sampling
+from rolloutd.endpoint.shapes.chat import parse_sampling
+from rolloutd.endpoint.wire import EndpointError
 
 
 @pytest.mark.parametrize("key", ["max_tokens", "temperature", "top_p", "top_k", "seed"])

@@ -189,7 +189,7 @@ def test_serve_hf_main(tiny_model_dir, arun, capsys):
     import signal
     import threading
 
-    from rolloutd.llm import serve_hf
+    from rolloutd.backends import serve_hf
 
     result = {}
 
@@ -227,7 +227,7 @@ def test_accept_queue_holds_a_trainer_steps_burst():
     into job timeouts on a loaded box; nothing here accepts, so only the queue holds them."""
     from http.server import BaseHTTPRequestHandler
 
-    from rolloutd.llm.serve_hf import _HTTPServer
+    from rolloutd.backends.serve_hf import _HTTPServer
 
     httpd = _HTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
     socks = []

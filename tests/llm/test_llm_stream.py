@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from rolloutd.llm.client import BackendError, ContextOverflow, LLMClient, Partial, SamplingParams
-from rolloutd.llm.policies import get_policy
+from rolloutd.backends.policies import get_policy
 
 from .uvicorn_server import ThreadedUvicorn
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from rolloutd.llm.tiny_model import main as tiny_main
+from rolloutd.backends.tiny_model import main as tiny_main
 from rolloutd.llm.tokenizer_utils import load_tokenizer
 
 

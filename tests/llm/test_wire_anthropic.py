@@ -1,4 +1,4 @@
-"""Anthropic Messages shapes (``rolloutd.llm.anthropic_wire``) checked with the real ``anthropic``
+"""Anthropic Messages shapes (``rolloutd.endpoint.shapes.anthropic``) checked with the real ``anthropic``
 SDK as the parser: its streaming accumulator and its non-streaming model must rebuild exactly the
 reply's text, tool calls (ids, names, inputs), thinking and stop reason; an assistant turn sent
 back by the SDK as history parses to the Msg the Chat Completions path would; bad bodies get
@@ -15,8 +15,8 @@ from .wire_helpers import need_sdk  # noqa: E402
 anthropic = need_sdk("anthropic", "the anthropic SDK")
 pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[daemon])")
 
-from rolloutd.llm import anthropic_wire as W
-from rolloutd.llm.openai_wire import canon_args
+from rolloutd.endpoint.shapes import anthropic as W
+from rolloutd.endpoint.wire import canon_args
 
 from .wire_helpers import Answer, WireServer, chat_msg, fuzz, post_bad_bodies, reply, same_turn
 

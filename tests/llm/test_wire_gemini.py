@@ -1,4 +1,4 @@
-"""Gemini API shapes (``rolloutd.llm.gemini_wire``) checked with the real ``google-genai`` SDK as the
+"""Gemini API shapes (``rolloutd.endpoint.shapes.gemini``) checked with the real ``google-genai`` SDK as the
 parser: ``generate_content``, ``generate_content_stream`` (``alt=sse``) and ``count_tokens`` must
 give exactly the reply's text, thoughts, function calls (ids, names, args) and finish reason; a
 chat's history as the SDK records it (the model turn sent back, function responses) parses to the
@@ -20,8 +20,8 @@ pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rol
 from google.genai import errors as gerrors
 from google.genai import types
 
-from rolloutd.llm import gemini_wire as W
-from rolloutd.llm.openai_wire import canon_args
+from rolloutd.endpoint.shapes import gemini as W
+from rolloutd.endpoint.wire import canon_args
 
 from .wire_helpers import Answer, WireServer, chat_msg, fuzz, post_bad_bodies, reply, same_turn
 

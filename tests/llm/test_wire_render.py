@@ -10,9 +10,11 @@ import json
 
 import pytest
 
-from rolloutd.llm import anthropic_wire, gemini_wire, responses_wire
+from rolloutd.endpoint.shapes import anthropic as anthropic_wire
+from rolloutd.endpoint.shapes import gemini as gemini_wire
+from rolloutd.endpoint.shapes import responses as responses_wire
 from rolloutd.llm.conversation import Conversation
-from rolloutd.llm.openai_wire import parse_messages, parse_tools
+from rolloutd.endpoint.shapes.chat import parse_messages, parse_tools
 
 SYSTEM = "You are a coding agent. Use the tools."
 TASK = "The test in test_a.py fails; fix it."

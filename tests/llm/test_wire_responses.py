@@ -1,4 +1,4 @@
-"""OpenAI Responses shapes (``rolloutd.llm.responses_wire``) checked with the real ``openai`` SDK as
+"""OpenAI Responses shapes (``rolloutd.endpoint.shapes.responses``) checked with the real ``openai`` SDK as
 the parser: ``responses.create`` and the ``responses.stream`` accumulator must rebuild exactly the
 reply's reasoning, text and calls (function, Codex's custom/freeform and local_shell, namespaced),
 with ids and arguments; Codex-style history (output items sent back, developer messages,
@@ -16,8 +16,8 @@ from .wire_helpers import need_sdk  # noqa: E402
 openai = need_sdk("openai", "the openai SDK")
 pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install rolloutd[daemon])")
 
-from rolloutd.llm import responses_wire as W
-from rolloutd.llm.openai_wire import canon_args
+from rolloutd.endpoint.shapes import responses as W
+from rolloutd.endpoint.wire import canon_args
 
 from .wire_helpers import Answer, WireServer, chat_msg, fuzz, post_bad_bodies, reply, same_turn
 

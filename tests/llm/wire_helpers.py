@@ -9,8 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rolloutd.llm.openai_endpoint import serve
-from rolloutd.llm.openai_wire import EndpointError, Reply, bad, chat_response, parse_messages
+from rolloutd.endpoint.server import serve
+from rolloutd.endpoint.shapes.chat import chat_response, parse_messages
+from rolloutd.endpoint.wire import EndpointError, Reply, bad
 
 from .uvicorn_server import read_body
 

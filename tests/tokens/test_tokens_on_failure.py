@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rolloutd.llm.policies import get_policy
+from rolloutd.backends.policies import get_policy
 from tests.conftest import wait_for
 
 TOOL_CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>'

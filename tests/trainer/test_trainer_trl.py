@@ -55,7 +55,7 @@ def test_trl_grpo_example_learns_on_policy_with_weight_reloads(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from rolloutd.llm.tiny_model import make_tiny_model
+    from rolloutd.backends.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
 
@@ -68,7 +68,7 @@ def test_multi_turn_trajectories_reach_trl_intact(up_factory, tiny_model_dir, tm
 
     from grpo_trl import make_rollout_func, rolloutd_reward
     from rolloutd.gateway.batch import BatchClient
-    from rolloutd.llm.serve_hf import HFServer
+    from rolloutd.backends.serve_hf import HFServer
 
     G = 4
     tok = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)

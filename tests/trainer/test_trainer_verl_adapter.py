@@ -57,7 +57,7 @@ def make_loop(tok, *, use_v1=False, model_dir=None, **kw):
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from rolloutd.llm.tiny_model import make_tiny_model
+    from rolloutd.backends.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("model"))
 
@@ -501,7 +501,7 @@ def test_shipped_yaml_runs_a_stock_verl_chat_row(up_factory, tiny_model_dir, mon
     GSM8K-style rows (raw_prompt + reward_model, nothing rolloutd-specific): each row runs (status
     ok, sampled tokens unmasked) and is scored by whether the answer contains the ground truth.
     The LLM is a scripted vLLM-protocol server answering "72" (no GPU vLLM here)."""
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.scripted import ScriptedBackend
 
     shipped = OmegaConf.load(YAML)
     assert shipped[0].handler == "dialogue"

@@ -12,7 +12,7 @@ from tests.conftest import wait_for
 
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory):
-    from rolloutd.llm.tiny_model import make_tiny_model
+    from rolloutd.backends.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("view-tok"), tokenizer_only=True))
 
@@ -21,7 +21,7 @@ def tok_dir(tmp_path_factory):
 def results_file(module_up_factory, tok_dir, tmp_path_factory):
     from rolloutd.gateway.records import to_jsonable
     from rolloutd.handlers.oracles import Oracle
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.scripted import ScriptedBackend
 
     pol = Oracle(wrong_every=2)
     pol.warm()

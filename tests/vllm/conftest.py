@@ -40,7 +40,7 @@ class VLLMInfo:
     api_key: str | None
     max_model_len: int
     log_path: Path
-    server: object  # the rolloutd.llm.vllm_cpu.VLLMServer (post/get helpers, log_tail)
+    server: object  # the rolloutd.backends.vllm_cpu.VLLMServer (post/get helpers, log_tail)
 
     def log_tail(self, chars: int = 6000) -> str:
         return self.server.log_tail(chars)
@@ -48,7 +48,7 @@ class VLLMInfo:
 
 def vllm_venv() -> Path | None:
     """The vLLM venv the tests may use, or None (the reason is in ``_missing``)."""
-    from rolloutd.llm.vllm_cpu import default_venv, venv_ready
+    from rolloutd.backends.vllm_cpu import default_venv, venv_ready
 
     given = os.environ.get("ROLLOUTD_TEST_VLLM_VENV")
     path = Path(given) if given else default_venv()
@@ -56,7 +56,7 @@ def vllm_venv() -> Path | None:
 
 
 def _missing() -> str:
-    from rolloutd.llm.vllm_cpu import VLLM_PIN, default_venv
+    from rolloutd.backends.vllm_cpu import VLLM_PIN, default_venv
 
     where = os.environ.get("ROLLOUTD_TEST_VLLM_VENV") or str(default_venv())
     return f"no ready vLLM venv ({VLLM_PIN}) at {where}: run `make vllm-venv` (make test does)"
@@ -74,7 +74,7 @@ def require_vllm() -> Path:
 @pytest.fixture(scope="session")
 def vllm_model_dir():
     """The tiny model's vllm variant (built offline in seconds)."""
-    from rolloutd.llm.tiny_model import make_tiny_model
+    from rolloutd.backends.tiny_model import make_tiny_model
 
     d = Path(tempfile.mkdtemp(prefix="rd-vllm-model-"))
     make_tiny_model(d / "tiny-vllm", seed=0, variant="vllm")
@@ -89,7 +89,7 @@ _SERVER = None
 def vllm_server(vllm_model_dir):
     """One real vLLM server for the whole session (module doc)."""
     global _SERVER
-    from rolloutd.llm.vllm_cpu import VLLMServer
+    from rolloutd.backends.vllm_cpu import VLLMServer
 
     venv = require_vllm()
     log_dir = Path(tempfile.mkdtemp(prefix="rd-vllm-log-"))

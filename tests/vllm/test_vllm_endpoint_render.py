@@ -93,7 +93,10 @@ class Recorder:
 
 async def _through_endpoint(vllm, tok, calls: list[tuple[str, dict]]):
     """Each (route, body) through one endpoint session in turn; (recorder, replies, session)."""
-    from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
+    from rolloutd.endpoint.app import make_app
+    from rolloutd.endpoint.bounds import EndpointLimits
+    from rolloutd.endpoint.server import serve
+    from rolloutd.endpoint.session import EndpointSession
 
     rec = Recorder(vllm.url)
     session = EndpointSession(rec, tok, limits=EndpointLimits(max_context=vllm.max_model_len))
@@ -164,7 +167,10 @@ def test_continued_reply_keeps_sampled_ids_where_render_re_encodes(vllm_server, 
              "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]}
 
     async def main():
-        from rolloutd.llm.openai_endpoint import EndpointLimits, EndpointSession, make_app, serve
+        from rolloutd.endpoint.app import make_app
+        from rolloutd.endpoint.bounds import EndpointLimits
+        from rolloutd.endpoint.server import serve
+        from rolloutd.endpoint.session import EndpointSession
 
         rec = Recorder(vllm_server.url)
         session = EndpointSession(rec, tok, limits=EndpointLimits(max_context=vllm_server.max_model_len))

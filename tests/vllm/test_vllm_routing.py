@@ -42,8 +42,8 @@ def outside_load(vllm_server):
 
 
 def test_least_load_routes_around_load_the_router_did_not_lease(up_factory, vllm_server, outside_load):
-    from rolloutd.llm.policies import get_policy
-    from rolloutd.llm.scripted import ScriptedBackend
+    from rolloutd.backends.policies import get_policy
+    from rolloutd.backends.scripted import ScriptedBackend
 
     idle = ScriptedBackend(vllm_server.model_dir, policy=get_policy("constant", text="ok"))
     idle.start()

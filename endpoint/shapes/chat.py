@@ -1,5 +1,5 @@
-"""OpenAI wire shapes for the per-job endpoint: request validation, message normalization,
-response and server-sent-event bodies, error bodies.
+"""The OpenAI shapes of the agent-facing endpoint: Chat Completions and Completions requests
+(validation, message normalization) and their response and server-sent-event bodies.
 
 Shapes follow OpenAI's Chat Completions and Completions references (the ones the ``openai``
 SDK parses): ``chat.completion`` / ``chat.completion.chunk`` / ``text_completion`` objects and
@@ -9,135 +9,12 @@ SDK parses): ``chat.completion`` / ``chat.completion.chunk`` / ``text_completion
 
 from __future__ import annotations
 
-import json
 import math
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from .client import SamplingParams
-
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-
-
-class EndpointError(Exception):
-    """A request the endpoint refuses: ``status`` plus OpenAI's error object.
-
-    400 ``invalid_request_error`` (bad body, ``n > 1``, ``context_length_exceeded``),
-    401 bad API key, 404 unknown route, 413 body too large, 429 ``insufficient_quota``
-    (``max_llm_calls`` spent), 503 (job cancelled, past its deadline, no backend).
-    ``retry=False`` adds ``x-should-retry: false``, which the ``openai`` SDK honours, so an
-    agent does not retry a refusal that cannot change.
-    """
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None, retry: bool | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
-        self.retry = retry
-
-    def body(self) -> bytes:
-        return _dumps({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                 "code": self.code}}).encode()
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> EndpointError:
-    return EndpointError(400, message, param=param, code=code)
-
-
-# -- requests ------------------------------------------------------------------------------
-def text_of(content: Any, where: str) -> str:
-    """Message content as text: a string, None, or a list of ``{"type": "text", "text"}`` parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if isinstance(p, str):
-                parts.append(p)
-            elif isinstance(p, dict) and p.get("type") in ("text", "input_text", "output_text") \
-                    and isinstance(p.get("text"), str):
-                parts.append(p["text"])
-            elif isinstance(p, dict) and p.get("type") == "refusal":
-                parts.append(str(p.get("refusal") or ""))
-            else:
-                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                raise bad(f"{where}: content part of type {kind!r} is not supported (text only)", "messages")
-        return "\n".join(parts)  # as vLLM's chat route joins a message's text parts, every role
-    raise bad(f"{where}: content must be a string, null or a list of text parts", "messages")
-
-
-def call_arguments(raw: Any, where: str) -> Any:
-    """A tool call's ``arguments`` (a JSON string on the wire) as a Python value."""
-    if isinstance(raw, str):
-        if not raw.strip():
-            return {}
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
-            return raw  # kept verbatim: rendered as the string it is
-    if raw is None:
-        return {}
-    return raw
-
-
-def args_object(arguments: str) -> dict:
-    """A reply's tool-call arguments as the object Anthropic's ``input`` and Gemini's ``args``
-    must be (a non-object value wrapped as ``{"input": value}``)."""
-    v = call_arguments(arguments, "arguments")
-    return v if isinstance(v, dict) else {"input": v}
-
-
-@dataclass(slots=True)
-class Msg:
-    """One request message, normalized. ``key`` compares messages across requests."""
-
-    role: str
-    content: str
-    name: str | None = None
-    tool_call_id: str | None = None
-    calls: tuple = ()  # ((name, arguments-as-JSON-text), ...)
-    call_ids: tuple = ()
-    reasoning: str | None = None
-
-    @property
-    def key(self) -> tuple:
-        return (self.role, self.content, self.name, self.tool_call_id, self.calls)
-
-    def template_dict(self) -> dict:
-        """What the chat template gets (tool-call arguments as objects, as vLLM passes them)."""
-        d: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.name is not None:
-            d["name"] = self.name
-        if self.tool_call_id is not None:
-            d["tool_call_id"] = self.tool_call_id
-        if self.reasoning is not None and self.role == "assistant":  # the template decides what to show
-            d["reasoning_content"] = self.reasoning
-        if self.calls:
-            d["tool_calls"] = [
-                {"id": cid, "type": "function", "function": {"name": n, "arguments": json.loads(getattr(a, "ordered", a))}}
-                for (n, a), cid in zip(self.calls, self.call_ids)
-            ]
-        return d
-
+from ..wire import Msg, Reply, Sampling, _dumps, bad, call_arguments, canon_args, text_of
 
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-
-
-class Args(str):
-    """Tool-call arguments as canonical JSON (sorted keys: equal values compare equal, whatever
-    order an agent re-serialises them in), with ``ordered``, the JSON in the client's key order,
-    which is what the template renders (as vLLM and Hugging Face pass the client's object)."""
-
-    ordered: str
-
-
-def canon_args(args: Any) -> Args:
-    a = Args(json.dumps(args, sort_keys=True, ensure_ascii=False, separators=(",", ":")))
-    a.ordered = json.dumps(args, ensure_ascii=False, separators=(",", ":"))
-    return a
 
 
 def parse_messages(raw: Any, prev: tuple[list, list[Msg]] | None = None) -> list[Msg]:
@@ -212,23 +89,6 @@ def _num(body: dict, key: str, default: Any, cast=float, lo: float | None = None
     return v
 
 
-@dataclass(slots=True)
-class Sampling:
-    """The per-request sampling fields, before the context window caps ``max_tokens``."""
-
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-
-    def params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop_token_ids=list(self.stop_token_ids))
-
-
 def parse_sampling(body: dict) -> Sampling:
     n = _num(body, "n", 1, int)
     if n != 1:
@@ -278,69 +138,6 @@ def parse_tool_choice(raw: Any, tools: list[dict] | None) -> bool:
         return True
     raise bad("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}",
               "tool_choice")
-
-
-def memo_items(items: list, fn: Any, cache: dict | None) -> list:
-    """``[fn(item, i) for i, item in enumerate(items)]``, where an item equal to the one at the same
-    position of the previous call with this ``cache`` reuses that call's result: agents resend their
-    whole history every call, and dict equality is C speed. ``fn`` must be a pure function of the
-    item and its position, with a result nobody mutates. ``cache`` is any dict the caller keeps per
-    conversation source (None: no reuse); it is updated only when every item translated."""
-    prev, prev_out = (cache.get("items"), cache.get("out")) if cache is not None else (None, None)
-    n_prev = len(prev) if prev is not None else 0
-    out = [prev_out[i] if i < n_prev and (it is prev[i] or it == prev[i]) else fn(it, i) for i, it in enumerate(items)]
-    if cache is not None:
-        cache["items"], cache["out"] = items, out
-    return out
-
-
-def memo_value(raw: Any, fn: Any, cache: dict | None, key: str) -> Any:
-    """``fn(raw)``, reused when ``raw`` equals the previous call's under ``key`` in ``cache`` (an
-    agent sends the same ``tools`` every call); ``fn`` must be pure, its result never mutated."""
-    if cache is None:
-        return fn(raw)
-    hit = cache.get(key)
-    if hit is not None and (hit[0] is raw or hit[0] == raw):
-        return hit[1]
-    out = fn(raw)
-    cache[key] = (raw, out)
-    return out
-
-
-@dataclass(slots=True)
-class WireRequest:
-    """A request of any API shape (Anthropic Messages, OpenAI Responses, Gemini), translated:
-    what the chat path gets from ``parse_messages``/``parse_tools``/``parse_tool_choice``/
-    ``parse_sampling``, plus what the shape's renderer needs back (``extras``)."""
-
-    messages: list[Msg]
-    tools: list[dict] | None  # OpenAI function format, as the chat template takes them
-    parse_calls: bool  # False: tool_choice none (the reply is returned as text)
-    sampling: Sampling
-    stream: bool = False
-    model: str | None = None
-    tool_choice: Any = None  # normalized: None, "auto", "none", "required" or {"name": ...}
-    extras: dict = field(default_factory=dict)
-
-
-# -- responses -----------------------------------------------------------------------------
-@dataclass(slots=True)
-class Reply:
-    """One answered request, ready to be shaped as a response or as stream chunks."""
-
-    id: str
-    model: str
-    content: str | None
-    tool_calls: list[dict]
-    reasoning: str | None
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    token_ids: list[int]
-    logprobs: list[float]
-    token_strs: list[str] | None = None  # filled when the request asked for logprobs
-    created: int = field(default_factory=lambda: int(time.time()))
-    stop_sequence: str | None = None  # the request's stop string that ended it (Anthropic's stop_sequence)
 
 
 def _logprobs_obj(r: Reply) -> dict | None:
@@ -414,11 +211,3 @@ def completion_chunks(r: Reply, text: str, include_usage: bool) -> list[bytes]:
         out.append({"id": r.id, "object": "text_completion", "created": r.created, "model": r.model, "choices": [],
                     "usage": usage})
     return [b"data: " + _dumps(c).encode() + b"\n\n" for c in out] + [b"data: [DONE]\n\n"]
-
-
-def models_response(model: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "rolloutd"}]}
-
-
-def dumps(obj: Any) -> bytes:
-    return _dumps(obj).encode()

@@ -9,8 +9,8 @@ It speaks the same HTTP JSON as the real servers, in the same shapes:
   ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` and
   ``sglang:num_running_reqs`` / ``sglang:num_queue_reqs``.
 
-Replies come from a :class:`~rolloutd.llm.policies.Policy` (looked up by name, see
-:mod:`rolloutd.llm.policies`): the prompt ids are decoded with the tokenizer, the policy
+Replies come from a :class:`~rolloutd.backends.policies.Policy` (looked up by name, see
+:mod:`rolloutd.backends.policies`): the prompt ids are decoded with the tokenizer, the policy
 returns text, the server tokenizes it (plus the end-of-turn token) and returns the
 ids with fake logprobs. Latency can be constant, uniform or lognormal (plus a
 per-token term); failures can be injected (HTTP 500, dropped connection, hang), at
@@ -275,7 +275,7 @@ class ScriptedBackend:
         eos_token_id: int | None = None,
     ) -> None:
         if isinstance(tokenizer, (str, bytes)) or hasattr(tokenizer, "__fspath__"):
-            from .tokenizer_utils import load_tokenizer
+            from ..llm.tokenizer_utils import load_tokenizer
 
             tokenizer = load_tokenizer(tokenizer)
         self.tokenizer = tokenizer

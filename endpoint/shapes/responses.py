@@ -1,6 +1,6 @@
 """OpenAI Responses API shapes for the per-job endpoint (``POST /v1/responses``, and the object a
 ``GET /v1/responses/{id}`` returns): request translation to the chat path's messages, tools and
-sampling, and a :class:`~rolloutd.llm.openai_wire.Reply` rendered as a ``response`` object or as
+sampling, and a :class:`~rolloutd.endpoint.wire.Reply` rendered as a ``response`` object or as
 the Responses event sequence. Pure translation: the endpoint keeps the store.
 
 Shapes follow the ``openai`` SDK's types (``ResponseCreateParams``, ``Response``,
@@ -40,7 +40,7 @@ import math
 import time
 from typing import Any
 
-from .openai_wire import (
+from ..wire import (
     EndpointError,
     Msg,
     Reply,
