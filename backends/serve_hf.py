@@ -16,7 +16,7 @@ HTTP (stdlib ``ThreadingHTTPServer``, HTTP/1.1 keep-alive):
   last one, every 20 ms (vLLM sends one per decode step, and merges steps for a slow reader),
   ``prompt_token_ids`` on the first chunk, ``finish_reason`` on the last, a ``"choices": []`` usage
   chunk with ``stream_options.include_usage``, then ``data: [DONE]``; a client that closes the
-  stream aborts the request (llm/scripted.py streams the same shape).
+  stream aborts the request (backends/scripted.py streams the same shape).
 * ``POST /generate``: SGLang's native API (``input_ids``, ``sampling_params``,
   ``return_logprob``), reply with ``output_ids`` and ``meta_info.output_token_logprobs``.
 * ``GET /health`` (and SGLang's ``/health_generate``), ``GET /v1/models``, ``GET /metrics`` (prometheus-client:

@@ -24,9 +24,7 @@ import json
 import statistics
 import time
 
-from rolloutd.endpoint.shapes import anthropic as anthropic_wire
-from rolloutd.endpoint.shapes import gemini as gemini_wire
-from rolloutd.endpoint.shapes import responses as responses_wire
+from rolloutd.endpoint.shapes import anthropic, gemini, responses
 from rolloutd.endpoint.shapes.chat import chat_chunks, parse_messages, parse_sampling, parse_tool_choice, parse_tools
 from rolloutd.endpoint.wire import Reply
 
@@ -103,18 +101,18 @@ def make_calls(b: dict[str, bytes]):
     return {
         "chat (no cache)": lambda: chat_call(b["chat"], [None, False]),
         "chat (history cached)": (lambda st: lambda: chat_call(b["chat"], st))([None, True]),
-        "anthropic": lambda: anthropic_wire.stream_events(Reply(**REPLY),
-                                                          anthropic_wire.parse(json.loads(b["anthropic"]))),
-        "anthropic (cached)": (lambda c: lambda: anthropic_wire.stream_events(
-            Reply(**REPLY), anthropic_wire.parse(json.loads(b["anthropic"]), cache=c)))({}),
-        "responses": lambda: responses_wire.stream_events(Reply(**REPLY),
-                                                          responses_wire.parse(json.loads(b["responses"]))),
-        "responses (cached)": (lambda c: lambda: responses_wire.stream_events(
-            Reply(**REPLY), responses_wire.parse(json.loads(b["responses"]), cache=c)))({}),
-        "gemini": lambda: gemini_wire.stream_chunks(Reply(**REPLY),
-                                                    gemini_wire.parse(json.loads(b["gemini"]), "m", True)),
-        "gemini (cached)": (lambda c: lambda: gemini_wire.stream_chunks(
-            Reply(**REPLY), gemini_wire.parse(json.loads(b["gemini"]), "m", True, cache=c)))({}),
+        "anthropic": lambda: anthropic.stream_events(Reply(**REPLY),
+                                                          anthropic.parse(json.loads(b["anthropic"]))),
+        "anthropic (cached)": (lambda c: lambda: anthropic.stream_events(
+            Reply(**REPLY), anthropic.parse(json.loads(b["anthropic"]), cache=c)))({}),
+        "responses": lambda: responses.stream_events(Reply(**REPLY),
+                                                          responses.parse(json.loads(b["responses"]))),
+        "responses (cached)": (lambda c: lambda: responses.stream_events(
+            Reply(**REPLY), responses.parse(json.loads(b["responses"]), cache=c)))({}),
+        "gemini": lambda: gemini.stream_chunks(Reply(**REPLY),
+                                                    gemini.parse(json.loads(b["gemini"]), "m", True)),
+        "gemini (cached)": (lambda c: lambda: gemini.stream_chunks(
+            Reply(**REPLY), gemini.parse(json.loads(b["gemini"]), "m", True, cache=c)))({}),
     }
 
 

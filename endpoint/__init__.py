@@ -10,8 +10,10 @@ model server, recording every call as exact token ids (docs/HARNESS.md).
   ``serve``/``EndpointServer``, uvicorn with the connection bounds;
 * :mod:`rolloutd.endpoint.wire`: the types every API shape shares (``EndpointError``, ``Msg``,
   ``Sampling``, ``WireRequest``, ``Reply``); :mod:`rolloutd.endpoint.shapes`: one module per API
-  shape (``chat``: OpenAI Chat Completions and Completions, ``responses``, ``anthropic``, ``gemini``);
-* :mod:`rolloutd.endpoint.encode_worker`: the worker processes long texts are tokenized in.
+  shape (``chat``: OpenAI Chat Completions and Completions, ``responses``, ``anthropic``, ``gemini``).
+
+Long texts are tokenized in :mod:`rolloutd.llm.encode_worker` (it stays in ``llm``: the tokenizer
+utilities' ``FastEncoder`` uses it, and ``llm`` never imports this package).
 
 Arrows: this package imports :mod:`rolloutd.llm` (client, conversation, toolparse, tokenizer
 utilities), never the reverse; ``handlers`` import it (docs/ARCHITECTURE.md).

@@ -16,7 +16,7 @@ import asyncio
 import structlog
 
 from .bounds import POOL
-from .encode_worker import TRIM_BYTES, release_memory
+from ..llm.encode_worker import TRIM_BYTES, release_memory
 from .session import EndpointSession
 from .shapes.chat import chat_chunks, chat_response, completion_chunks, completion_response
 from .wire import EndpointError, WireRequest, dumps, models_response

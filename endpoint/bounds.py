@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from .encode_worker import EncodeRefused
+from ..llm.encode_worker import EncodeRefused
 from .wire import EndpointError, Msg, bad
 
 

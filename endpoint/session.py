@@ -21,8 +21,8 @@ Interface (what the harness handler uses)::
   ``simple_generate(LLMClient(...))``.
 * Routes: ``POST /v1/chat/completions`` (non-streaming and ``stream: true`` SSE),
   ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``; the ``/v1`` prefix is optional.
-  Errors use OpenAI's JSON error shape (:class:`~rolloutd.llm.openai_wire.EndpointError`).
-  Other API shapes on the same session (``anthropic_wire``, ``responses_wire``, ``gemini_wire``
+  Errors use OpenAI's JSON error shape (:class:`~rolloutd.endpoint.wire.EndpointError`).
+  Other API shapes on the same session (:mod:`rolloutd.endpoint.shapes`
   translate): ``POST /v1/messages`` and ``/v1/messages/count_tokens``, ``POST /v1/responses`` and
   ``GET /v1/responses/{id}``, ``POST /v1beta/models/{m}:generateContent|:streamGenerateContent|
   :countTokens``; each answers errors in its own shape.
@@ -66,7 +66,7 @@ from ..llm.tokenizer_utils import encode_bounds, fast_encoder
 from ..llm.toolparse import CallIds, get_parser, parse_reply, parser_name_for
 from .bounds import (POOL, EndpointBounds, EndpointLimits, check_size, encode_refusal, load_body, max_bytes_per_token,
                      unaddressed)
-from .encode_worker import ENCODE_STATS, EncodeRefused
+from ..llm.encode_worker import ENCODE_STATS, EncodeRefused
 from .shapes.chat import parse_messages, parse_sampling, parse_tool_choice, parse_tools
 from .stops import TokenText, apply_stop
 from .tree import ConversationTree, Gen, Segment
@@ -93,7 +93,6 @@ class EndpointSession:
         self.model = model
         self.limits = limits or EndpointLimits()
         self.api_key = api_key
-        self.conv_options = dict(conv_options or {})  # extra Conversation(...) keywords (model-family options)
         self.created = int(time.time())
         self.fatal: BaseException | None = None
         # requests: every request but /health; refused_calls: every error answer (refused_by_status:
@@ -112,11 +111,20 @@ class EndpointSession:
         self._work = asyncio.Semaphore(1)  # this job's share of the endpoint threads: one at a time
         self._mbpt: int | None = None
         # the conversations this job's requests were placed in (segments, forks, our replies)
-        self.tree = ConversationTree(tokenizer, self.call_ids, self.limits, self.conv_options, self.metrics)
+        self.tree = ConversationTree(tokenizer, self.call_ids, self.limits, dict(conv_options or {}), self.metrics)
 
     @property
     def segments(self) -> list[Segment]:
         return self.tree.segments
+
+    @property
+    def conv_options(self) -> dict:
+        """Extra ``Conversation(...)`` keywords (model-family options), the tree's."""
+        return self.tree.conv_options
+
+    @conv_options.setter
+    def conv_options(self, value: dict) -> None:
+        self.tree.conv_options = value
 
     # -- bounds ----------------------------------------------------------------------------
     async def _offload(self, fn, *args):
@@ -378,7 +386,7 @@ class EndpointSession:
         return req
 
     async def serve_wire(self, raw: bytes | dict, parse: Callable[[dict], WireRequest]) -> tuple[WireRequest, Reply]:
-        """One request of another API shape: ``parse`` (a wire module's, e.g. ``anthropic_wire.parse``)
+        """One request of another API shape: ``parse`` (a wire module's, e.g. ``shapes.anthropic.parse``)
         translates the body in an endpoint thread; then the same session path as Chat Completions."""
         self._admit(calls=False)
         if self._mbpt is None:

@@ -22,7 +22,7 @@ import structlog
 from ..llm.conversation import Conversation
 from ..llm.errors import ContextOverflow
 from .bounds import EndpointLimits, too_long
-from .encode_worker import EncodeRefused
+from ..llm.encode_worker import EncodeRefused
 from .wire import Msg, bad
 
 log = structlog.get_logger("rolloutd.llm")

@@ -8,15 +8,15 @@
   harmony, deepseek_v31); :mod:`rolloutd.llm.families` maps a family to its parser, chat template
   and reasoning handling;
 * :mod:`rolloutd.llm.http_transport`: the HTTP/1.1 keep-alive transport ``LLMClient`` speaks through;
-* :mod:`rolloutd.llm.openai_endpoint` (:mod:`rolloutd.llm.openai_wire`): the per-job
-  OpenAI-compatible endpoint that records an unmodified agent's tokens (docs/HARNESS.md);
 * :mod:`rolloutd.llm.agent_loop`: ``run_agent_loop``, the multi-turn loop;
-* :mod:`rolloutd.llm.scripted`: scripted vLLM/SGLang stand-in backend, :mod:`rolloutd.llm.policies` its policies;
-* :mod:`rolloutd.llm.serve_hf`: a small vLLM-compatible server around a transformers model (needs torch);
-* :mod:`rolloutd.llm.tiny_model`: a tiny random Qwen2 model + ChatML tokenizer built offline.
+* :mod:`rolloutd.llm.tokenizer_utils` (and :mod:`rolloutd.llm.encode_worker`, the bounded worker
+  processes long texts are tokenized in): tokenizer loading and fast encoding.
 
-Importing ``llm`` (or any module above except when *using* ``serve_hf``/``tiny_model``'s model
-builder) does not import torch. See docs/LLM.md.
+The agent-facing endpoint is :mod:`rolloutd.endpoint`, the stand-in backends (scripted, serve-hf,
+the tiny model, the vLLM CPU launcher) are :mod:`rolloutd.backends`; both import this package,
+never the reverse (docs/ARCHITECTURE.md).
+
+Importing ``llm`` (or any module above) does not import torch. See docs/LLM.md.
 """
 
 from __future__ import annotations

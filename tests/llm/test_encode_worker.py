@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from rolloutd.endpoint import encode_worker as ew
+from rolloutd.llm import encode_worker as ew
 from rolloutd.llm.tokenizer_utils import WORKER_CHARS, encode_bounds, fast_encoder
 
 WORDS = ["foo", "bar", "Ünï", "数字", "123", "x=1;", "\n", "  ", "\n\n", "<|im_end|>", "<tool_call>", "def", "'s",

@@ -211,7 +211,7 @@ def worker_main() -> None:
 class _Worker:
     def __init__(self, as_mb: int, nice: int) -> None:
         env = dict(os.environ, MALLOC_ARENA_MAX="2", TOKENIZERS_PARALLELISM="false", RAYON_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "rolloutd.endpoint.encode_worker", str(as_mb), str(nice)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "rolloutd.llm.encode_worker", str(as_mb), str(nice)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      close_fds=True, env=env)
         self.loaded: set[str] = set()
