@@ -60,7 +60,8 @@ from typing import Any, Awaitable
 import structlog
 
 from .policies import Policy, PolicyReply, PolicyRequest, get_policy
-from .vllm_replies import (completion_body, context_max_tokens, cut_at_stop_string, load_gauges, reply_text,
+from .vllm_replies import (completion_body, context_max_tokens, cut_at_stop_string, load_gauges, model_info_body,
+                           models_body, reply_text,
                            sglang_generate_body, stream_chunk, stream_usage)
 
 log = structlog.get_logger("rolloutd.llm")
@@ -455,25 +456,9 @@ class ScriptedBackend:
             if path in ("/health", "/health_generate"):  # SGLang serves both; the router probes the second
                 return _response(200, b"", "text/plain")
             if path == "/v1/models":
-                return _json_response(
-                    200,
-                    {
-                        "object": "list",
-                        "data": [
-                            {
-                                "id": self.model,
-                                "object": "model",
-                                "created": int(time.time()),
-                                "owned_by": "vllm",
-                                "root": self.model,
-                                "parent": None,
-                                "max_model_len": self.max_model_len,
-                            }
-                        ],
-                    },
-                )
+                return _json_response(200, models_body(self.model, self.model, self.max_model_len))
             if path == "/get_model_info":
-                return _json_response(200, {"model_path": self.model, "tokenizer_path": self.model, "is_generation": True})
+                return _json_response(200, model_info_body(self.model))
             if path == "/metrics":
                 return _response(200, self.metrics_text(), "text/plain; version=0.0.4; charset=utf-8")
             return _vllm_error(404, f"no route {path}", "NotFoundError")

@@ -58,7 +58,7 @@ from typing import Any
 import structlog
 
 from .vllm_replies import (completion_body, context_max_tokens, cut_at_stop_string, first_stop_string, load_gauges,
-                           reply_text, sglang_generate_body, stream_chunk, stream_usage)
+                           model_info_body, models_body, reply_text, sglang_generate_body, stream_chunk, stream_usage)
 
 log = structlog.get_logger("rolloutd.llm")
 
@@ -508,25 +508,9 @@ class _Handler(BaseHTTPRequestHandler):
         if path in ("/health", "/health_generate"):  # SGLang serves both; the router probes the second
             self._send(200, b"", "text/plain")
         elif path == "/v1/models":
-            self._send_json(
-                200,
-                {
-                    "object": "list",
-                    "data": [
-                        {
-                            "id": srv.model_name,
-                            "object": "model",
-                            "created": int(time.time()),
-                            "owned_by": "vllm",
-                            "root": srv.model_dir,
-                            "parent": None,
-                            "max_model_len": srv.max_model_len,
-                        }
-                    ],
-                },
-            )
+            self._send_json(200, models_body(srv.model_name, srv.model_dir, srv.max_model_len))
         elif path == "/get_model_info":
-            self._send_json(200, {"model_path": srv.model_dir, "tokenizer_path": srv.model_dir, "is_generation": True})
+            self._send_json(200, model_info_body(srv.model_dir))
         elif path == "/metrics":
             from prometheus_client import generate_latest
 

@@ -17,6 +17,7 @@ Taken from the real server, vLLM 0.32.0 (CPU build), and checked against it by
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 
@@ -26,6 +27,17 @@ def error_body(message: str, param: str | None = None, etype: str = "BadRequestE
 
 def _param_error(message: str, param: str, value: Any) -> dict:
     return error_body(f"{message} (parameter={param}, value={value})", param)
+
+
+def models_body(model: str, root: str, max_model_len: int) -> dict:
+    """vLLM's ``GET /v1/models``: the one model served, its path (``root``) and context window."""
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+                                        "root": root, "parent": None, "max_model_len": max_model_len}]}
+
+
+def model_info_body(path: str) -> dict:
+    """SGLang's ``GET /get_model_info``: the model and tokenizer path."""
+    return {"model_path": path, "tokenizer_path": path, "is_generation": True}
 
 
 def context_max_tokens(n_prompt: int, max_tokens: int | None, max_model_len: int,

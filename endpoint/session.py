@@ -316,7 +316,8 @@ class EndpointSession:
                 break
             g, backend, pv = await self._call(conv.context_ids, samp.params(max_new))
             if samp.stop:  # the text decoded from the ids, never the backend's text
-                text, stop_hit = apply_stop(g, self.text.decode(g.token_ids), samp.stop, "".join(texts), self.text.decode)
+                decode = self.text.decode
+                text, stop_hit = apply_stop(g, decode(g.token_ids), samp.stop, "".join(texts), decode)
                 texts.append(text)
             capped = max_new < want - len(ids) and g.finish_reason == "length" and len(g.token_ids) >= max_new
             conv.add_generation(g, backend, pv)

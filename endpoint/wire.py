@@ -10,6 +10,7 @@ for OpenAI Chat Completions and Completions, ``responses``, ``anthropic``, ``gem
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,6 +139,34 @@ def canon_args(args: Any) -> Args:
     a.ordered = json.dumps(args, ensure_ascii=False, separators=(",", ":"))
     return a
 
+
+
+def tools_given(raw: Any, not_a_list: str) -> bool:
+    """Whether a request names tools: False for none (absent, null or ``[]``); a ``tools`` that is
+    not a list is refused with ``not_a_list`` (each shape's own words)."""
+    if raw is None or raw == []:
+        return False
+    if not isinstance(raw, list):
+        raise bad(not_a_list, "tools")
+    return True
+
+
+def number(body: dict, key: str, default: Any, cast=float, lo: float | None = None, hi: float | None = None, *,
+           not_a_number: str = "'{key}' must be a number", not_finite: str = "'{key}' must be a finite number",
+           out_of_range: str = "'{key}' = {v} is out of range [{lo}, {hi}]") -> Any:
+    """A numeric request field (absent or null: ``default``), cast and range-checked; the refusals
+    are format strings over ``key``, ``v``, ``lo``, ``hi`` (each shape's own words)."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad(not_a_number.format(key=key), key)
+    if isinstance(v, float) and not math.isfinite(v):  # json.loads takes NaN and Infinity
+        raise bad(not_finite.format(key=key), key)
+    v = cast(v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad(out_of_range.format(key=key, v=v, lo=lo, hi=hi), key)
+    return v
 
 
 @dataclass(slots=True)

@@ -210,6 +210,16 @@ def _as_float32(values: Sequence[Any]) -> np.ndarray:
         return np.asarray([float("nan") if v is None else float(v) for v in values], dtype=np.float32)
 
 
+def _stop_fields(p: SamplingParams, d: dict) -> None:
+    """The sampling fields vLLM's body and SGLang's ``sampling_params`` spell alike, set when used."""
+    if p.stop_token_ids:
+        d["stop_token_ids"] = [int(x) for x in p.stop_token_ids]
+    if p.stop:
+        d["stop"] = [str(x) for x in p.stop]
+    if p.ignore_eos:
+        d["ignore_eos"] = True
+
+
 def _sse_data(event: bytes) -> bytes | None:
     """The data of one server-sent event (its ``data:`` lines joined), None for a comment-only one."""
     data = [ln[5:].removeprefix(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
@@ -329,12 +339,7 @@ class LLMClient:
                 d["top_k"] = int(p.top_k)
             if p.seed is not None:
                 d["seed"] = int(p.seed)
-            if p.stop_token_ids:
-                d["stop_token_ids"] = [int(x) for x in p.stop_token_ids]
-            if p.stop:
-                d["stop"] = [str(x) for x in p.stop]
-            if p.ignore_eos:
-                d["ignore_eos"] = True
+            _stop_fields(p, d)
             key = '"prompt":'
         else:
             sp: dict[str, Any] = {
@@ -346,12 +351,7 @@ class LLMClient:
             }
             if p.seed is not None:
                 sp["sampling_seed"] = int(p.seed)
-            if p.stop_token_ids:
-                sp["stop_token_ids"] = [int(x) for x in p.stop_token_ids]
-            if p.stop:
-                sp["stop"] = [str(x) for x in p.stop]
-            if p.ignore_eos:
-                sp["ignore_eos"] = True
+            _stop_fields(p, sp)
             d = {"sampling_params": sp, "return_logprob": True, "logprob_start_len": -1, "stream": False}
             if rid is not None:  # lets abort(rid) end it early with the tokens sampled so far
                 d["rid"] = rid
@@ -598,13 +598,18 @@ class LLMClient:
             return False
         return r.status_code == 200
 
-    async def models(self, timeout: float = 10.0) -> list[str]:
+    async def _get_ok(self, path: str, timeout: float) -> httpx.Response:
+        """``GET path``; no answer in time, a transport error or a status other than 200 is a BackendError."""
         try:
-            r = await with_timeout(self._http.get("/v1/models"), min(timeout, self.timeout))
+            r = await with_timeout(self._http.get(path), min(timeout, self.timeout))
         except (asyncio.TimeoutError, httpx.HTTPError) as e:
-            raise BackendError(f"/v1/models: {type(e).__name__}: {e}", backend=self.base_url) from e
+            raise BackendError(f"{path}: {type(e).__name__}: {e}", backend=self.base_url) from e
         if r.status_code != 200:
-            raise BackendError(f"/v1/models: HTTP {r.status_code}", backend=self.base_url, status=r.status_code)
+            raise BackendError(f"{path}: HTTP {r.status_code}", backend=self.base_url, status=r.status_code)
+        return r
+
+    async def models(self, timeout: float = 10.0) -> list[str]:
+        r = await self._get_ok("/v1/models", timeout)
         try:
             return [m["id"] for m in r.json()["data"]]
         except (ValueError, KeyError, TypeError) as e:
@@ -613,12 +618,7 @@ class LLMClient:
     async def metrics(self, timeout: float = 5.0) -> dict[str, float]:
         """Load gauges from ``/metrics``: ``num_requests_running``, ``num_requests_waiting``
         (and ``kv_cache_usage`` when exported), from the ``vllm:`` or ``sglang:`` names."""
-        try:
-            r = await with_timeout(self._http.get("/metrics"), min(timeout, self.timeout))
-        except (asyncio.TimeoutError, httpx.HTTPError) as e:
-            raise BackendError(f"/metrics: {type(e).__name__}: {e}", backend=self.base_url) from e
-        if r.status_code != 200:
-            raise BackendError(f"/metrics: HTTP {r.status_code}", backend=self.base_url, status=r.status_code)
+        r = await self._get_ok("/metrics", timeout)
         text = r.text
         primary, other = _METRIC_MAPS[self.api]
         out = parse_prometheus(text, primary)

@@ -32,19 +32,8 @@ import math
 import re
 from typing import Any
 
-from ..wire import (
-    EndpointError,
-    Msg,
-    Reply,
-    Sampling,
-    WireRequest,
-    args_object,
-    bad,
-    canon_args,
-    dumps,
-    memo_items,
-    memo_value,
-)
+from ..wire import (EndpointError, Msg, Reply, Sampling, WireRequest, args_object, bad, canon_args, dumps, memo_items,
+                   memo_value, tools_given)
 
 __all__ = ["call_id_of", "count_tokens_response", "error_body", "parse", "parse_count_tokens", "response",
            "stream_events", "tool_use_id"]
@@ -103,23 +92,30 @@ def _text_blocks(content: Any, where: str) -> str:
     raise bad(f"{where}: must be a string or a list of text blocks", where)
 
 
-def _user(m: dict, where: str) -> tuple:
-    """A user message as pieces: ("user", text) for each run of text blocks, ("tool", id, text)."""
-    content = m.get("content")
-    if isinstance(content, str):
-        return (("user", content),)
+def _content_blocks(content: Any, where: str):
+    """A message's content blocks as (error path, block, type): each an object, a text block's
+    ``text`` a string; ``content`` must be a list (a string is the caller's to take first)."""
     if not isinstance(content, list):
         raise bad(f"{where}.content: Input should be a valid string or list of content blocks", where)
-    pieces: list[tuple] = []
-    texts: list[str] | None = None
     for j, b in enumerate(content):
         bw = f"{where}.content.{j}"
         if not isinstance(b, dict):
             raise bad(f"{bw}: each content block must be an object", bw)
         t = b.get("type")
+        if t == "text" and not isinstance(b.get("text"), str):
+            raise bad(f"{bw}.text: Field required (a string)", bw)
+        yield bw, b, t
+
+
+def _user(m: dict, where: str) -> tuple:
+    """A user message as pieces: ("user", text) for each run of text blocks, ("tool", id, text)."""
+    content = m.get("content")
+    if isinstance(content, str):
+        return (("user", content),)
+    pieces: list[tuple] = []
+    texts: list[str] | None = None
+    for bw, b, t in _content_blocks(content, where):
         if t == "text":
-            if not isinstance(b.get("text"), str):
-                raise bad(f"{bw}.text: Field required (a string)", bw)
             if texts is None:
                 texts = []
                 pieces.append(("user", ""))
@@ -144,20 +140,12 @@ def _assistant(m: dict, where: str) -> tuple:
     content = m.get("content")
     if isinstance(content, str):
         return (("assistant", content, (), (), None),)
-    if not isinstance(content, list):
-        raise bad(f"{where}.content: Input should be a valid string or list of content blocks", where)
     texts: list[str] = []
     thinking: list[str] = []
     calls: list[tuple[str, str]] = []
     ids: list[str] = []
-    for j, b in enumerate(content):
-        bw = f"{where}.content.{j}"
-        if not isinstance(b, dict):
-            raise bad(f"{bw}: each content block must be an object", bw)
-        t = b.get("type")
+    for bw, b, t in _content_blocks(content, where):
         if t == "text":
-            if not isinstance(b.get("text"), str):
-                raise bad(f"{bw}.text: Field required (a string)", bw)
             texts.append(b["text"])
         elif t == "tool_use":
             name, tid, inp = b.get("name"), b.get("id"), b.get("input", {})
@@ -229,10 +217,8 @@ def _messages(body: dict, cache: dict | None) -> list[Msg]:
 
 
 def _tools(raw: Any) -> list[dict] | None:
-    if raw is None or raw == []:
+    if not tools_given(raw, "tools: Input should be a valid list"):
         return None
-    if not isinstance(raw, list):
-        raise bad("tools: Input should be a valid list", "tools")
     out = []
     seen = set()
     for i, t in enumerate(raw):

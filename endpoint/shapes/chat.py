@@ -9,10 +9,9 @@ SDK parses): ``chat.completion`` / ``chat.completion.chunk`` / ``text_completion
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from ..wire import Msg, Reply, Sampling, _dumps, bad, call_arguments, canon_args, text_of
+from ..wire import Msg, Reply, Sampling, _dumps, bad, call_arguments, canon_args, number, text_of, tools_given
 
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
@@ -64,10 +63,8 @@ def parse_messages(raw: Any, prev: tuple[list, list[Msg]] | None = None) -> list
 
 
 def parse_tools(raw: Any) -> list[dict] | None:
-    if raw is None or raw == []:
+    if not tools_given(raw, "'tools' must be a list"):
         return None
-    if not isinstance(raw, list):
-        raise bad("'tools' must be a list", "tools")
     for i, t in enumerate(raw):
         if not (isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
                 and isinstance(t["function"].get("name"), str)):
@@ -75,22 +72,8 @@ def parse_tools(raw: Any) -> list[dict] | None:
     return raw
 
 
-def _num(body: dict, key: str, default: Any, cast=float, lo: float | None = None, hi: float | None = None) -> Any:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise bad(f"'{key}' must be a number", key)
-    if isinstance(v, float) and not math.isfinite(v):  # json.loads takes NaN and Infinity
-        raise bad(f"'{key}' must be a finite number", key)
-    v = cast(v)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise bad(f"'{key}' = {v} is out of range [{lo}, {hi}]", key)
-    return v
-
-
 def parse_sampling(body: dict) -> Sampling:
-    n = _num(body, "n", 1, int)
+    n = number(body, "n", 1, int)
     if n != 1:
         raise bad(f"n = {n} is not supported: one choice per request (send n requests instead)", "n")
     if body.get("best_of") not in (None, 1):
@@ -103,7 +86,7 @@ def parse_sampling(body: dict) -> Sampling:
     if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
         raise bad(f"response_format {rf.get('type')!r} is not supported (no guided decoding here)", "response_format")
     mt = body.get("max_completion_tokens")
-    mt = _num(body, "max_tokens", None, int, 1) if mt is None else _num(body, "max_completion_tokens", None, int, 1)
+    mt = number(body, "max_tokens", None, int, 1) if mt is None else number(body, "max_completion_tokens", None, int, 1)
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -117,9 +100,9 @@ def parse_sampling(body: dict) -> Sampling:
     sti = body.get("stop_token_ids") or []
     if not isinstance(sti, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in sti):
         raise bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
-    return Sampling(max_tokens=mt, temperature=_num(body, "temperature", 1.0, float, 0.0, 2.0),
-                    top_p=_num(body, "top_p", 1.0, float, 0.0, 1.0), top_k=_num(body, "top_k", -1, int),
-                    seed=_num(body, "seed", None, int), stop=stops, stop_token_ids=list(sti))
+    return Sampling(max_tokens=mt, temperature=number(body, "temperature", 1.0, float, 0.0, 2.0),
+                    top_p=number(body, "top_p", 1.0, float, 0.0, 1.0), top_k=number(body, "top_k", -1, int),
+                    seed=number(body, "seed", None, int), stop=stops, stop_token_ids=list(sti))
 
 
 def parse_tool_choice(raw: Any, tools: list[dict] | None) -> bool:

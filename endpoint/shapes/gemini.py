@@ -30,19 +30,8 @@ import json
 import math
 from typing import Any
 
-from ..wire import (
-    EndpointError,
-    Msg,
-    Reply,
-    Sampling,
-    WireRequest,
-    args_object,
-    bad,
-    canon_args,
-    dumps,
-    memo_items,
-    memo_value,
-)
+from ..wire import (EndpointError, Msg, Reply, Sampling, WireRequest, args_object, bad, canon_args, dumps, memo_items,
+                   memo_value, tools_given)
 
 __all__ = ["count_tokens_response", "error_body", "parse", "parse_count_tokens", "response", "stream_chunks"]
 
@@ -85,10 +74,8 @@ def _schema(s: Any) -> Any:
 
 
 def _tools(raw: Any) -> list[dict] | None:
-    if raw is None or raw == []:
+    if not tools_given(raw, "Invalid value at 'tools': must be a list of Tool objects"):
         return None
-    if not isinstance(raw, list):
-        raise bad("Invalid value at 'tools': must be a list of Tool objects", "tools")
     out: list[dict] = []
     seen: set[str] = set()
     for i, t in enumerate(raw):

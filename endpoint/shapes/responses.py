@@ -36,23 +36,11 @@ response (``history``: its items, from :func:`conversation_items`) and puts it b
 from __future__ import annotations
 
 import base64
-import math
 import time
 from typing import Any
 
-from ..wire import (
-    EndpointError,
-    Msg,
-    Reply,
-    Sampling,
-    WireRequest,
-    bad,
-    call_arguments,
-    canon_args,
-    dumps,
-    memo_items,
-    memo_value,
-)
+from ..wire import (EndpointError, Msg, Reply, Sampling, WireRequest, bad, call_arguments, canon_args, dumps,
+                   memo_items, memo_value, number, tools_given)
 
 __all__ = ["conversation_items", "error_body", "output_items", "parse", "response", "response_id",
            "stream_events"]
@@ -101,10 +89,8 @@ def _parts_text(content: Any, where: str, sep: str = "\n") -> str:
 def _tools(raw: Any) -> tuple[list[dict] | None, dict[str, dict], list[str], bytes]:
     """(chat-template tools, name -> {"kind", "namespace"?}, ignored hosted tool types, the tools
     as JSON for the response object, which repeats them: a lone surrogate is refused here)."""
-    if raw is None or raw == []:
+    if not tools_given(raw, "'tools' must be a list"):
         return None, {}, [], b"[]"
-    if not isinstance(raw, list):
-        raise bad("'tools' must be a list", "tools")
     out: list[dict] = []
     kinds: dict[str, dict] = {}
     ignored: list[str] = []
@@ -184,15 +170,9 @@ def _tool_choice(raw: Any, kinds: dict[str, dict]) -> tuple[bool, Any]:
 
 
 def _num(body: dict, key: str, default: Any, cast=float, lo: float | None = None, hi: float | None = None) -> Any:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad(f"Invalid type for '{key}': expected a number", key)
-    v = cast(v)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise bad(f"Invalid '{key}': {v} is out of range [{lo}, {hi}]", key)
-    return v
+    return number(body, key, default, cast, lo, hi, not_a_number="Invalid type for '{key}': expected a number",
+                  not_finite="Invalid type for '{key}': expected a number",
+                  out_of_range="Invalid '{key}': {v} is out of range [{lo}, {hi}]")
 
 
 def _reasoning_text(it: dict) -> str:
