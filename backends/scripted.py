@@ -1,5 +1,9 @@
 """Scripted LLM backend: a stand-in for vLLM / SGLang in tests and benchmarks.
 
+Over ~700 lines because it is one server: two APIs (vLLM's and SGLang's), streaming, aborts, failure
+injection, batching and load gauges share its queue; the reply bodies both stand-ins send are in
+:mod:`rolloutd.backends.vllm_replies`, the policies in :mod:`rolloutd.backends.policies`.
+
 It speaks the same HTTP JSON as the real servers, in the same shapes:
 
 * ``POST /v1/completions`` (vLLM's OpenAI completions with a token-id prompt,

@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import synthetic
 
 REPO = Path(__file__).resolve().parents[2]
-OLD = r"(bus|daemons|gateway|handlers|sandbox|llm|systemd)"
+OLD = r"(bus|daemons|gateway|handlers|sandbox|llm|endpoint|backends|systemd)"
 OLD_IMPORT = re.compile(rf"^\s*(from {OLD}(\.| import)|import {OLD}\b)|(^|[\s\x22'])-m {OLD}\b|-m\", \"{OLD}\.", re.M)
 TEXT = {".py", ".md", ".sh", ".sbatch", ".service", ".target", ".toml", ".yaml", ".j2", ".txt"}
 
@@ -85,7 +85,7 @@ def test_sdist_carries_the_source_folders(dist):
 
     _, sdist = dist
     names = tarfile.open(sdist).getnames()
-    for folder in ("bus", "daemons", "gateway", "handlers", "sandbox", "llm", "systemd", "rolloutd"):
+    for folder in ("bus", "daemons", "gateway", "handlers", "sandbox", "llm", "endpoint", "backends", "systemd", "rolloutd"):
         assert any(n.split("/")[1:2] == [folder] for n in names), folder
 
 
@@ -104,7 +104,8 @@ import json, sys
 from rolloutd import RolloutClient, BatchClient, PROTOCOL_VERSION, __version__
 import rolloutd.gateway.client, rolloutd.gateway.batch
 heavy = sorted(m for m in ("structlog", "transformers", "httpx", "rich", "prometheus_client", "jinja2", "spython",
-                           "ptyprocess", "torch", "rolloutd.daemons", "rolloutd.sandbox", "rolloutd.llm")
+                           "ptyprocess", "torch", "rolloutd.daemons", "rolloutd.sandbox", "rolloutd.llm", "rolloutd.endpoint",
+                           "rolloutd.backends")
                if m in sys.modules)
 with RolloutClient({up.gateway!r}, timeout_s=30) as c:
     st = c.status()
