@@ -1,5 +1,8 @@
 """Router benchmark (issue 4): ``least_inflight`` vs ``round_robin`` on live daemons.
 
+Over ~700 lines because it runs one experiment in three modes (scripted, patched A/B, real vLLM)
+that must share their measurement code to be comparable.
+
     python bench/bench_router.py             # 5 reps, about 4 minutes on 2 cores (220-225 s measured)
     python bench/bench_router.py --quick     # 2 reps, smaller batches, 65-75 s
     python bench/bench_router.py --reps 3 --tick-ms 20 --json out.json --root /path/to/patched/copy

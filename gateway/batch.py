@@ -1,5 +1,8 @@
 """Batch helpers for trainers: submit a batch, gather it as it completes, pad it for training.
 
+Over ~700 lines because the sync and asyncio forms of one client share its state (batches in
+flight, late results, deadlines) and are kept side by side so they cannot drift apart.
+
 ``BatchClient`` sits on top of :class:`rolloutd.gateway.client.RolloutClient` (the REQ-envelope DEALER
 shim) and adds what a training loop needs:
 

@@ -1,5 +1,8 @@
 """The gateway daemon: the only door for trainers.
 
+Over ~700 lines because it is one loop whose turn order (drain, slice, commit, reply, dispatch)
+is the durability promise; the job table, journal and submit slices are modules of their own.
+
 One ROUTER socket answers REQ and DEALER clients, exactly one reply per request. The
 gateway assigns job ids, journals jobs before acknowledging them, dispatches them to the
 init daemons as their pipes accept, collects results, and answers polls. Each loop turn

@@ -1,5 +1,8 @@
 """``harness``: an unmodified agent program in a sandbox, trained through a token-capturing endpoint.
 
+Over ~700 lines because it is one domain's three phases and its instance schema, whose every key
+is checked here; presets, episodes and graders live in their own modules.
+
 Instance (every key is checked; unknown keys are an error)::
 
     {

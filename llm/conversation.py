@@ -1,5 +1,9 @@
 """Conversation state, token-in/token-out.
 
+Over ~700 lines because it is one invariant (every sampled token kept as sampled, every other
+token rendered with the template's own delimiters) and its pieces (render, extend, fork, truncate,
+check) each break it if read apart.
+
 A :class:`Conversation` is the exact token sequence a policy saw and produced:
 
 * the initial prompt, rendered once with ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``;
