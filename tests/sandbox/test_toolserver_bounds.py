@@ -275,6 +275,29 @@ def test_tool_server_memory_is_bounded_and_its_children_do_not_inherit_the_bound
             s.close()
 
 
+def test_programs_the_agents_code_starts_do_not_inherit_the_session_pipes(bwrap_rt):
+    """The session driver's request and reply fds (named in its command line) are closed in
+    every program its code starts: a child cannot forge replies or read requests after the
+    driver restarts (SANDBOX.md, "Frames")."""
+    h = bwrap_rt.create("pyfds")
+    c = bwrap_rt.client(h, timeout=30)
+    code = ("import os, subprocess\n"
+            "args = [a for a in open('/proc/self/cmdline', 'rb').read().split(b'\\0') if a]\n"
+            "print(int(args[-2]), int(args[-1]))\n"
+            # os.system and close_fds=False keep every inheritable fd (subprocess closes them by default)
+            "os.system('ls /proc/self/fd > /tmp/fds.txt')\n"
+            "kept = subprocess.run(['ls', '/proc/self/fd'], capture_output=True, text=True, close_fds=False).stdout\n"
+            "print(open('/tmp/fds.txt').read().split() + kept.split())\n"
+            "print(sorted(int(f) for f in os.listdir('/proc/self/fd')))")
+    r = c.call("python", {"code": code})
+    assert r.error is None and r.exit_code == 0, r
+    first, child, mine = r.output.strip().splitlines()
+    req, resp = (int(x) for x in first.split())
+    child_fds = {int(x) for x in eval(child)}  # a list of fd-number strings, printed by our code
+    assert {req, resp} <= set(eval(mine)), (req, resp, mine)  # the driver itself holds them
+    assert not {req, resp} & child_fds, (req, resp, child_fds)
+
+
 # -- the mechanisms under those tests, on real files and sockets ---------------------------------
 
 def test_capped_log_cuts_long_lines_and_stops_at_its_total(tmp_path):
