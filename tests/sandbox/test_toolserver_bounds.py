@@ -330,6 +330,21 @@ def test_capped_log_cuts_long_lines_and_stops_at_its_total(tmp_path):
         os.close(fd)
 
 
+def test_each_field_of_a_host_log_event_is_cut_to_4096_characters(capsys, monkeypatch):
+    """A field the agent controls (an error text, a nested value) is cut to its head and tail
+    before the line is built, so one event cannot fill the log line (SANDBOX.md, host-side log)."""
+    from rolloutd.sandbox.toolserver import toollog
+
+    monkeypatch.setattr(toollog, "_stream", None)  # to sys.stderr (captured), whatever ran before
+    toollog.log("probe", text="a" * 10_000 + "TAIL", nested={"k": ["v" * 9_000]}, n=7, ok=True)
+    rec = json.loads(capsys.readouterr().err.splitlines()[-1])
+    assert rec["event"] == "probe" and rec["n"] == 7 and rec["ok"] is True
+    for key in ("text", "nested"):
+        assert isinstance(rec[key], str) and len(rec[key]) <= 4096 + 40, (key, len(rec[key]))
+        assert "characters cut]" in rec[key], rec[key][2040:2100]
+    assert rec["text"].endswith("TAIL") and rec["text"].startswith("a" * 2048)
+
+
 def test_a_reply_over_the_frame_limit_becomes_an_error_reply():
     """The socket protocol both ways is bounded by wire.MAX_FRAME: a reply the tool server cannot
     send whole becomes an error reply on the same connection (before: the connection was dropped
