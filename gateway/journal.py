@@ -88,6 +88,7 @@ class Journal:
         self.db = None
         self.dirty = False
         self.pending: list[tuple[str, object, bool]] = []  # (sql, params, executemany) not yet committed
+        self._client_row: dict[str, int] = {}  # client id -> index in pending of its set_client upsert
         self.failing = False   # the last commit failed for want of space; pending holds its statements
         self.error = ""        # why (SQLite's message), while failing
         self._retry_at = 0.0
@@ -178,10 +179,19 @@ class Journal:
             self._write("UPDATE clients SET acked=MAX(acked, ?), seen=? WHERE client_id=?", (upto_seq, time.time(), client_id))
 
     def set_client(self, client_id: str, next_seq: int, acked: int):
+        """One upsert per client per commit, holding its latest values: a turn that finishes 256
+        jobs of one client wrote 256 (each result paid for two statements). The values are the
+        client's whole state, and every other write of this row (``ack``, ``set_sent``) only
+        raises a column with MAX, so the earlier position in the transaction changes nothing."""
         if self.db:
+            row = (client_id, next_seq, acked, time.time())
+            i = self._client_row.get(client_id)
+            if i is not None:
+                self.pending[i] = (self.pending[i][0], row, False)
+                return
+            self._client_row[client_id] = len(self.pending)
             self._write("INSERT INTO clients(client_id, next_seq, acked, seen) VALUES (?,?,?,?) "
-                        "ON CONFLICT(client_id) DO UPDATE SET next_seq=excluded.next_seq, seen=excluded.seen",
-                        (client_id, next_seq, acked, time.time()))
+                        "ON CONFLICT(client_id) DO UPDATE SET next_seq=excluded.next_seq, seen=excluded.seen", row)
 
     def set_sent(self, client_id: str, sent: int):
         """The highest sequence number a poll reply carried to the client (written before the reply goes)."""
@@ -229,6 +239,7 @@ class Journal:
             self.failing, self.error = True, f"{e}"
             return False
         self.pending.clear()
+        self._client_row.clear()
         self.dirty = self.failing = False
         self.error = ""
         return True
