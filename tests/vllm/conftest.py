@@ -21,7 +21,7 @@ import pytest
 
 # The flags every test session starts vLLM with (docs/LLM.md, "A real vLLM"): the render routes
 # (/v1/chat/completions/render, /v1/messages/render, /v1/responses/render) for the endpoint
-# comparisons; llm/vllm_cpu.py adds --dtype float32, --no-enable-chunked-prefill,
+# comparisons; backends/vllm_cpu.py adds --dtype float32, --no-enable-chunked-prefill,
 # --max-num-batched-tokens MAX_MODEL_LEN and --enforce-eager. Prompt logprobs need no flag
 # (--max-logprobs defaults to 20; the tests ask for 0).
 SERVER_ARGS = ("--enable-scale-out",)
