@@ -22,7 +22,6 @@ MAX_MSG_BYTES = 256 << 20  # hard cap enforced by libzmq; the gateway replies "t
 TYPES = {name: getattr(zmq, name) for name in ("PUSH", "PULL", "ROUTER", "DEALER", "PUB", "SUB", "XPUB", "XSUB", "PAIR", "REQ", "REP")}
 
 
-@dataclasses.dataclass
 class Closing:
     """``with X() as x:`` closes ``x`` on the way out: for the classes that own sockets."""
 
@@ -33,6 +32,7 @@ class Closing:
         self.close()
 
 
+@dataclasses.dataclass
 class Curve:
     """CURVE keys. A binder with ``secret_key`` is a server; a connecter with
     ``server_key`` is a client. ``authorized_dir`` holds the clients' public keys."""

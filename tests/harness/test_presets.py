@@ -163,12 +163,12 @@ def _nfc(s: str) -> str:
 
 def translated(row: dict):
     """(messages as the template takes them, tools) of one recorded generating request."""
-    from rolloutd.endpoint import wire as openai_wire
+    from rolloutd.endpoint.shapes import chat
 
     body = json.loads(row["body"])
     path = row["path"]
     if path.endswith("/chat/completions"):
-        msgs, tools = openai_wire.parse_messages(body["messages"]), openai_wire.parse_tools(body.get("tools"))
+        msgs, tools = chat.parse_messages(body["messages"]), chat.parse_tools(body.get("tools"))
     elif path.endswith("/messages"):
         from rolloutd.endpoint.shapes import anthropic as anthropic_wire
 
