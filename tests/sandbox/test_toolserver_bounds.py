@@ -207,12 +207,13 @@ def test_signal_flood_does_not_grow_the_host_log(bwrap_rt):
                                   "while time.time() < end:\n    os.kill(1, signal.SIGINT)\n    os.kill(1, signal.SIGTERM)\n"
                                   "    n += 2\nprint(n)", "timeout": 30})
     assert r.error is None and int(r.output.strip()) > 1000, r
-    assert c.call("bash", {"command": "true"}).ok
+    after = c.call("bash", {"command": "true"})
+    assert after.ok, after  # failed once in a combined run, not reproduced in 13 more: say why next time
     data = _log_ok(h)
     lines = [json.loads(x) for x in data.splitlines() if x.startswith(b"{")]
     ignored = [x for x in lines if x.get("event") == "signal_ignored"]
     assert len(ignored) <= 8, "%d signal_ignored lines (%d bytes of log)" % (len(ignored), len(data) - before)
-    assert ignored and ignored[-1]["count"] >= 1
+    assert ignored and ignored[-1]["count"] >= 1, (r.output, data[-2000:])
 
 
 def _sink(path: str):
