@@ -1,6 +1,6 @@
 """The gateway daemon: the only door for trainers.
 
-Over ~700 lines because it is one loop whose turn order (drain, slice, commit, reply, dispatch)
+Over ~700 lines because it is one loop whose turn order (drain, slice, dispatch, commit, reply)
 is the durability promise; the job table, journal and submit slices are modules of their own.
 
 One ROUTER socket answers REQ and DEALER clients, exactly one reply per request. The
