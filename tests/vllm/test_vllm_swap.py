@@ -26,10 +26,11 @@ from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
-# Long enough that every job is mid-generation at the swap (tens of tokens/s each here), and
+# Long enough that every job is mid-generation at the swap (tens of tokens/s each here; 300 was
+# not: in one CI run the first job had sampled all 300 before the third one started), and
 # ignore_eos: the random tiny model samples EOS now and then (a job that ended before the swap
 # failed this test in two full runs: its sampler state depends on the requests before it).
-MAX_TOKENS = 300
+MAX_TOKENS = 1024
 JOBS = 3
 PROMPT_LEN = 16
 
