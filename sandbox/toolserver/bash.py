@@ -44,7 +44,7 @@ from ptyprocess import PtyProcess
 from .cancel import NEVER, Canceller
 from .guard import check_spawn, child_filter
 from .output import CappedBuffer, finish_text
-from .procs import MANAGED, SPAWN_LOCK, apply_limits, kill_pids, session_members
+from .procs import MANAGED, SPAWN_LOCK, apply_limits, kill_pids, managed, session_members
 from .session import Session, call_result
 
 # The shell's descriptors: high, so an agent's own `exec 3>log` never collides; below 255,
@@ -323,12 +323,18 @@ class BashSession(Session):
         """The check's message can quote our wrapper (an unclosed `if` meets its `}`); `bash -n`
         on the text alone says what bash says of it as a script. Only after a failed check."""
         try:
-            r = subprocess.run([self.shell, "-n"], input=text + b"\n", stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, timeout=5, env=self.env, cwd=self.cwd)
-        except (OSError, subprocess.SubprocessError):
+            with managed(lambda: subprocess.Popen([self.shell, "-n"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                                  stderr=subprocess.PIPE, env=self.env, cwd=self.cwd)) as p:
+                try:
+                    _, err = p.communicate(text + b"\n", timeout=5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.communicate()
+                    return ""
+        except OSError:
             return ""
-        msg = r.stderr.decode("utf-8", errors="replace").strip()
-        if r.returncode == 0 and "here-document" not in msg:
+        msg = err.decode("utf-8", errors="replace").strip()
+        if p.returncode == 0 and "here-document" not in msg:
             return ""  # bash -n accepts it (an alias of the live shell made the difference)
         msg = re.sub(r"^(?:%s|bash): " % re.escape(self.shell), "", msg, flags=re.M)
         return msg.replace("warning: here-document", "unterminated here-document")

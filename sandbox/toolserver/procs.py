@@ -1,6 +1,7 @@
 """Process helpers used inside the sandbox: rlimits on children, killing a process tree."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -160,6 +161,20 @@ def kill_tree(root: int, include_root: bool = True, rounds: int = 10) -> None:
     kill_pids(seen, signal.SIGKILL)
     if include_root and root != me:
         kill_pids([root])
+
+
+@contextlib.contextmanager
+def managed(spawn):  # type: ignore[no-untyped-def]
+    """Start a child with ``spawn()`` and keep the orphan reaper off it while the block runs:
+    its owner waits for it (a reaped child reads as exit 0 to subprocess)."""
+    with SPAWN_LOCK:
+        proc = spawn()
+        MANAGED.add(proc.pid)
+    try:
+        yield proc
+    finally:
+        with SPAWN_LOCK:
+            MANAGED.discard(proc.pid)
 
 
 def reap_orphans() -> None:

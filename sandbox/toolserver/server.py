@@ -129,11 +129,15 @@ class ToolServer:
         threading.Thread(target=self._start_tools, name="tools-start", daemon=True).start()
         threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
         # Orphans re-parent to us: reap them as they exit, not only once a second (a fork chain
-        # would otherwise pile zombies up to nproc). The handler only wakes the reaper thread.
-        self._chld = threading.Event()
+        # would otherwise pile zombies up to nproc). The kernel may deliver SIGCHLD to any thread,
+        # and a Python handler runs only when the main thread (asleep below) next wakes, so the
+        # reaper waits on the wakeup fd, which the C-level handler writes in whichever thread.
+        self._chld_r, chld_w = os.pipe()
+        os.set_blocking(chld_w, False)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})  # a blocked mask survives exec
-        signal.signal(signal.SIGCHLD, lambda *_: self._chld.set())
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd is written
         signal.siginterrupt(signal.SIGCHLD, False)  # SA_RESTART: other threads' syscalls go on
+        signal.set_wakeup_fd(chld_w, warn_on_full_buffer=False)
         threading.Thread(target=self._reaper, name="reaper", daemon=True).start()
         ready_fd = self.cfg.get("ready_fd")
         if ready_fd is not None:
@@ -278,8 +282,7 @@ class ToolServer:
 
     def _reaper(self) -> None:
         while True:
-            self._chld.wait()
-            self._chld.clear()
+            os.read(self._chld_r, 4096)  # any signal's byte: a spare scan is harmless
             if self._tools_ready.is_set() and not self._tools_error:
                 self._reap_orphans()
             time.sleep(0.005)  # one /proc scan per 5 ms at most under a storm of exits
