@@ -59,10 +59,10 @@ class Node:
                 "--set", f"endpoints.base_port={head.port}", "--set", f"endpoints.runtime_dir={self.runtime}"]
         for k, v in sets.items():
             args += ["--set", f"{k}={v}"]
-        env = dict(os.environ, PYTHONPATH=str(root), PYTHONUNBUFFERED="1")
+        env, cwd = common.source_env(root)
         self.runtime.mkdir(parents=True, exist_ok=True)
         for d in ("eval", "run", "init"):  # the launcher's order
-            self.procs[d] = subprocess.Popen([sys.executable, "-m", "rolloutd.daemons.cli", d, *args], cwd=root,
+            self.procs[d] = subprocess.Popen([sys.executable, "-m", "rolloutd.daemons.cli", d, *args], cwd=cwd,
                                              env=env, stdin=subprocess.DEVNULL,
                                              stdout=self._log(d), stderr=subprocess.STDOUT)
 

@@ -5,6 +5,7 @@ Everything a benchmark starts is stopped by pid; nothing here kills by name.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -112,6 +113,28 @@ def _children_of(pid: int) -> list[int]:
     return children_map().get(pid, [])
 
 
+def source_env(root: Path | str) -> tuple[dict, str]:
+    """The environment and working directory that make ``python -m rolloutd...`` import the tree at
+    ``root``. PYTHONPATH=root alone does not: ``root/rolloutd/__init__.py`` is found first and its
+    subpackages then come from wherever rolloutd is installed (an editable install: this checkout),
+    so an A/B of a patched copy measured the installed code twice. A shim package whose ``__path__``
+    is ``root`` runs ``root``'s own ``rolloutd/__init__.py``; the cwd is the shim (not ``root``)."""
+    root = Path(root).resolve()
+    shim = _SHIMS.get(root)
+    if shim is None:
+        shim = _SHIMS[root] = Path(tempfile.mkdtemp(prefix="rb-src-", dir="/tmp"))
+        atexit.register(shutil.rmtree, shim, True)
+        (shim / "rolloutd").mkdir()
+        init = root / "rolloutd" / "__init__.py"
+        (shim / "rolloutd" / "__init__.py").write_text(
+            f"__path__ = [{str(root)!r}]\n__file__ = {str(init)!r}\n"
+            f"exec(compile(open(__file__).read(), __file__, 'exec'))\n")
+    return dict(os.environ, PYTHONPATH=str(shim), PYTHONUNBUFFERED="1"), str(shim)
+
+
+_SHIMS: dict[Path, Path] = {}
+
+
 class Rolloutd:
     """``rolloutd up`` in a private runtime directory, from the source tree ``root``
     (default: this repository; pass a scratch copy to A/B a patch)."""
@@ -132,8 +155,8 @@ class Rolloutd:
         cmd = [sys.executable, "-m", "rolloutd.daemons.cli", "up", "--runtime-dir", str(self.runtime_dir)]
         for k, v in self.sets.items():
             cmd += ["--set", f"{k}={v}"]
-        env = dict(os.environ, PYTHONPATH=str(self.root), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdin=subprocess.DEVNULL,
+        env, cwd = source_env(self.root)
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                      stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
         try:
             wait_ready(self.gateway, timeout_s)

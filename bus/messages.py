@@ -334,6 +334,7 @@ class Poll(Message):
     after: int = 0
     max_results: int = 256
     wait_s: float = 0.0
+    inline_arrays: bool = False  # results' small arrays inside the header (ext 2); off: ext 1 frames only
     req_id: int = 0
 
     def validate(self):

@@ -326,7 +326,7 @@ class BatchClient(Closing):
 
             p = self._poller
             body = p.request(Poll(client_id=self.client_id, after=p.after, max_results=self.max_results,
-                                  wait_s=max(0.0, wait_s)), timeout_s=p.timeout_s + max(0.0, wait_s))
+                                  wait_s=max(0.0, wait_s), inline_arrays=True), timeout_s=p.timeout_s + max(0.0, wait_s))
             p.after = max(p.after, body["last"])
             results = list(body["results"])
             with self._lock:

@@ -121,7 +121,8 @@ class RolloutClient(Closing):
 
     def poll(self, wait_s: float = 0.0, max_results: int = 256) -> list[dict]:
         """Results finished since the last poll (acknowledging everything before)."""
-        body = self.request(Poll(client_id=self.client_id, after=self.after, max_results=max_results, wait_s=wait_s),
+        body = self.request(Poll(client_id=self.client_id, after=self.after, max_results=max_results, wait_s=wait_s,
+                                 inline_arrays=True),
                             timeout_s=self.timeout_s + wait_s)
         # Results come in sequence order after ``self.after``; a re-sent poll (lost reply) asks for the
         # same ``after`` and gets the same results, so each is delivered here exactly once.
@@ -146,7 +147,7 @@ class RolloutClient(Closing):
                 return
 
     def _pending(self) -> int:
-        body = self.request(Poll(client_id=self.client_id, after=self.after, max_results=1, wait_s=0))
+        body = self.request(Poll(client_id=self.client_id, after=self.after, max_results=1, wait_s=0, inline_arrays=True))
         return body["pending"] + body["ready"] + len(body["results"])
 
     def rollout(self, handler: str, instance: dict, timeout_s: float | None = None, **task) -> dict:

@@ -225,8 +225,8 @@ class Gateway(Daemon):
                                f"(gateway.{'max_request_ids' if kind == 'cancel' else 'max_request_jobs'}): "
                                "split it over several requests")
 
-    def _reply(self, route, req_id: int, **body):
-        frames = codec.encode(Reply(req_id=req_id, body=body).to_wire())
+    def _reply(self, route, req_id: int, inline: bool = True, **body):
+        frames = codec.encode(Reply(req_id=req_id, body=body).to_wire(), None if not inline else codec.INLINE_MAX_BYTES)
         self.replies.append((route, frames))
 
     def _error(self, route, req_id: int, code: str, message: str):
@@ -296,7 +296,7 @@ class Gateway(Daemon):
         if last > c.sent:
             c.sent = last
             self.journal.set_sent(msg.client_id, last)
-        self._reply(route, msg.req_id, results=results, last=last, pending=c.pending,
+        self._reply(route, msg.req_id, msg.inline_arrays, results=results, last=last, pending=c.pending,
                     ready=max(0, len(c.ready) - len(recs)))
 
     def _answer_waiters(self):

@@ -11,7 +11,7 @@ from rolloutd.bus.messages import Job, MessageError, Submit, from_wire
 def test_arrays_travel_as_separate_frames_and_survive_reencoding():
     ids = np.arange(16, dtype=np.int32)
     lp = np.linspace(-1, 0, 16, dtype=np.float32)
-    frames = codec.encode({"v": 1, "ids": ids, "nested": {"lp": lp, "empty": np.zeros(0, np.int8)}})
+    frames = codec.encode({"v": 1, "ids": ids, "nested": {"lp": lp, "empty": np.zeros(0, np.int8)}}, inline_max=None)
     assert len(frames) == 4 and len(frames[1]) == 64  # the header plus one raw frame per array
     out = codec.decode(frames)
     np.testing.assert_array_equal(out["ids"], ids)
@@ -80,3 +80,31 @@ def test_encode_with_splices_a_value_packed_once():
         out = codec.decode(codec.encode_with(obj, "instance", codec.encode(inst)))
         assert out["instance"]["a"] == [1, 2] and out["instance"]["arr"].tolist() == list(range(5))
         assert all(out[f"k{i}"] == i for i in range(n))
+
+
+def test_small_arrays_travel_inside_the_header_large_ones_in_frames():
+    at = np.arange(codec.INLINE_MAX_BYTES // 4, dtype=np.int32)  # exactly the bound: inline
+    over = np.arange(codec.INLINE_MAX_BYTES // 4 + 1, dtype=np.int32)
+    obj = {"v": 1, "small": np.arange(5, dtype=np.float32), "at": at, "over": over, "empty": np.zeros((0, 3), np.int8)}
+    frames = codec.encode(obj)
+    assert len(frames) == 2 and len(frames[1]) == over.nbytes  # only the array over the bound has a frame
+    out = codec.decode(frames)
+    for k in ("small", "at", "over", "empty"):
+        assert out[k].dtype == obj[k].dtype and out[k].shape == obj[k].shape and out[k].tolist() == obj[k].tolist()
+    out["small"][0] = 7.0  # writable, as an array read from a received frame is
+    assert codec.decode(codec.encode(out))["small"][0] == 7.0
+
+
+@pytest.mark.parametrize("desc,why", [
+    (["<i4", [3], b"\0" * 5], "needs 12"),
+    (["|O", [1], b"\0" * 8], "not allowed"),
+    (["<i4", [-1], b""], "bad array shape"),
+    (["<i4", [1], "abcd"], "must be binary"),
+    (["<i4", [1]], "bad array descriptor"),
+])
+def test_a_bad_inline_array_is_a_codec_error(desc, why):
+    import msgpack
+
+    head = msgpack.packb({"v": 1, "x": msgpack.ExtType(codec.INLINE_EXT, msgpack.packb(desc, use_bin_type=True))})
+    with pytest.raises(codec.CodecError, match=why):
+        codec.decode([head])

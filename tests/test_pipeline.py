@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from rolloutd.bus import codec
 from rolloutd.bus.messages import STATUSES, empty_trajectory
 from tests.conftest import synthetic, wait_for
 
@@ -77,6 +78,49 @@ def test_results_are_delivered_once_and_poll_is_idempotent(up):
         assert c.poll() == []
         gone = c.request(Poll(client_id=c.client_id, after=0, max_results=100, wait_s=0))
         assert gone["results"] == [] and c.status()["done_unacked"] == 0
+
+
+def test_poll_replies_use_ext_1_frames_unless_the_client_asks_for_inline_arrays(up):
+    """PROTOCOL.md's minimal client knows ext 1 only: a poll without ``inline_arrays`` gets every
+    array in a frame of its own; the shipped client asks for ext 2 (one frame for small arrays)."""
+    import msgpack
+
+    from rolloutd.bus.sockets import Sockets
+
+    with up.client() as c:
+        ids = c.submit([synthetic(i) for i in range(3)])
+        wait_for(lambda: c.status()["done_unacked"] >= 3, what="3 results ready")
+        s = Sockets(asyncio=False, linger_ms=0)
+        try:
+            sock = s.connect("DEALER", up.gateway)
+
+            def poll(**extra):
+                sock.send_multipart([b"", msgpack.packb({"v": 1, "kind": "poll", "req_id": 5, "client_id": c.client_id,
+                                                         "max_results": 10, **extra})])
+                assert sock.poll(10_000), "no reply"
+                return sock.recv_multipart()[1:]
+
+            def ext1_only(frames):  # the prose client's decoder
+                def hook(code, data):
+                    assert code == 1, f"ext {code} sent to a client that did not ask for it"
+                    idx, dt, shape = msgpack.unpackb(data)
+                    return np.frombuffer(frames[idx], dtype=dt).reshape(shape)
+                return msgpack.unpackb(frames[0], ext_hook=hook)
+
+            plain = poll()
+            body = ext1_only(plain)["body"]
+            assert sorted(r["job_id"] for r in body["results"]) == sorted(ids)
+            assert len(plain) == 1 + 4 * len(ids)  # prompt_ids, response_ids, loss_mask, logprobs each
+            inline = poll(inline_arrays=True)
+            assert len(inline) == 1
+            same = codec.decode(inline)["body"]["results"]
+            for a, b in zip(body["results"], same):
+                for k in ("prompt_ids", "response_ids", "loss_mask", "logprobs"):
+                    assert a[k].dtype == b[k].dtype and a[k].tolist() == b[k].tolist()
+            bad = codec.decode(poll(inline_arrays=1))  # a bool, as every flag of the protocol
+            assert bad["kind"] == "error" and bad["code"] == "invalid", bad
+        finally:
+            s.close()
 
 
 def test_status_reports_daemons_and_counts(up):

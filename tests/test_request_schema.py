@@ -53,7 +53,7 @@ VALID = {"client_id": st.sampled_from(CLIENTS[:2]), "address": st.sampled_from([
          "phase_timeouts": st.one_of(st.none(), st.just({"run": 10})), "job_ids": st.lists(st.integers(0, 2**40), max_size=3),
          "after": st.just(0), "max_results": st.integers(1, 300), "capacity": st.integers(0, 4),
          "weight": st.sampled_from([0.5, 1, 2.0]), "policy_version": st.integers(0, 3), "node": st.text(max_size=4),
-         "idempotency_key": st.one_of(st.none(), st.text(max_size=4))}
+         "idempotency_key": st.one_of(st.none(), st.text(max_size=4)), "inline_arrays": st.booleans()}
 
 
 def value(name: str, hint):
