@@ -121,7 +121,7 @@ def bottleneck(pools) -> list[str]:
 
 
 def bench_overlap(args) -> dict:
-    configs = CONFIGS_QUICK if args.quick else CONFIGS_FULL
+    configs = args.pools or (CONFIGS_QUICK if args.quick else CONFIGS_FULL)
     dists = ["constant"] if args.quick else ["constant", "lognormal"]
     dur = 1.0 if args.quick else 1.2
     print(f"\n== 1. phase overlap: init/run/eval = 20/100/10 ms (constant; lognormal sigma {SIGMA} with the same means);"
@@ -496,6 +496,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke-sized run, under a minute")
     p.add_argument("--only", choices=["overlap", "overhead"])
+    p.add_argument("--pools", type=lambda v: [tuple(int(x) for x in c.split("/")) for c in v.split(",")],
+                   help="overlap rows to run, init/run/eval pools, comma list (e.g. 3/16/1,4/20/2)")
     p.add_argument("--reps", type=int, default=None, help="repetitions per measurement (default 3)")
     p.add_argument("--root", default=str(REPO), help="source tree the daemons run from (A/B a patched copy)")
     p.add_argument("--profile", action="store_true", help="py-spy the daemons during one extra throughput rep")

@@ -211,7 +211,8 @@ class PhaseDaemon(Daemon):
                 ctx.fail(self.phase, e, "timeout" if isinstance(e, PhaseTimeout) else "failed")
             outcome = ctx.trajectory["status"]
         finally:
-            await _to_completion(self.after_phase(ctx))  # a late cancel must not skip the hand-off
+            if type(self).after_phase is not PhaseDaemon.after_phase:  # the no-op base costs two loop turns
+                await _to_completion(self.after_phase(ctx))  # a late cancel must not skip the hand-off
             elapsed = time.monotonic() - t0
             job.timing[self.phase] = round(job.timing.get(self.phase, 0.0) + elapsed, 6)
             job.spent_s += elapsed
