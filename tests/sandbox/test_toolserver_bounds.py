@@ -282,21 +282,23 @@ def test_programs_the_agents_code_starts_do_not_inherit_the_session_pipes(bwrap_
     driver restarts (SANDBOX.md, "Frames")."""
     h = bwrap_rt.create("pyfds")
     c = bwrap_rt.client(h, timeout=30)
+    # By what the fds are (their pipes), not their numbers: `ls /proc/self/fd` opens a directory
+    # fd of its own, which took number 3 (the request fd's number) in one CI run.
     code = ("import os, subprocess\n"
             "args = [a for a in open('/proc/self/cmdline', 'rb').read().split(b'\\0') if a]\n"
-            "print(int(args[-2]), int(args[-1]))\n"
+            "print([os.readlink('/proc/self/fd/%d' % int(a)) for a in args[-2:]])\n"
             # os.system and close_fds=False keep every inheritable fd (subprocess closes them by default)
-            "os.system('ls /proc/self/fd > /tmp/fds.txt')\n"
-            "kept = subprocess.run(['ls', '/proc/self/fd'], capture_output=True, text=True, close_fds=False).stdout\n"
-            "print(open('/tmp/fds.txt').read().split() + kept.split())\n"
-            "print(sorted(int(f) for f in os.listdir('/proc/self/fd')))")
+            "os.system('ls -l /proc/self/fd > /tmp/fds.txt')\n"
+            "kept = subprocess.run(['ls', '-l', '/proc/self/fd'], capture_output=True, text=True, close_fds=False).stdout\n"
+            "print([l.split(' -> ')[-1] for l in (open('/tmp/fds.txt').read() + kept).splitlines() if ' -> ' in l])")
     r = c.call("python", {"code": code})
     assert r.error is None and r.exit_code == 0, r
-    first, child, mine = r.output.strip().splitlines()
-    req, resp = (int(x) for x in first.split())
-    child_fds = {int(x) for x in eval(child)}  # a list of fd-number strings, printed by our code
-    assert {req, resp} <= set(eval(mine)), (req, resp, mine)  # the driver itself holds them
-    assert not {req, resp} & child_fds, (req, resp, child_fds)
+    first, child = r.output.strip().splitlines()
+    pipes = set(eval(first))  # the driver's request and reply pipes, printed by our code
+    assert len(pipes) == 2 and all(p.startswith("pipe:[") for p in pipes), pipes
+    child_targets = set(eval(child))
+    assert child_targets, child  # the listings were read (each shows at least its own stdio)
+    assert not pipes & child_targets, (pipes, child_targets)
 
 
 # -- the mechanisms under those tests, on real files and sockets ---------------------------------
