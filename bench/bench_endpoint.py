@@ -454,7 +454,8 @@ def summarize(rows: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rollouts", type=int, default=16, help="concurrent rollouts (one endpoint each)")
+    ap.add_argument("--rollouts", type=int, default=16,
+                    help="concurrent rollouts (one endpoint each); 0: the long-history case only")
     ap.add_argument("--turns", type=int, default=8, help="LLM calls per rollout (turns-1 tool calls)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokenizer", choices=["auto", "qwen", "tiny"], default="auto")
@@ -511,15 +512,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="rb-ep-", dir="/tmp") as d:
             for rep in range(1, args.repeats + 1):
-                cases = [("short", url, args.rollouts, args.turns, 0)]
+                cases = [("short", url, args.rollouts, args.turns, 0)] if args.rollouts else []
                 if warm:
                     cases.append((f"history{args.history}", hurl, args.history_rollouts, args.history_calls, warm))
                 for case, u, n, turns, w in cases:
-                    b = asyncio.run(builtin_phase(u, tok, n, turns, w))
                     runs = [(shape, mode, True) for shape in shapes for mode in modes]
                     if w and not args.no_uncached:
                         runs += [(shape, "json", False) for shape in shapes]
-                    for shape, mode, cache in runs:  # interleaved with the built-in run they are compared with
+                    for shape, mode, cache in runs:  # each right after the built-in run it is compared with
+                        b = asyncio.run(builtin_phase(u, tok, n, turns, w))
                         e = asyncio.run(endpoint_phase(u, tok, n, turns, Path(d), shape, mode == "stream", w, cache))
                         key = f"{case} {shape} {mode}" + ("" if cache else " uncached")
                         rows.append({"key": key, "case": case, "shape": shape, "mode": mode, "cache": cache,
