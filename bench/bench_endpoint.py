@@ -106,6 +106,7 @@ DRIVER = r"""
 import asyncio, importlib, json, os, sys
 import openai
 httpx_lib = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
+LIMITS = httpx_lib.Limits(keepalive_expiry=3.0)  # under the server's 5 s: a rollout idle at the gate reconnects
 a = json.loads(sys.stdin.readline())
 socks, turns, warm, stream, obs, tools, system = (a[k] for k in ("socks", "turns", "warm", "stream", "obs", "tools",
                                                                  "system"))
@@ -135,7 +136,7 @@ async def ask(c, msgs):
 
 
 async def one(i, sock):
-    http = httpx_lib.AsyncClient(transport=httpx_lib.AsyncHTTPTransport(uds=sock), timeout=120)
+    http = httpx_lib.AsyncClient(transport=httpx_lib.AsyncHTTPTransport(uds=sock, limits=LIMITS), timeout=120)
     c = openai.AsyncOpenAI(base_url="http://localhost/v1", api_key="k", max_retries=0, http_client=http)
     msgs = [{"role": "system", "content": system},
             {"role": "user", "content": f"Task {i}: the test suite fails; find the bug and fix it."}]
@@ -217,7 +218,8 @@ async def post(c, url, body):
 
 
 async def one(i, sock):
-    c = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=sock), base_url="http://localhost", timeout=120,
+    c = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=sock, limits=httpx.Limits(keepalive_expiry=3.0)),
+                          base_url="http://localhost", timeout=120,
                           headers={"x-api-key": "k", "authorization": "Bearer k", "x-goog-api-key": "k"})
     n = 0
     try:
