@@ -24,9 +24,11 @@ Long history (``--history``, 200 messages by default): every rollout first build
 through the same path, untimed (system, task, then tool call + tool result pairs, each call a
 real one), then ``--history-calls`` calls are measured, each resending the whole history.
 The endpoint keeps, per session, the previous request's translated messages (chat:
-``parse_messages``' ``prev``; other shapes: ``wire.memo_items``/``memo_value``), so only the new
-messages are translated; the same calls are also run with that cache off (``uncached``: the
-bench swaps those names for the run, no production code changes) to show what it saves.
+``parse_messages``' ``prev``; other shapes: ``wire.memo_items``/``memo_value``; the body's
+nesting walk: ``bounds.load_body``'s ``prev``), so only the new messages are translated; the
+same calls are also run with that cache off (``uncached``: the bench swaps those names for the
+run, no production code changes) to show what it saves. A rollout's connection idle at the gate
+for more than 3 s is reopened by its first measured call (the server closes idle ones at 5 s).
 ``parse`` = CPU per call translating the request (JSON body -> messages, in the endpoint thread),
 ``thread`` = all the endpoint-thread work per call (parse, history matching, rendering the new
 messages, parsing the reply). Example::
@@ -283,16 +285,17 @@ SHAPE_DRIVER += _GO
 @contextlib.contextmanager
 def translation_cache(on: bool):
     """With ``on`` False, every request's whole history is translated again, as without the
-    per-session cache: for the duration, the names the endpoint calls are swapped for versions
-    that pass no cache (bench only; no production code path changes)."""
+    per-session cache (and its nesting walked in full): for the duration, the names the endpoint
+    calls are swapped for versions that pass no cache (bench only; no production code changes)."""
     if on:
         yield
         return
-    from rolloutd.endpoint import session as sm, wire
+    from rolloutd.endpoint import bounds, session as sm, wire
     from rolloutd.endpoint.shapes import anthropic, chat, gemini, responses
 
-    saved = [(sm, "parse_messages", sm.parse_messages)]
+    saved = [(sm, "parse_messages", sm.parse_messages), (sm, "load_body", sm.load_body)]
     sm.parse_messages = lambda raw, prev=None: chat.parse_messages(raw, None)
+    sm.load_body = lambda raw, depth, prev=None: bounds.load_body(raw, depth, None)  # the nesting walk in full
     for m in (anthropic, responses, gemini):
         saved += [(m, "memo_items", m.memo_items), (m, "memo_value", m.memo_value)]
         m.memo_items = lambda items, fn, cache: wire.memo_items(items, fn, None)
