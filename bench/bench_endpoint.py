@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -311,8 +312,10 @@ def count_parse_cpu(s: EndpointSession) -> None:
     """``s.parse_cpu_s``: thread CPU of the session's request translation (JSON body -> messages,
     tools, sampling: ``_prepare_chat`` / ``_prepare_wire``, run in its endpoint thread)."""
     s.parse_cpu_s = 0.0
+    s.last_bodies = collections.deque(maxlen=2)  # for breakdown()
     for name in ("_prepare_chat", "_prepare_wire"):
         def timed(*a, _f=getattr(s, name)):
+            s.last_bodies.append(a[0])
             t0 = time.thread_time()
             try:
                 return _f(*a)
@@ -439,7 +442,55 @@ async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: st
     calls = n * turns
     reused = statistics.fmean(s.metrics["assistant_tokens_reused"] for s in sessions[1:])
     return {"calls": calls, "cpu_ms_per_call": cpu / calls * 1e3, "wall_s": wall, "reused_tokens": reused,
-            "thread_ms_per_call": thread_s / calls * 1e3, "parse_ms_per_call": parse_s / calls * 1e3}
+            "thread_ms_per_call": thread_s / calls * 1e3, "parse_ms_per_call": parse_s / calls * 1e3,
+            "last_bodies": list(sessions[1].last_bodies)}
+
+
+def breakdown(shape: str, prev: bytes, cur: bytes, tok, n: int = 15) -> dict:
+    """A request's translation in pieces, one thread, nothing else running in this process: the
+    last two bodies of a rollout (``cur`` resends ``prev``'s history plus one call and its
+    result). ms of thread CPU, medians of ``n``."""
+    from rolloutd.endpoint.bounds import EndpointBounds, nesting_ok
+    from rolloutd.endpoint.shapes import anthropic, gemini, responses
+
+    def ms(f) -> float:
+        xs = []
+        for _ in range(n):
+            f0 = f()  # a fresh setup per sample, untimed when it returns the timed part
+            t0 = time.thread_time()
+            f0()
+            xs.append(time.thread_time() - t0)
+        return statistics.median(xs) * 1e3
+
+    depth = EndpointBounds().max_depth
+    body, pbody = json.loads(cur), json.loads(prev)
+
+    async def no_backend(ids, params):
+        raise AssertionError("no LLM call")
+
+    def prepared(cache_on: bool):
+        def setup():
+            s = EndpointSession(no_backend, tok)
+            s._mbpt = 64
+            wc: dict = {}
+            parse = {"anthropic": lambda b: anthropic.parse(b, wc), "responses": lambda b: responses.parse(b, None, wc),
+                     "gemini": lambda b: gemini.parse(b, "m", False, wc)}.get(shape)
+            run = (lambda raw: s._prepare_chat(raw)) if shape == "chat" else (lambda raw: s._prepare_wire(raw, parse))
+            with translation_cache(cache_on):
+                run(prev)
+
+            def timed():
+                with translation_cache(cache_on):
+                    run(cur)
+            return timed
+        return setup
+
+    return {"bytes": len(cur), "messages_in_body": len(body.get("messages") or body.get("input")
+                                                       or body.get("contents") or ()),
+            "json_loads_ms": ms(lambda: lambda: json.loads(cur)),
+            "nesting_walk_full_ms": ms(lambda: lambda: nesting_ok(body, depth)),
+            "nesting_walk_after_prev_ms": ms(lambda: lambda: nesting_ok(body, depth, pbody)),
+            "prepare_cached_ms": ms(prepared(True)), "prepare_uncached_ms": ms(prepared(False))}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -514,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
               f" parse {e['parse_ms_per_call']:.3f})", flush=True)
 
     load0 = os.getloadavg()[0]
+    parts: dict[str, dict] = {}  # the long-history request's translation in pieces, per shape
     try:
         with tempfile.TemporaryDirectory(prefix="rb-ep-", dir="/tmp") as d:
             for rep in range(1, args.repeats + 1):
@@ -528,16 +580,19 @@ def main(argv: list[str] | None = None) -> int:
                         b = asyncio.run(builtin_phase(u, tok, n, turns, w))
                         e = asyncio.run(endpoint_phase(u, tok, n, turns, Path(d), shape, mode == "stream", w, cache))
                         key = f"{case} {shape} {mode}" + ("" if cache else " uncached")
+                        bodies = e.pop("last_bodies")
                         rows.append({"key": key, "case": case, "shape": shape, "mode": mode, "cache": cache,
                                      "repeat": rep, "builtin": b, "endpoint": e,
                                      "added": e["cpu_ms_per_call"] - b["cpu_ms_per_call"]})
                         show(rows[-1])
+                        if w and rep == 1 and mode == "json" and cache and len(bodies) == 2:
+                            parts[shape] = breakdown(shape, bodies[0], bodies[1], tok)
     finally:
         stop_procs(procs, wait_s=10)
     summary = {"tokenizer": tok_desc, "rollouts": args.rollouts, "turns": args.turns, "repeats": args.repeats,
                "history": args.history, "history_rollouts": args.history_rollouts,
                "history_calls": args.history_calls, "load_average_start": load0,
-               "load_average_end": os.getloadavg()[0], "results": summarize(rows)}
+               "load_average_end": os.getloadavg()[0], "results": summarize(rows), "translation_breakdown": parts}
     print(json.dumps(summary, indent=2))
     print(f"# medians of {args.repeats}, ms CPU per call; target: added < 1 ms")
     for key, v in summary["results"].items():
@@ -547,6 +602,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {key:>32}: added {v['added_cpu_ms_per_call']:.3f} (built-in {v['builtin_cpu_ms_per_call']:.3f}, "
               f"endpoint {v['endpoint_cpu_ms_per_call']:.3f}; thread {v['thread_ms_per_call']:.3f}, "
               f"parse {v['parse_ms_per_call']:.3f}) {ok}")
+    for shape, v in parts.items():
+        print(f"# {shape} request of {v['messages_in_body']} history items ({v['bytes']} bytes), one thread: json.loads "
+              f"{v['json_loads_ms']:.3f} ms, nesting walk {v['nesting_walk_full_ms']:.3f} (skipping the last body's "
+              f"items {v['nesting_walk_after_prev_ms']:.3f}), whole translation {v['prepare_cached_ms']:.3f} "
+              f"(uncached {v['prepare_uncached_ms']:.3f})")
     if args.json:
         args.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
     return 0
