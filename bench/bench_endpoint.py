@@ -8,14 +8,30 @@ same observation text between turns):
 * built-in: ``--rollouts`` concurrent rollouts of ``run_agent_loop`` (``LLMClient``,
   ``Conversation``, the Hermes parser) in this process: CPU per turn (``time.process_time``);
 * endpoint: one ``EndpointSession`` + uvicorn server per rollout on a Unix socket in this process
-  (as the run daemon serves each harness job), driven by an agent in a *separate* process (the
-  ``openai`` SDK's tool loop: it sends back the assistant message with its ``tool_calls`` and one
-  tool message per call); CPU of this process per LLM call while the agent runs.
+  (as the run daemon serves each harness job), driven by an agent in a *separate* process that
+  speaks one API shape (chat: the ``openai`` SDK's tool loop; anthropic, responses, gemini: plain
+  httpx), each shape's history sent back unchanged, every reply either as one JSON body or
+  streamed (server-sent events, reassembled by the agent as its SDK would); CPU of this process
+  per LLM call while the agent runs.
 
 ``added`` = endpoint - built-in, the CPU the endpoint costs per call on top of the loop it
-replaces (HTTP serving by uvicorn, JSON, history matching, response shaping). The agent's own CPU
-(openai SDK, pydantic) is in its process and not counted. Medians over ``--repeats``; every
-trajectory is checked (one segment, ``--turns`` turns). Example::
+replaces (HTTP serving by uvicorn, JSON, translation of the shape, history matching, response
+shaping). The agent's own CPU is in its process and not counted. Medians over ``--repeats``;
+every trajectory is checked (one segment, every turn, every sampled reply but the last reused
+as its sampled ids, none re-encoded).
+
+Long history (``--history``, 200 messages by default): every rollout first builds that history
+through the same path, untimed (system, task, then tool call + tool result pairs, each call a
+real one), then ``--history-calls`` calls are measured, each resending the whole history.
+The endpoint keeps, per session, the previous request's translated messages (chat:
+``parse_messages``' ``prev``; other shapes: ``wire.memo_items``/``memo_value``; the body's
+nesting walk: ``bounds.load_body``'s ``prev``), so only the new messages are translated; the
+same calls are also run with that cache off (``uncached``: the bench swaps those names for the
+run, no production code changes) to show what it saves. A rollout's connection idle at the gate
+for more than 3 s is reopened by its first measured call (the server closes idle ones at 5 s).
+``parse`` = CPU per call translating the request (JSON body -> messages, in the endpoint thread),
+``thread`` = all the endpoint-thread work per call (parse, history matching, rendering the new
+messages, parsing the reply). Example::
 
     python bench/bench_endpoint.py --rollouts 16 --turns 8 --repeats 3
     python bench/bench_endpoint.py --quick
@@ -25,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import json
 import os
 import statistics
@@ -48,40 +66,93 @@ from rolloutd.llm.tokenizer_utils import load_tokenizer
 from rolloutd.llm.toolparse import get_parser
 
 SYSTEM = "You are a software engineering agent working in a sandbox."
+SHAPES = ("chat", "anthropic", "responses", "gemini")
+MODES = ("json", "stream")
 
-# Both drivers end the same way: READY, wait for a line on stdin, run every rollout at once, DONE.
+# Both drivers end the same way. Each rollout makes ``warm`` calls (its history), then waits at
+# the gate; once every rollout is there: READY, a line on stdin starts the measured calls, DONE
+# and the number of calls per rollout. A rollout that ends or fails before the gate: FAILED.
 _GO = r"""
+arrived = 0
+
+
+async def gate(n):
+    global arrived
+    if n == warm:
+        arrived += 1
+        if arrived == len(socks):
+            ready.set()
+        await go.wait()
+
+
 async def main():
+    global ready, go
+    ready, go = asyncio.Event(), asyncio.Event()
+    tasks = [asyncio.ensure_future(one(i, s)) for i, s in enumerate(socks)]
+    waiter = asyncio.ensure_future(ready.wait())
+    await asyncio.wait(tasks + [waiter], return_when=asyncio.FIRST_COMPLETED)
+    if not ready.is_set():
+        done = [t for t in tasks if t.done()]
+        print("FAILED before the gate: " + repr(done[0].exception() or done[0].result()), flush=True)
+        os._exit(1)
     print("READY", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    print("DONE " + json.dumps(await asyncio.gather(*[one(i, s) for i, s in enumerate(socks)])), flush=True)
+    go.set()
+    print("DONE " + json.dumps(await asyncio.gather(*tasks)), flush=True)
 
 asyncio.run(main())
 """
 
-# The agent: an openai-SDK tool loop, one rollout per socket, all at once. READY, then waits for a
-# line on stdin, runs, prints DONE and the number of calls per rollout.
+# The agent: an openai-SDK tool loop, one rollout per socket, all at once; streamed replies are
+# reassembled from the chunks (content, tool_calls by index) as an SDK user does.
 DRIVER = r"""
-import asyncio, importlib, json, sys
+import asyncio, importlib, json, os, sys
 import openai
 httpx_lib = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
-socks, turns, obs, tools, system = json.loads(sys.stdin.readline())
+LIMITS = httpx_lib.Limits(keepalive_expiry=3.0)  # under the server's 5 s: a rollout idle at the gate reconnects
+a = json.loads(sys.stdin.readline())
+socks, turns, warm, stream, obs, tools, system = (a[k] for k in ("socks", "turns", "warm", "stream", "obs", "tools",
+                                                                 "system"))
+
+
+async def ask(c, msgs):
+    if not stream:
+        r = await c.chat.completions.create(model="m", messages=msgs, tools=tools, max_tokens=512)
+        return r.choices[0].message.model_dump(exclude_none=True)
+    content, calls = "", {}
+    async for ch in await c.chat.completions.create(model="m", messages=msgs, tools=tools, max_tokens=512,
+                                                      stream=True):
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or ():
+            e = calls.setdefault(tc.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+            e["id"] += tc.id or ""
+            if tc.function:
+                e["function"]["name"] += tc.function.name or ""
+                e["function"]["arguments"] += tc.function.arguments or ""
+    m = {"role": "assistant", "content": content}
+    if calls:
+        m["tool_calls"] = [calls[k] for k in sorted(calls)]
+    return m
+
 
 async def one(i, sock):
-    http = httpx_lib.AsyncClient(transport=httpx_lib.AsyncHTTPTransport(uds=sock), timeout=120)
+    http = httpx_lib.AsyncClient(transport=httpx_lib.AsyncHTTPTransport(uds=sock, limits=LIMITS), timeout=120)
     c = openai.AsyncOpenAI(base_url="http://localhost/v1", api_key="k", max_retries=0, http_client=http)
     msgs = [{"role": "system", "content": system},
             {"role": "user", "content": f"Task {i}: the test suite fails; find the bug and fix it."}]
     n = 0
     try:
-        while n < turns:
-            r = await c.chat.completions.create(model="m", messages=msgs, tools=tools, max_tokens=512)
+        while n < warm + turns:
+            await gate(n)
+            m = await ask(c, msgs)
             n += 1
-            m = r.choices[0].message
-            msgs.append(m.model_dump(exclude_none=True))
-            if not m.tool_calls:
+            msgs.append(m)
+            if not m.get("tool_calls"):
                 break
-            msgs += [{"role": "tool", "tool_call_id": tc.id, "content": obs} for tc in m.tool_calls]
+            msgs += [{"role": "tool", "tool_call_id": tc["id"], "content": obs} for tc in m["tool_calls"]]
     finally:
         await c.close()
     return n
@@ -93,27 +164,75 @@ async def one(i, sock):
 # agent's CPU is not counted, so an SDK would add nothing to the figure), each shape's own history
 # format sent back unchanged: Anthropic content blocks with tool_use / tool_result, Responses
 # input items with function_call / function_call_output, Gemini contents with functionCall /
-# functionResponse parts.
+# functionResponse parts. Streamed: each shape's events reassembled into the body the
+# non-streamed call returns (Anthropic blocks from their deltas, Responses' response.completed,
+# Gemini's parts of every chunk).
 SHAPE_DRIVER = r"""
-import asyncio, json, sys
+import asyncio, json, os, sys
 import httpx
-shape, socks, turns, obs, tools, system = json.loads(sys.stdin.readline())
+a = json.loads(sys.stdin.readline())
+shape, socks, turns, warm, stream, obs, tools, system = (a[k] for k in ("shape", "socks", "turns", "warm", "stream",
+                                                                        "obs", "tools", "system"))
 fn = tools[0]["function"]
+
 
 def first(i):
     return "Task %d: the test suite fails; find the bug and fix it." % i
 
+
+async def events(c, url, body):
+    async with c.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data:"):
+                yield json.loads(line[5:])
+
+
+async def post(c, url, body):
+    if not stream:
+        return (await c.post(url, json=body)).raise_for_status().json()
+    if shape == "anthropic":
+        blocks = {}
+        async for d in events(c, url, dict(body, stream=True)):
+            t = d["type"]
+            if t == "content_block_start":
+                blocks[d["index"]] = b = dict(d["content_block"])
+                if b["type"] == "tool_use":
+                    b["partial"] = ""
+            elif t == "content_block_delta":
+                b, x = blocks[d["index"]], d["delta"]
+                k = {"text_delta": "text", "input_json_delta": "partial", "thinking_delta": "thinking",
+                     "signature_delta": "signature"}[x["type"]]
+                b[k] += x["partial_json" if k == "partial" else k]
+            elif t == "content_block_stop":
+                b = blocks[d["index"]]
+                if "partial" in b:
+                    b["input"] = json.loads(b.pop("partial") or "{}")
+        return {"content": [blocks[k] for k in sorted(blocks)]}
+    if shape == "responses":
+        async for d in events(c, url, dict(body, stream=True)):
+            if d["type"] in ("response.completed", "response.incomplete"):
+                out = d["response"]
+        return out
+    parts = []
+    async for d in events(c, url.replace(":generateContent", ":streamGenerateContent") + "?alt=sse", body):
+        parts += d["candidates"][0]["content"]["parts"]
+    return {"candidates": [{"content": {"role": "model", "parts": parts}}]}
+
+
 async def one(i, sock):
-    c = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=sock), base_url="http://localhost", timeout=120,
+    c = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=sock, limits=httpx.Limits(keepalive_expiry=3.0)),
+                          base_url="http://localhost", timeout=120,
                           headers={"x-api-key": "k", "authorization": "Bearer k", "x-goog-api-key": "k"})
     n = 0
     try:
         if shape == "anthropic":
             msgs = [{"role": "user", "content": first(i)}]
             tl = [{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}]
-            while n < turns:
-                r = (await c.post("/v1/messages", json={"model": "m", "system": system, "messages": msgs, "tools": tl,
-                                                        "max_tokens": 512})).raise_for_status().json()
+            while n < warm + turns:
+                await gate(n)
+                r = await post(c, "/v1/messages", {"model": "m", "system": system, "messages": msgs, "tools": tl,
+                                                   "max_tokens": 512})
                 n += 1
                 msgs.append({"role": "assistant", "content": r["content"]})
                 uses = [b for b in r["content"] if b["type"] == "tool_use"]
@@ -125,10 +244,10 @@ async def one(i, sock):
             items = [{"role": "user", "content": first(i)}]
             tl = [{"type": "function", "name": fn["name"], "description": fn["description"],
                    "parameters": fn["parameters"]}]
-            while n < turns:
-                r = (await c.post("/v1/responses", json={"model": "m", "instructions": system, "input": items,
-                                                         "tools": tl, "store": False,
-                                                         "max_output_tokens": 512})).raise_for_status().json()
+            while n < warm + turns:
+                await gate(n)
+                r = await post(c, "/v1/responses", {"model": "m", "instructions": system, "input": items, "tools": tl,
+                                                    "store": False, "max_output_tokens": 512})
                 n += 1
                 items += r["output"]
                 calls = [o for o in r["output"] if o["type"] == "function_call"]
@@ -139,11 +258,11 @@ async def one(i, sock):
             contents = [{"role": "user", "parts": [{"text": first(i)}]}]
             tl = [{"functionDeclarations": [{"name": fn["name"], "description": fn["description"],
                                              "parameters": fn["parameters"]}]}]
-            while n < turns:
-                r = (await c.post("/v1beta/models/m:generateContent",
-                                  json={"systemInstruction": {"parts": [{"text": system}]}, "contents": contents,
-                                        "tools": tl, "generationConfig": {"maxOutputTokens": 512}})
-                     ).raise_for_status().json()
+            while n < warm + turns:
+                await gate(n)
+                r = await post(c, "/v1beta/models/m:generateContent",
+                               {"systemInstruction": {"parts": [{"text": system}]}, "contents": contents,
+                                "tools": tl, "generationConfig": {"maxOutputTokens": 512}})
                 n += 1
                 content = r["candidates"][0]["content"]
                 contents.append(content)
@@ -162,10 +281,65 @@ async def one(i, sock):
 """
 DRIVER += _GO
 SHAPE_DRIVER += _GO
-SHAPES = ("chat", "anthropic", "responses", "gemini")
 
 
-async def builtin_phase(url: str, tok, n: int, turns: int) -> dict:
+@contextlib.contextmanager
+def translation_cache(on: bool):
+    """With ``on`` False, every request's whole history is translated again, as without the
+    per-session cache (and its nesting walked in full): for the duration, the names the endpoint
+    calls are swapped for versions that pass no cache (bench only; no production code changes)."""
+    if on:
+        yield
+        return
+    from rolloutd.endpoint import bounds, session as sm, wire
+    from rolloutd.endpoint.shapes import anthropic, chat, gemini, responses
+
+    saved = [(sm, "parse_messages", sm.parse_messages), (sm, "load_body", sm.load_body)]
+    sm.parse_messages = lambda raw, prev=None: chat.parse_messages(raw, None)
+    sm.load_body = lambda raw, depth, prev=None: bounds.load_body(raw, depth, None)  # the nesting walk in full
+    for m in (anthropic, responses, gemini):
+        saved += [(m, "memo_items", m.memo_items), (m, "memo_value", m.memo_value)]
+        m.memo_items = lambda items, fn, cache: wire.memo_items(items, fn, None)
+        m.memo_value = lambda raw, fn, cache, key: fn(raw)
+    try:
+        yield
+    finally:
+        for m, k, v in saved:
+            setattr(m, k, v)
+
+
+def count_parse_cpu(s: EndpointSession) -> None:
+    """``s.parse_cpu_s``: thread CPU of the session's request translation (JSON body -> messages,
+    tools, sampling: ``_prepare_chat`` / ``_prepare_wire``, run in its endpoint thread)."""
+    s.parse_cpu_s = 0.0
+    s.last_bodies = collections.deque(maxlen=2)  # for breakdown()
+    for name in ("_prepare_chat", "_prepare_wire"):
+        def timed(*a, _f=getattr(s, name)):
+            s.last_bodies.append(a[0])
+            t0 = time.thread_time()
+            try:
+                return _f(*a)
+            finally:
+                s.parse_cpu_s += time.thread_time() - t0
+        setattr(s, name, timed)
+
+
+class Gate:
+    """Rollouts build their history, then wait here until every one has: the measured part."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.arrived = n, 0
+        self.ready, self.go = asyncio.Event(), asyncio.Event()
+
+    async def __call__(self) -> None:
+        self.arrived += 1
+        if self.arrived == self.n:
+            self.ready.set()
+        await self.go.wait()
+
+
+async def builtin_phase(url: str, tok, n: int, turns: int, warm: int = 0) -> dict:
+    """``n`` rollouts of the built-in loop; the first ``warm`` turns of each (its history) untimed."""
     parser = get_parser("hermes")
     params = SamplingParams(max_tokens=512)
 
@@ -175,43 +349,67 @@ async def builtin_phase(url: str, tok, n: int, turns: int) -> dict:
     async with LLMClient(url, timeout=120) as client:
         gen = simple_generate(client, "scripted", 0)
 
-        async def one(i: int):
+        async def one(i: int, gate, warm: int):
             msgs = [{"role": "system", "content": SYSTEM},
                     {"role": "user", "content": f"Task {i}: the test suite fails; find the bug and fix it."}]
+            if not warm:  # the opening render is measured, as the endpoint's first request makes it
+                await gate()
+                return await run_agent_loop(gen, Conversation(tok, msgs, [BASH_TOOL], 32768), parser, execute, params,
+                                            turns, tok)
             conv = Conversation(tok, msgs, [BASH_TOOL], 32768)
+            await run_agent_loop(gen, conv, parser, execute, params, warm, tok)
+            await gate()
+            # the loop stopped after its last call: that call's result, as the agent sends it next
+            conv.add_messages([{"role": "tool", "name": "bash", "tool_call_id": "call_0", "content": OBSERVATION}])
             return await run_agent_loop(gen, conv, parser, execute, params, turns, tok)
 
-        await one(-1)  # warm-up: connection, renderer cache
+        async def nothing() -> None:
+            pass
+
+        await one(-1, nothing, 0)  # warm-up: connection, renderer cache
+        gate = Gate(n)
+        tasks = [asyncio.ensure_future(one(i, gate, warm)) for i in range(n)]
+        await gate.ready.wait()
         c0, t0 = time.process_time(), time.perf_counter()
-        res = await asyncio.gather(*[one(i) for i in range(n)])
+        gate.go.set()
+        res = await asyncio.gather(*tasks)
         cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-    calls = sum(len(r.turns) for r in res)
-    if calls != n * turns:
-        raise RuntimeError(f"built-in loop: {calls} turns, expected {n * turns}")
+    if any(len(r.turns) != warm + turns for r in res):
+        raise RuntimeError(f"built-in loop: {[len(r.turns) for r in res]} turns, expected {warm + turns} each")
+    calls = n * turns
     return {"calls": calls, "cpu_ms_per_call": cpu / calls * 1e3, "wall_s": wall}
 
 
-async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: str = "chat") -> dict:
+async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: str = "chat", stream: bool = False,
+                         warm: int = 0, cache: bool = True) -> dict:
+    """``n`` rollouts through ``n`` endpoint sessions, the agent speaking ``shape``; the first
+    ``warm`` calls of each (its history) untimed."""
     async with LLMClient(url, timeout=120) as client:
         sessions, servers, socks = [], [], []
         for i in range(n + 1):  # session 0 warms up
             s = EndpointSession(simple_generate(client, "scripted", 0), tok, limits=EndpointLimits(max_tokens=512))
+            count_parse_cpu(s)
             sock = str(tmp / f"ep{i}.sock")
             servers.append(await serve(make_app(s), uds=sock))
             sessions.append(s)
             socks.append(sock)
         try:
-            async def drive(which: list[str]) -> tuple[list[int], float, float]:
+            async def drive(which: list[str], warm: int) -> tuple[list[int], float, float, float, float]:
                 env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-                driver, head = (DRIVER, []) if shape == "chat" else (SHAPE_DRIVER, [shape])
+                driver = DRIVER if shape == "chat" else SHAPE_DRIVER
+                args = {"shape": shape, "socks": which, "turns": turns, "warm": warm, "stream": stream,
+                        "obs": OBSERVATION, "tools": [BASH_TOOL], "system": SYSTEM}
                 p = await asyncio.create_subprocess_exec(sys.executable, "-c", driver, stdin=subprocess.PIPE,
                                                          stdout=subprocess.PIPE, env=env)
+                mine = [sessions[socks.index(w)] for w in which]
                 try:
-                    p.stdin.write((json.dumps(head + [which, turns, OBSERVATION, [BASH_TOOL], SYSTEM]) + "\n").encode())
+                    p.stdin.write((json.dumps(args) + "\n").encode())
                     await p.stdin.drain()
-                    line = await asyncio.wait_for(p.stdout.readline(), 120)
+                    line = await asyncio.wait_for(p.stdout.readline(), 600)
                     if not line.startswith(b"READY"):
                         raise RuntimeError(f"agent driver did not start: {line!r}")
+                    th0 = sum(s.metrics["endpoint_cpu_s"] for s in mine)
+                    pa0 = sum(s.parse_cpu_s for s in mine)
                     c0, t0 = time.process_time(), time.perf_counter()
                     p.stdin.write(b"go\n")
                     await p.stdin.drain()
@@ -219,80 +417,196 @@ async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: st
                     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
                     if not line.startswith(b"DONE "):
                         raise RuntimeError(f"agent driver failed: {line!r}")
-                    return json.loads(line[5:]), cpu, wall
+                    th = sum(s.metrics["endpoint_cpu_s"] for s in mine) - th0
+                    pa = sum(s.parse_cpu_s for s in mine) - pa0
+                    return json.loads(line[5:]), cpu, wall, th, pa
                 finally:
                     if p.returncode is None:
                         p.kill()
                     await p.wait()
 
-            await drive(socks[:1])
-            calls_per, cpu, wall = await drive(socks[1:])
+            with translation_cache(cache):
+                await drive(socks[:1], 0)
+                calls_per, cpu, wall, thread_s, parse_s = await drive(socks[1:], warm)
         finally:
             for srv in servers:
                 await srv.stop()
-    calls = sum(calls_per)
-    for s in sessions[1:]:
-        t = s.trajectory()
-        if t["metrics"]["segments"] != 1 or len(t["turns"]) != turns:
-            raise RuntimeError(f"endpoint trajectory: {t['metrics']}, {len(t['turns'])} turns")
-    if calls != n * turns:
-        raise RuntimeError(f"endpoint: {calls} calls, expected {n * turns}")
+    if calls_per != [warm + turns] * n:
+        raise RuntimeError(f"endpoint ({shape}): calls per rollout {calls_per}, expected {warm + turns}")
+    for s in sessions[1:]:  # one segment, every turn, every reply but the last sent back and reused as sampled
+        t, m = s.trajectory(), s.metrics
+        if t["metrics"]["segments"] != 1 or len(t["turns"]) != warm + turns:
+            raise RuntimeError(f"endpoint ({shape}) trajectory: {t['metrics']}, {len(t['turns'])} turns")
+        if m["assistant_tokens_reencoded"] or not all(g.reused for g in s.tree.gens[:-1]):
+            raise RuntimeError(f"endpoint ({shape}): replies not reused as sampled: {m}")
+    calls = n * turns
     reused = statistics.fmean(s.metrics["assistant_tokens_reused"] for s in sessions[1:])
-    return {"calls": calls, "cpu_ms_per_call": cpu / calls * 1e3, "wall_s": wall, "reused_tokens": reused}
+    return {"calls": calls, "cpu_ms_per_call": cpu / calls * 1e3, "wall_s": wall, "reused_tokens": reused,
+            "thread_ms_per_call": thread_s / calls * 1e3, "parse_ms_per_call": parse_s / calls * 1e3,
+            "last_bodies": list(sessions[1].last_bodies)}
+
+
+def breakdown(shape: str, prev: bytes, cur: bytes, tok, n: int = 15) -> dict:
+    """A request's translation in pieces, one thread, nothing else running in this process: the
+    last two bodies of a rollout (``cur`` resends ``prev``'s history plus one call and its
+    result). ms of thread CPU, medians of ``n``."""
+    from rolloutd.endpoint.bounds import EndpointBounds, nesting_ok
+    from rolloutd.endpoint.shapes import anthropic, gemini, responses
+
+    def ms(f) -> float:
+        xs = []
+        for _ in range(n):
+            f0 = f()  # a fresh setup per sample, untimed when it returns the timed part
+            t0 = time.thread_time()
+            f0()
+            xs.append(time.thread_time() - t0)
+        return statistics.median(xs) * 1e3
+
+    depth = EndpointBounds().max_depth
+    body, pbody = json.loads(cur), json.loads(prev)
+
+    async def no_backend(ids, params):
+        raise AssertionError("no LLM call")
+
+    def prepared(cache_on: bool):
+        def setup():
+            s = EndpointSession(no_backend, tok)
+            s._mbpt = 64
+            wc: dict = {}
+            parse = {"anthropic": lambda b: anthropic.parse(b, wc), "responses": lambda b: responses.parse(b, None, wc),
+                     "gemini": lambda b: gemini.parse(b, "m", False, wc)}.get(shape)
+            run = (lambda raw: s._prepare_chat(raw)) if shape == "chat" else (lambda raw: s._prepare_wire(raw, parse))
+            with translation_cache(cache_on):
+                run(prev)
+
+            def timed():
+                with translation_cache(cache_on):
+                    run(cur)
+            return timed
+        return setup
+
+    return {"bytes": len(cur), "messages_in_body": len(body.get("messages") or body.get("input")
+                                                       or body.get("contents") or ()),
+            "json_loads_ms": ms(lambda: lambda: json.loads(cur)),
+            "nesting_walk_full_ms": ms(lambda: lambda: nesting_ok(body, depth)),
+            "nesting_walk_after_prev_ms": ms(lambda: lambda: nesting_ok(body, depth, pbody)),
+            "prepare_cached_ms": ms(prepared(True)), "prepare_uncached_ms": ms(prepared(False))}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Medians per (case, shape, mode, cache) over the repeats."""
+    med = statistics.median
+    out: dict[str, dict] = {}
+    for r in rows:
+        out.setdefault(r["key"], []).append(r)
+    return {k: {"builtin_cpu_ms_per_call": med(r["builtin"]["cpu_ms_per_call"] for r in rs),
+                "endpoint_cpu_ms_per_call": med(r["endpoint"]["cpu_ms_per_call"] for r in rs),
+                "added_cpu_ms_per_call": med(r["added"] for r in rs),
+                "thread_ms_per_call": med(r["endpoint"]["thread_ms_per_call"] for r in rs),
+                "parse_ms_per_call": med(r["endpoint"]["parse_ms_per_call"] for r in rs),
+                "reused_tokens_per_rollout": rs[0]["endpoint"]["reused_tokens"], "repeats": len(rs)}
+            for k, rs in out.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rollouts", type=int, default=16, help="concurrent rollouts (one endpoint each)")
+    ap.add_argument("--rollouts", type=int, default=16,
+                    help="concurrent rollouts (one endpoint each); 0: the long-history case only")
     ap.add_argument("--turns", type=int, default=8, help="LLM calls per rollout (turns-1 tool calls)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokenizer", choices=["auto", "qwen", "tiny"], default="auto")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 4 rollouts x 4 turns, one repeat")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 4 rollouts x 4 turns, one repeat; history case 2 rollouts x 2 calls")
     ap.add_argument("--shapes", default=",".join(SHAPES),
                     help="API shapes the agent speaks, each against the same built-in run (default: all four)")
+    ap.add_argument("--modes", default=",".join(MODES), help="json (one body per reply), stream (SSE), or both")
+    ap.add_argument("--history", type=int, default=200,
+                    help="messages of history (system and task included) before the measured calls of the "
+                         "long-history case (0: skip it)")
+    ap.add_argument("--history-rollouts", type=int, default=8)
+    ap.add_argument("--history-calls", type=int, default=8, help="measured calls per rollout after the history")
+    ap.add_argument("--no-uncached", action="store_true",
+                    help="long-history case: skip the comparison run with the translation cache off")
     args = ap.parse_args(argv)
     shapes = [x for x in args.shapes.split(",") if x]
+    modes = [x for x in args.modes.split(",") if x]
     if set(shapes) - set(SHAPES):
         ap.error(f"--shapes: one of {SHAPES}")
+    if set(modes) - set(MODES):
+        ap.error(f"--modes: one of {MODES}")
+    if args.history and (args.history < 4 or args.history % 2):
+        ap.error("--history: an even number >= 4 (system, task, then call + result pairs)")
     if args.quick:
         args.rollouts, args.turns, args.repeats = 4, 4, 1
+        args.history_rollouts, args.history_calls = 2, 2
+    warm = (args.history - 2) // 2 if args.history else 0  # calls that build the history
     import uvicorn
 
     tok_dir, tok_desc = tokenizer_dir(args.tokenizer)
     tok = load_tokenizer(tok_dir)
+    procs = []
     proc, port = start_backend(tok_dir, args.turns)
+    procs.append(proc)
     url = f"http://127.0.0.1:{port}"
+    if warm:
+        proc, port = start_backend(tok_dir, warm + args.history_calls)
+        procs.append(proc)
+    hurl = f"http://127.0.0.1:{port}"
     print(f"# tokenizer: {tok_desc}; backend: scripted (separate process, zero latency) at {url}")
     print(f"# python {sys.version.split()[0]}, uvicorn {uvicorn.__version__}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f} at start")
-    rows = []
+    rows: list[dict] = []
+
+    def show(r: dict) -> None:
+        b, e = r["builtin"], r["endpoint"]
+        print(f"  repeat {r['repeat']} {r['key']:>32}: built-in {b['cpu_ms_per_call']:.3f} | endpoint "
+              f"{e['cpu_ms_per_call']:.3f} | added {r['added']:.3f} ms CPU/call (thread {e['thread_ms_per_call']:.3f},"
+              f" parse {e['parse_ms_per_call']:.3f})", flush=True)
+
+    load0 = os.getloadavg()[0]
+    parts: dict[str, dict] = {}  # the long-history request's translation in pieces, per shape
     try:
         with tempfile.TemporaryDirectory(prefix="rb-ep-", dir="/tmp") as d:
-            for rep in range(args.repeats):
-                b = asyncio.run(builtin_phase(url, tok, args.rollouts, args.turns))
-                for shape in shapes:  # interleaved with the built-in run they are compared with
-                    e = asyncio.run(endpoint_phase(url, tok, args.rollouts, args.turns, Path(d), shape))
-                    rows.append({"shape": shape, "builtin": b, "endpoint": e,
-                                 "added": e["cpu_ms_per_call"] - b["cpu_ms_per_call"]})
-                    print(f"  repeat {rep + 1} {shape:>9}: built-in {b['cpu_ms_per_call']:.3f} ms CPU/call | endpoint "
-                          f"{e['cpu_ms_per_call']:.3f} ms CPU/call | added {rows[-1]['added']:.3f} ms", flush=True)
+            for rep in range(1, args.repeats + 1):
+                cases = [("short", url, args.rollouts, args.turns, 0)] if args.rollouts else []
+                if warm:
+                    cases.append((f"history{args.history}", hurl, args.history_rollouts, args.history_calls, warm))
+                for case, u, n, turns, w in cases:
+                    runs = [(shape, mode, True) for shape in shapes for mode in modes]
+                    if w and not args.no_uncached:
+                        runs += [(shape, "json", False) for shape in shapes]
+                    for shape, mode, cache in runs:  # each right after the built-in run it is compared with
+                        b = asyncio.run(builtin_phase(u, tok, n, turns, w))
+                        e = asyncio.run(endpoint_phase(u, tok, n, turns, Path(d), shape, mode == "stream", w, cache))
+                        key = f"{case} {shape} {mode}" + ("" if cache else " uncached")
+                        bodies = e.pop("last_bodies")
+                        rows.append({"key": key, "case": case, "shape": shape, "mode": mode, "cache": cache,
+                                     "repeat": rep, "builtin": b, "endpoint": e,
+                                     "added": e["cpu_ms_per_call"] - b["cpu_ms_per_call"]})
+                        show(rows[-1])
+                        if w and rep == 1 and mode == "json" and cache and len(bodies) == 2:
+                            parts[shape] = breakdown(shape, bodies[0], bodies[1], tok)
     finally:
-        stop_procs([proc], wait_s=10)
-    med = statistics.median
+        stop_procs(procs, wait_s=10)
     summary = {"tokenizer": tok_desc, "rollouts": args.rollouts, "turns": args.turns, "repeats": args.repeats,
-               "builtin_cpu_ms_per_call": med(r["builtin"]["cpu_ms_per_call"] for r in rows),
-               "load_average_end": os.getloadavg()[0], "shapes": {}}
-    for shape in shapes:
-        rs = [r for r in rows if r["shape"] == shape]
-        summary["shapes"][shape] = {"endpoint_cpu_ms_per_call": med(r["endpoint"]["cpu_ms_per_call"] for r in rs),
-                                    "added_cpu_ms_per_call": med(r["added"] for r in rs),
-                                    "reused_tokens_per_rollout": rs[0]["endpoint"]["reused_tokens"]}
+               "history": args.history, "history_rollouts": args.history_rollouts,
+               "history_calls": args.history_calls, "load_average_start": load0,
+               "load_average_end": os.getloadavg()[0], "results": summarize(rows), "translation_breakdown": parts}
     print(json.dumps(summary, indent=2))
-    for shape, v in summary["shapes"].items():
-        ok = v["added_cpu_ms_per_call"] < 1.0
-        print(f"# {shape}: added CPU per call {v['added_cpu_ms_per_call']:.3f} ms: target < 1 ms "
-              f"{'met' if ok else 'MISSED'}")
+    print(f"# medians of {args.repeats}, ms CPU per call; target: added < 1 ms")
+    for key, v in summary["results"].items():
+        ok = "met" if v["added_cpu_ms_per_call"] < 1.0 else "MISSED"
+        if key.endswith("uncached"):
+            ok = "(translation cache off, for comparison)"
+        print(f"# {key:>32}: added {v['added_cpu_ms_per_call']:.3f} (built-in {v['builtin_cpu_ms_per_call']:.3f}, "
+              f"endpoint {v['endpoint_cpu_ms_per_call']:.3f}; thread {v['thread_ms_per_call']:.3f}, "
+              f"parse {v['parse_ms_per_call']:.3f}) {ok}")
+    for shape, v in parts.items():
+        print(f"# {shape} request of {v['messages_in_body']} history items ({v['bytes']} bytes), one thread: json.loads "
+              f"{v['json_loads_ms']:.3f} ms, nesting walk {v['nesting_walk_full_ms']:.3f} (skipping the last body's "
+              f"items {v['nesting_walk_after_prev_ms']:.3f}), whole translation {v['prepare_cached_ms']:.3f} "
+              f"(uncached {v['prepare_uncached_ms']:.3f})")
     if args.json:
         args.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
     return 0

@@ -102,9 +102,22 @@ def too_long(n: int, limit: int, detail: str = "", *, at_least: bool = False) ->
                f"prompt." + (f" ({detail})" if detail else ""), "messages", "context_length_exceeded")
 
 
-def nesting_ok(obj: Any, limit: int) -> bool:
-    """No container of ``obj`` deeper than ``limit`` (iterative: deep input must not recurse)."""
+def nesting_ok(obj: Any, limit: int, prev: Any = None) -> bool:
+    """No container of ``obj`` deeper than ``limit`` (iterative: deep input must not recurse).
+    ``prev``: a body that passed this check with the same ``limit``; an item of a top-level list
+    of ``obj`` equal to the item at the same position under the same key in ``prev`` is not walked
+    again (agents resend their whole history every call: the walk was 0.4-1.4 ms per call at 200
+    messages, the equality is C speed and recurses no deeper than ``prev``'s item)."""
     stack = [(obj, 1)]
+    if type(obj) is dict and type(prev) is dict and limit >= 3:
+        stack = []
+        for k, v in obj.items():
+            p = prev.get(k)
+            if type(v) is list and type(p) is list:  # the list is at depth 2, its items at 3
+                n = len(p)
+                stack.extend((x, 3) for i, x in enumerate(v) if type(x) in (dict, list) and not (i < n and x == p[i]))
+            elif type(v) in (dict, list):
+                stack.append((v, 2))
     while stack:
         o, d = stack.pop()
         if d > limit:
@@ -116,8 +129,9 @@ def nesting_ok(obj: Any, limit: int) -> bool:
     return True
 
 
-def load_body(raw: bytes | dict, depth: int) -> dict:
-    """The JSON body (bounded nesting) as a dict; runs in an endpoint thread."""
+def load_body(raw: bytes | dict, depth: int, prev: dict | None = None) -> dict:
+    """The JSON body (bounded nesting) as a dict; runs in an endpoint thread. ``prev``: the
+    job's previous body that this returned (see :func:`nesting_ok`)."""
     if isinstance(raw, dict):
         return raw
     try:
@@ -126,7 +140,7 @@ def load_body(raw: bytes | dict, depth: int) -> dict:
         body = None
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the body is not valid JSON: {e}") from None
-    if body is None or not nesting_ok(body, depth):
+    if body is None or not nesting_ok(body, depth, prev):
         raise bad(f"the body is nested deeper than {depth} levels")
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")

@@ -107,6 +107,7 @@ class EndpointSession:
         self._cancelled: str | None = None
         self.text = TokenText(tokenizer)  # sampled ids -> text (stop strings, logprobs' tokens)
         self._prev_msgs: tuple[list, list[Msg]] | None = None
+        self._prev_body: dict | None = None  # the last request body that passed load_body's nesting check
         self.bounds = EndpointBounds()
         self._work = asyncio.Semaphore(1)  # this job's share of the endpoint threads: one at a time
         self._mbpt: int | None = None
@@ -156,9 +157,16 @@ class EndpointSession:
         b = self.bounds
         return self.limits.max_context * self._mbpt * b.json_expansion + b.json_overhead
 
+    def _load(self, raw: bytes | dict) -> dict:
+        """The request body; its history's nesting is walked only where it differs from the last one's."""
+        body = load_body(raw, self.bounds.max_depth, self._prev_body)
+        if not isinstance(raw, dict):  # a dict was never walked (a caller's own object)
+            self._prev_body = body
+        return body
+
     def _prepare_chat(self, raw: bytes | dict):
         """Parse and check a chat request, the cheap refusals first; runs in an endpoint thread."""
-        body = load_body(raw, self.bounds.max_depth)
+        body = self._load(raw)
         msgs_raw = body.get("messages")
         if isinstance(msgs_raw, list) and len(msgs_raw) > self.limits.max_context:
             raise bad(f"{len(msgs_raw)} messages cannot fit this job's context window of {self.limits.max_context} "
@@ -382,7 +390,7 @@ class EndpointSession:
 
     # -- completions -----------------------------------------------------------------------
     def _prepare_wire(self, raw: bytes | dict, parse: Callable[[dict], WireRequest]) -> WireRequest:
-        req = parse(load_body(raw, self.bounds.max_depth))
+        req = parse(self._load(raw))
         check_size(req.messages, self._mbpt, self.limits.max_context)
         return req
 

@@ -125,7 +125,8 @@ class ConversationTree:
                 continue
             if k == n and not seg.conv.awaiting_generation:
                 continue  # nothing new to add: a repeated request (its own retry) opens a new segment
-            if all((e.matches(m) if type(e) is Gen else e.key == m.key) for e, m in zip(entries, msgs)):
+            # `e is m`: a message the request's parse reused from the last request's (chat) is this entry
+            if all((e.matches(m) if type(e) is Gen else (e is m or e.key == m.key)) for e, m in zip(entries, msgs)):
                 best = seg
         return best
 
@@ -260,7 +261,7 @@ class ConversationTree:
                 continue
             same = 0
             for e, m in zip(seg.entries[:top], msgs):
-                if not (e.matches(m) if type(e) is Gen else e.key == m.key):
+                if not (e.matches(m) if type(e) is Gen else (e is m or e.key == m.key)):
                     break
                 same += 1
             cut = max(((c, t) for c, t in cuts if c <= same and c < n), default=None)

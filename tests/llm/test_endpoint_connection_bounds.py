@@ -117,3 +117,29 @@ def test_a_job_at_its_connection_cap_is_not_accepted_until_one_closes(arun, tmp_
     assert out["while_full"] == "timeout", out
     assert out["after_one_closed"] == "HTTP/1.1 200 OK", out
     assert out["pauses"] >= 1, out
+
+
+def test_a_reply_the_client_never_takes_ends_the_request(qwen_tokenizer, arun):
+    """``send_timeout_s`` bounds each send of a reply: a client that never takes it (the send
+    never completes) ends the request instead of holding it, and its job's slot, forever."""
+    from rolloutd.endpoint.app import make_app
+    from rolloutd.endpoint.session import EndpointSession
+
+    async def no_backend(ids, params):
+        raise AssertionError("no LLM call is made")
+
+    s = EndpointSession(no_backend, qwen_tokenizer)
+    s.bounds.send_timeout_s = 0.2
+    app = make_app(s)
+    sent: list[str] = []
+
+    async def send(msg) -> None:
+        sent.append(msg["type"])
+        await asyncio.Event().wait()  # the client's socket buffer is full and it never reads
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    scope = {"type": "http", "path": "/v1/models", "method": "GET", "http_version": "1.1", "headers": []}
+    arun(app(scope, receive, send), timeout=60)  # raises if the request is still held then
+    assert sent == ["http.response.start"]
