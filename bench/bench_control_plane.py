@@ -510,7 +510,9 @@ def run_size(a, nodes: int, backend, protocol: str = "changes", lease_protocol: 
         gen_pids = {f"gen{g}": p.pid for g, p in enumerate(gens)}
         meter = common.CpuMeter({**head.pids(), **gen_pids}).start()
         w0 = time.monotonic()
-        prof = common.pyspy_start({**head.pids(), **gen_pids}, a.seconds, Path(a.profile) / str(nodes)) if a.profile else []
+        # the head and one generator (the others do the same work; py-spy on each would load the cores)
+        prof = common.pyspy_start({**head.pids(), **dict(list(gen_pids.items())[:1])}, a.seconds,
+                                  Path(a.profile) / str(nodes)) if a.profile else []
         sub, pol = [], []
         lost = 0
         probe = RolloutClient(head.addr("gateway"), timeout_s=a.probe_timeout, retries=0)
