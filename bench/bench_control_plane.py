@@ -88,7 +88,12 @@ def generator(a):
         inbox.connect(a.init)
         last = 0.0
         deadline = time.monotonic() + a.populate_timeout
+        # Until this generator has its share or the bench says the gateway handed out every job: a
+        # receiver the gateway forgot for a moment (credit ttl) can be sent more than its share.
         while len(got) < want and time.monotonic() < deadline:
+            if os.path.exists(a.populated_file):
+                if not inbox.poll(500):  # what is still on its way
+                    break
             now = time.monotonic()
             if now - last > 0.3:  # the real receiver's protocol: free slots, count received
                 inbox.send(codec.pack({"v": PROTOCOL_VERSION, "kind": "ready", "free": want - len(got),
@@ -155,7 +160,8 @@ def generator(a):
     hb_asked = len(sims) / a.hb_s
     lease_rate = nodes * a.run_pool / a.job_s
     tmp = Path(a.ready_file + ".tmp")  # renamed into place: the bench polls for the file and must not read it half-written
-    tmp.write_text(json.dumps({"populated": len(got), "wanted": nodes * sum(held.values()), "bytes_per_s": per_round / a.hb_s}))
+    tmp.write_text(json.dumps({"populated": min(len(got), nodes * sum(held.values())), "share": want, "got": len(got),
+                               "wanted": nodes * sum(held.values()), "bytes_per_s": per_round / a.hb_s}))
     tmp.rename(a.ready_file)
     stopped = []
     signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
@@ -187,17 +193,32 @@ def generator(a):
     k = 0
     req = g * 10**9  # request ids disjoint per generator
     samples = []  # cumulative counters over time: the bench takes its window's rates from them
-    next_sample = 0.0
+
+    skipped = rounds_skipped = 0  # heartbeats (rounds) not sent because the loop was more than a round behind
+    lag = [0.0]  # the loop's largest lag behind its schedule since the last sample
 
     def sample(now):
-        samples.append([round(now, 4), published, made, leases, releases, granted, msgs, qfull, router_refused])
+        samples.append([round(now, 4), published, made, leases, releases, granted, msgs, qfull, router_refused,
+                        skipped, round(lag[0], 4)])
+        lag[0] = 0.0
 
+    slice_s = a.hb_s / slices
     while time.monotonic() < stop and not stopped:
-        tick = t0 + k * a.hb_s / slices
+        now = time.monotonic()
+        behind = now - (t0 + k * slice_s)
+        lag[0] = max(lag[0], behind)
+        if behind > a.hb_s:  # stalled a round or more: skip whole rounds, as a daemon's heartbeat timer does (no burst)
+            n_skip = int(behind / a.hb_s)
+            k += n_skip * slices
+            skipped += n_skip * len(sims)
+            rounds_skipped += n_skip  # jobs_seq counts heartbeats sent: no gap for the gateway to see
+        tick = t0 + k * slice_s
         k += 1
         rnd, sl = divmod(k - 1, slices)
+        if sl == 0:  # at each round's start: between two samples, whole rounds of heartbeats
+            sample(time.monotonic())
         ts = struct.pack(">d", time.time())
-        seq = struct.pack(">I", seq_base + rnd + 1)
+        seq = struct.pack(">I", seq_base + rnd + 1 - rounds_skipped)
         for i in range(sl * per_slice, min(len(sims), (sl + 1) * per_slice)):
             full, change, lease_ev = sims[i]
             whole = change is None or rnd % full_every == i % full_every
@@ -286,16 +307,14 @@ def generator(a):
                 except zmq.Again:
                     qfull += nl + len(rel)
         now = time.monotonic()
-        if now >= next_sample:
-            sample(now)
-            next_sample = now + 0.25
         delay = tick + a.hb_s / slices - now
         if delay > 0:
             time.sleep(delay)
     end = time.monotonic()
     sample(end)
     wall = end - t0
-    print(json.dumps({"gen": g, "nodes": [lo, hi], "pid": os.getpid(),
+    print(json.dumps({"gen": g, "nodes": [lo, hi], "pid": os.getpid(), "wall_s": wall, "hb_skipped": skipped,
+                      "lag_max_s": max(x[10] for x in samples),
                       "hb_per_s": published / wall, "hb_target_per_s": hb_asked,
                       "leases_target_per_s": lease_rate, "leases_made_per_s": made / wall,
                       "leases_per_s": leases / wall, "releases_per_s": releases / wall,
@@ -396,15 +415,17 @@ def auto_generators(nodes: int) -> int:
 
 
 def window_rates(samples: list, w0: float, w1: float) -> dict | None:
-    """Rates of a generator's cumulative counters between the samples that bound [w0, w1]
-    (monotonic clock, shared by every process of the machine)."""
-    inside = [s for s in samples if w0 - 0.3 <= s[0] <= w1 + 0.3]
+    """Rates of a generator's cumulative counters between its first and last sample inside
+    [w0, w1]: samples are taken at round starts, so the span holds whole rounds of heartbeats
+    (monotonic clock, shared by every process of the machine). None if the window holds too few."""
+    inside = [s for s in samples if w0 <= s[0] <= w1]
     if len(inside) < 2 or inside[-1][0] - inside[0][0] < 0.5 * (w1 - w0):
         return None
     a, b = inside[0], inside[-1]
     dt = b[0] - a[0]
-    keys = ("hb", "leases_made", "leases", "releases", "granted", "lease_msgs", "queue_full", "router_refused")
-    return {k: (b[i + 1] - a[i + 1]) / dt for i, k in enumerate(keys)} | {"span_s": round(dt, 2)}
+    keys = ("hb", "leases_made", "leases", "releases", "granted", "lease_msgs", "queue_full", "router_refused", "hb_skipped")
+    return {k: (b[i + 1] - a[i + 1]) / dt for i, k in enumerate(keys)} | {
+        "span_s": round(dt, 2), "lag_max_s": max(s[10] for s in inside[1:])}
 
 
 def generator_verdict(reports: list[dict], w0: float, w1: float) -> dict:
@@ -413,30 +434,33 @@ def generator_verdict(reports: list[dict], w0: float, w1: float) -> dict:
     per, reasons = [], []
     tot = {"hb_target_per_s": 0.0, "hb_per_s": 0.0, "leases_target_per_s": 0.0, "leases_made_per_s": 0.0,
            "leases_per_s": 0.0, "releases_per_s": 0.0, "granted_per_s": 0.0, "lease_msgs_per_s": 0.0,
-           "refused_per_s": 0.0, "queue_full": 0, "router_refused": 0, "refused": 0}
+           "refused_per_s": 0.0, "hb_skipped_per_s": 0.0, "queue_full": 0, "router_refused": 0, "refused": 0}
     for r in reports:
         w = window_rates(r.get("samples") or [], w0, w1)
         if w is None:  # no samples around the window: the whole run's rates
             w = {"hb": r["hb_per_s"], "leases_made": r["leases_made_per_s"], "leases": r["leases_per_s"],
                  "releases": r["releases_per_s"], "granted": r["granted_per_s"], "lease_msgs": r["lease_msgs_per_s"],
-                 "queue_full": 0.0, "router_refused": 0.0, "span_s": None}
+                 "queue_full": 0.0, "router_refused": 0.0, "hb_skipped": r["hb_skipped"] / r["wall_s"], "span_s": None,
+                 "lag_max_s": r["lag_max_s"]}
         row = {"gen": r["gen"], "nodes": r["nodes"], "hb_target_per_s": r["hb_target_per_s"], "hb_per_s": w["hb"],
                "leases_target_per_s": r["leases_target_per_s"], "leases_made_per_s": w["leases_made"],
                "leases_per_s": w["leases"], "releases_per_s": w["releases"], "granted_per_s": w["granted"],
                "lease_msgs_per_s": w["lease_msgs"], "refused_per_s": w["queue_full"] + w["router_refused"],
-               "window_s": w["span_s"]}
+               "hb_skipped_per_s": w["hb_skipped"], "lag_max_s": w["lag_max_s"], "window_s": w["span_s"]}
         per.append(row)
         for k in tot:
             if k in row:
                 tot[k] += row[k]
         for k in ("queue_full", "router_refused", "refused"):
             tot[k] += r.get(k, 0)
+    tot["lag_max_s"] = max((r["lag_max_s"] for r in per), default=0.0)
     hb_share = tot["hb_per_s"] / tot["hb_target_per_s"] if tot["hb_target_per_s"] else 1.0
     lease_share = tot["leases_made_per_s"] / tot["leases_target_per_s"] if tot["leases_target_per_s"] else 1.0
     if not reports:
         reasons.append("no generator report")
     if hb_share < SHORT:
-        reasons.append(f"heartbeats {tot['hb_per_s']:,.0f} of {tot['hb_target_per_s']:,.0f}/s ({hb_share:.0%})")
+        reasons.append(f"heartbeats {tot['hb_per_s']:,.0f} of {tot['hb_target_per_s']:,.0f}/s ({hb_share:.0%}; "
+                       f"{tot['hb_skipped_per_s']:,.0f}/s skipped, up to {tot['lag_max_s']:.2f} s behind schedule)")
     if lease_share < SHORT:
         reasons.append(f"leases made {tot['leases_made_per_s']:,.0f} of {tot['leases_target_per_s']:,.0f}/s ({lease_share:.0%})")
     return {**tot, "hb_share": hb_share, "lease_share": lease_share, "short": bool(reasons),
@@ -477,7 +501,7 @@ def run_size(a, nodes: int, backend, protocol: str = "changes", lease_protocol: 
         ranges = split_nodes(nodes, a.generators or auto_generators(nodes)) if nodes else []
         shares = [want * hi // nodes - want * lo // nodes for lo, hi in ranges] if nodes else []  # populate_max split by nodes
         env = dict(os.environ, PYTHONPATH=str(a.root))
-        go = head.tmp / "go"
+        go, populated = head.tmp / "go", head.tmp / "populated"
         readies = []
         for g, ((lo, hi), share) in enumerate(zip(ranges, shares)):
             readies.append(head.tmp / f"gen{g}.json")
@@ -486,7 +510,8 @@ def run_size(a, nodes: int, backend, protocol: str = "changes", lease_protocol: 
                  "--node-lo", str(lo), "--node-hi", str(hi), "--run-pool", str(a.run_pool), "--populate", str(share),
                  "--populate-timeout", str(a.populate_timeout), "--init", head.addr("init"),
                  "--events-in", head.addr("events_in"), "--router", head.addr("router"),
-                 "--ready-file", str(readies[-1]), "--go-file", str(go), "--backend-id", backend_id, "--hb-s", str(a.hb_s),
+                 "--ready-file", str(readies[-1]), "--go-file", str(go), "--populated-file", str(populated),
+                 "--backend-id", backend_id, "--hb-s", str(a.hb_s),
                  "--job-s", str(a.job_s), "--protocol", protocol, "--listing", a.listing, "--lease-protocol", lease_protocol,
                  "--duration", str(a.seconds + a.warmup + 30)],
                 env=env, stdout=subprocess.PIPE, text=True))
@@ -499,11 +524,24 @@ def run_size(a, nodes: int, backend, protocol: str = "changes", lease_protocol: 
                 tasks.append({"handler": "synthetic_llm", "instance": {"llm_calls": 1}, "n": n})
                 left -= n
             client.submit(tasks)
+        give_up = time.monotonic() + a.populate_timeout + 120  # each generator stops populating at populate_timeout
         while not all(r.exists() for r in readies):
             if any(p.poll() is not None for p in gens):
                 raise RuntimeError("a generator exited early")
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"generators not ready after {a.populate_timeout + 120:.0f} s")
+            if not populated.exists():
+                try:
+                    st = client.status()
+                    if not st.get("queued") and (st.get("dispatched") or 0) >= want:  # every job handed out
+                        populated.write_text("done")
+                except GatewayTimeout:
+                    pass
             time.sleep(0.2)
         infos = [json.loads(r.read_text()) for r in readies]
+        uneven = [(g, i["got"], i["share"]) for g, i in enumerate(infos) if i["got"] != i["share"]]
+        if uneven:
+            print(f"  (populate: generator(s) got another share of the jobs than asked, (generator, got, share): {uneven})")
         go.write_text("go")
         populate_s = time.monotonic() - t_pop
         time.sleep(a.warmup)
@@ -610,7 +648,7 @@ def main():
                     help="load generator processes per size, the nodes split between them (default: one per 1,000 nodes)")
     # generator mode
     ap.add_argument("--_gen", action="store_true", help=argparse.SUPPRESS)
-    for k in ("--init", "--events-in", "--router", "--ready-file", "--go-file", "--backend-id"):
+    for k in ("--init", "--events-in", "--router", "--ready-file", "--go-file", "--populated-file", "--backend-id"):
         ap.add_argument(k, default="", help=argparse.SUPPRESS)
     for k in ("--gen-index", "--node-lo", "--node-hi", "--populate"):
         ap.add_argument(k, type=int, default=0, help=argparse.SUPPRESS)
@@ -656,7 +694,7 @@ def main():
                       f"delivered / asked over the window: heartbeats {g['hb_per_s']:,.0f} / {g['hb_target_per_s']:,.0f} per s "
                       f"({g['hb_share']:.0%}), leases {g['leases_made_per_s']:,.0f} / {g['leases_target_per_s']:,.0f} per s "
                       f"({g['lease_share']:.0%}; {g['leases_per_s']:,.0f} leases + {g['releases_per_s']:,.0f} releases/s sent "
-                      f"in {g['lease_msgs_per_s']:,.0f} msgs/s) | refused: {g['queue_full']} by the router's full queue, "
+                      f"in {g['lease_msgs_per_s']:,.0f} msgs/s), up to {g['lag_max_s']:.2f} s behind schedule | refused: {g['queue_full']} by the router's full queue, "
                       f"{g['router_refused']} by the router | gateway heard {heard['current']:,} of "
                       f"{heard['sim_daemons']:,} simulated daemons within {3 * a.hb_s:g} s (oldest {heard['oldest_s']} s)", flush=True)
             if r["generator_short"]:
