@@ -681,8 +681,12 @@ def main():
             r["per_op_us"] = {
                 "gateway_per_hb": (c.get("gateway", 0) - idle.get("gateway", 0)) * 1e6 / hb if hb else None,
                 "router_per_lease_op": (c.get("router", 0) - idle.get("router", 0)) * 1e6 / ops if ops else None}
-            per_op = "".join(f" {k} {v:.0f} us" for k, v in r["per_op_us"].items() if v is not None)
             heard = r["gateway_heard"]
+            # Per operation *offered*: a daemon that is behind handled fewer, so its figure is then too low.
+            r["behind"] = {"gateway": bool(n) and heard["current"] < SHORT * heard["sim_daemons"],
+                           "router": bool(n) and (g.get("granted_per_s") or 0) < SHORT * (g.get("leases_per_s") or 0)}
+            per_op = "".join(f" {k} {v:.0f} us" + (" (behind: per op offered, not handled)" if r["behind"][k.split("_")[0]] else "")
+                             for k, v in r["per_op_us"].items() if v is not None)
             print(f"  {n:>5} nodes, {proto:>7} listings, {lp} leases ({r['held']:,} held jobs, {r['populated']:,} in the gateway, "
                   f"{r['hb_mb_per_s']:.1f} MB/s of heartbeats): gateway {c.get('gateway', 0):.1%} "
                   f"router {c.get('router', 0):.1%} events {c.get('events', 0):.1%} of a core | "
