@@ -1,7 +1,7 @@
 """Control-plane load (issue 16): heartbeats and lease traffic of 100, 1,000 and 5,000 nodes
 against a real events proxy, router and gateway, with a real client measuring submit and poll.
 
-    python bench/bench_control_plane.py --quick          # 100 and 1,000 nodes, change listings, 8 s windows (~4 min)
+    python bench/bench_control_plane.py --quick          # 100 and 1,000 nodes, change listings, 8 s windows (~1.5 min)
     python bench/bench_control_plane.py                  # 100, 1,000, 5,000 nodes, both listing formats, 20 s windows
     python bench/bench_control_plane.py --nodes 1000 --seconds 30 --json out.json --root /patched/copy
 
@@ -698,9 +698,16 @@ def main():
                       f"delivered / asked over the window: heartbeats {g['hb_per_s']:,.0f} / {g['hb_target_per_s']:,.0f} per s "
                       f"({g['hb_share']:.0%}), leases {g['leases_made_per_s']:,.0f} / {g['leases_target_per_s']:,.0f} per s "
                       f"({g['lease_share']:.0%}; {g['leases_per_s']:,.0f} leases + {g['releases_per_s']:,.0f} releases/s sent "
-                      f"in {g['lease_msgs_per_s']:,.0f} msgs/s), up to {g['lag_max_s']:.2f} s behind schedule | refused: {g['queue_full']} by the router's full queue, "
+                      f"in {g['lease_msgs_per_s']:,.0f} msgs/s, {g['granted_per_s']:,.0f} leases/s granted), up to {g['lag_max_s']:.2f} s behind schedule | refused: {g['queue_full']} by the router's full queue, "
                       f"{g['router_refused']} by the router | gateway heard {heard['current']:,} of "
                       f"{heard['sim_daemons']:,} simulated daemons within {3 * a.hb_s:g} s (oldest {heard['oldest_s']} s)", flush=True)
+            if r["behind"]["router"]:  # not a refusal, and worse: the leases sent were left unanswered
+                print(f"  !! ROUTER BEHIND at {n} nodes: it granted {g['granted_per_s']:,.0f} of the {g['leases_per_s']:,.0f} "
+                      f"leases/s sent and refused none; the rest were unanswered in the window", flush=True)
+            if r["behind"]["gateway"]:
+                print(f"  !! GATEWAY BEHIND at {n} nodes: it had heard {heard['current']:,} of {heard['sim_daemons']:,} "
+                      f"simulated daemons within {3 * a.hb_s:g} s; its last handled heartbeats were up to "
+                      f"{heard['oldest_s']} s old", flush=True)
             if r["generator_short"]:
                 print(f"  !! GENERATOR SHORT at {n} nodes: {'; '.join(g['short_reasons'])}. The head was not offered "
                       f"{n} nodes' load: this row does not judge it (more --generators, or fewer other processes).", flush=True)
