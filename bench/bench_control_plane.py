@@ -347,12 +347,12 @@ class Head:
         return f"tcp://127.0.0.1:{self.port + i}"
 
     def start(self):
-        env = dict(os.environ, PYTHONPATH=str(self.root), PYTHONUNBUFFERED="1")
+        env, cwd = common.source_env(self.root)
         for name in ("events", "router", "gateway"):
             cmd = [sys.executable, "-m", "rolloutd.daemons.cli", name]
             for k, v in self.sets.items():
                 cmd += ["--set", f"{k}={v}"]
-            self.procs[name] = subprocess.Popen(cmd, cwd=self.root, env=env, stdin=subprocess.DEVNULL,
+            self.procs[name] = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                                 stdout=self._log(name), stderr=subprocess.STDOUT)
         try:
             self.wait_for({"gateway", "router"})
@@ -500,7 +500,7 @@ def run_size(a, nodes: int, backend, protocol: str = "changes", lease_protocol: 
         want = min(nodes * held, a.populate_max)
         ranges = split_nodes(nodes, a.generators or auto_generators(nodes)) if nodes else []
         shares = [want * hi // nodes - want * lo // nodes for lo, hi in ranges] if nodes else []  # populate_max split by nodes
-        env = dict(os.environ, PYTHONPATH=str(a.root))
+        env = common.source_env(a.root)[0]
         go, populated = head.tmp / "go", head.tmp / "populated"
         readies = []
         for g, ((lo, hi), share) in enumerate(zip(ranges, shares)):
