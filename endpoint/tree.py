@@ -39,14 +39,21 @@ class Gen:
     ids: np.ndarray | None = None  # the sampled ids (what a new segment's prompt holds for it)
     reused: bool = False
     reencoded: bool = False
+    seen: Msg | None = None  # the last message found to send this reply back (messages never change once parsed)
 
     def matches(self, m: Msg) -> bool:
+        if m is self.seen:  # the same parsed message as last request's (a history cache reused it)
+            return True
         if m.role != "assistant":
             return False
         c = m.content.strip()
         if m.calls:
-            return m.calls == self.calls and c == self.content.strip()
-        return c == self.raw.strip() or (not self.calls and c == self.content.strip())
+            ok = m.calls == self.calls and c == self.content.strip()
+        else:
+            ok = c == self.raw.strip() or (not self.calls and c == self.content.strip())
+        if ok:
+            self.seen = m
+        return ok
 
 
 class Segment:

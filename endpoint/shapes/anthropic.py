@@ -202,18 +202,45 @@ def _messages(body: dict, cache: dict | None) -> list[Msg]:
         raise bad("messages: Field required (a list of messages)", "messages")
     if not raw:
         raise bad("messages: at least one message is required", "messages")
+    out += _assembled(memo_items(raw, _message, cache), cache)
+    return out
+
+
+def _assembled(items: list, cache: dict | None) -> list[Msg]:
+    """The messages of the translated ``items`` (each a tuple of pieces). The previous call's
+    messages (``cache``) are reused for the leading items whose pieces are the very objects of
+    that call (``memo_items`` reused them: the item was equal), so a resent history is not
+    assembled again; a message is never changed once built."""
+    prev = cache.get("assembled") if cache is not None else None
+    k = 0
+    msgs: list[Msg] = []
+    ends: list[int] = []  # len(msgs) after each item
+    if prev is not None:
+        p_items, p_ends, p_msgs = prev
+        n = min(len(p_items), len(items))
+        while k < n and items[k] is p_items[k]:
+            k += 1
+        if k:
+            msgs, ends = p_msgs[:p_ends[k - 1]], p_ends[:k]
     names: dict[str, str] = {}  # tool_use id -> tool name, for the tool messages
-    for pieces in memo_items(raw, _message, cache):
+    for pieces in items[:k]:
+        for p in pieces:
+            if p[0] == "assistant":
+                names.update(zip(p[3], (n for n, _ in p[2])))
+    for pieces in items[k:]:
         for p in pieces:
             if p[0] == "assistant":
                 _, text, calls, ids, reasoning = p
                 names.update(zip(ids, (n for n, _ in calls)))
-                out.append(Msg(role="assistant", content=text, calls=calls, call_ids=ids, reasoning=reasoning))
+                msgs.append(Msg(role="assistant", content=text, calls=calls, call_ids=ids, reasoning=reasoning))
             elif p[0] == "tool":
-                out.append(Msg(role="tool", content=p[2], name=names.get(p[1]), tool_call_id=p[1]))
+                msgs.append(Msg(role="tool", content=p[2], name=names.get(p[1]), tool_call_id=p[1]))
             else:
-                out.append(Msg(role=p[0], content=p[1]))
-    return out
+                msgs.append(Msg(role=p[0], content=p[1]))
+        ends.append(len(msgs))
+    if cache is not None:
+        cache["assembled"] = (items, ends, msgs)
+    return msgs
 
 
 def _tools(raw: Any) -> list[dict] | None:
