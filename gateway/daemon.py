@@ -226,7 +226,7 @@ class Gateway(Daemon):
                                "split it over several requests")
 
     def _reply(self, route, req_id: int, inline: bool = True, **body):
-        frames = codec.encode(Reply(req_id=req_id, body=body).to_wire(), None if not inline else codec.INLINE_MAX_BYTES)
+        frames = codec.encode(Reply(req_id=req_id, body=body).to_wire(), codec.INLINE_MAX_BYTES if inline else None)
         self.replies.append((route, frames))
 
     def _error(self, route, req_id: int, code: str, message: str):
