@@ -26,6 +26,7 @@ from rolloutd.bus.events import HeldJobs, pack_listing
 from rolloutd.bus.messages import Job, MessageError, Result, empty_trajectory, from_wire
 from rolloutd.bus.sockets import SUBSCRIBE as _SUBSCRIBE
 from rolloutd.bus.sockets import recv, recv_now
+from rolloutd.daemons import lease_rows
 from rolloutd.daemons.llm_session import StaleLease
 from rolloutd.handlers.base import JobContext, PhaseTimeout, Services
 from rolloutd.handlers.registry import UnknownHandler, get_handler
@@ -588,7 +589,7 @@ class RunDaemon(PhaseDaemon):
             # On their own topic, published just before the heartbeat: the router reads them, and the
             # gateway (subscribed to daemon.*) never unpacks 512 rows it does not use (docs/SCALING.md).
             self.events.publish("run.leases", incarnation=self.incarnation,
-                                leases=[h for h in (s.held() for s in self.sessions.values()) if h])
+                                leases=lease_rows.pack([h for h in (s.held() for s in self.sessions.values()) if h]))
         return hb
 
     def on_control(self, topic: str, body: dict):

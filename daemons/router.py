@@ -21,6 +21,7 @@ from rolloutd.bus import codec, events
 from rolloutd.bus.messages import Error, Lease, MessageError, Reply, check_fields, from_wire
 from rolloutd.bus.sockets import POLLIN, poller, recv_now
 from rolloutd.bus.daemon import Daemon
+from rolloutd.daemons import lease_rows
 from rolloutd.daemons.routing import NoBackend, Pool
 from rolloutd.llm.client import parse_prometheus
 
@@ -272,20 +273,23 @@ class Router(Daemon):
                     policy=self.pool.policy, leases=len(self.pool.leases), lease_traffic=dict(self.stats))
 
     def _on_heartbeat(self, hb: dict):
-        leases = hb.get("leases")
-        if not leases or hb.get("daemon") != "run" or not isinstance(leases, list):
+        """A run daemon's ``run.leases``: renew what it lists, adopt what this router does not hold."""
+        if hb.get("daemon") != "run":
+            return
+        listed = lease_rows.unpack(hb.get("leases"))
+        if listed is None:
             return
         requester = f"run@{hb.get('node')}"
-        held, pool, now = self.pool.leases, self.pool, time.monotonic()
-        for row in leases:  # one pass: renew the leases held here, adopt the others (after a router restart)
-            if (row.__class__ is not list or len(row) != 4 or not isinstance(row[0], str)
-                    or not isinstance(row[1], str) or not isinstance(row[3], int)):
-                continue
-            rec = held.get(row[0])
-            if rec is None:
-                pool.adopt(row[0], row[1], row[2], requester, row[3])
-            elif rec.requester == requester:
-                rec.renewed = now
+        others = self.pool.vouch(requester, set(listed.ids))
+        leases, pos = self.pool.leases, None
+        for lid in others:  # few: leases released since its snapshot, or all of them after a restart
+            if lid in leases:
+                continue  # another requester's: not renewed by this one
+            if pos is None:
+                pos = {x: i for i, x in enumerate(listed.ids)}
+            row = listed.row(pos[lid])
+            if row is not None:
+                self.pool.adopt(lid, row[0], row[1], requester, row[2])
 
     async def _health_loop(self):
         interval = float(self.rcfg["health_interval_s"])
