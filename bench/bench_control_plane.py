@@ -75,6 +75,12 @@ def generator(a):
     from rolloutd.bus.messages import PROTOCOL_VERSION, Lease, LeaseBatch, Release
     from rolloutd.daemons.router_client import BEHIND_S, HOLD_MAX_S, lease_member
 
+    if a.lease_rows == "packed":  # as the run daemon sends them (daemons/lease_rows.py)
+        from rolloutd.daemons.lease_rows import pack as lease_field
+    else:
+        def lease_field(rows):
+            return rows
+
     g, lo, hi = a.gen_index, a.node_lo, a.node_hi
     nodes = hi - lo
     ctx = zmq.Context()
@@ -148,7 +154,8 @@ def generator(a):
             if phase == "run":
                 lease_ev = codec.pack({"daemon": "run", "node": node, "pid": 100000 + n, "ts": time.time(),
                                      "incarnation": inc,
-                                     "leases": [[f"Lsim{n}-{i}", a.backend_id, j[0], 0] for i, j in enumerate(jobs[:pool])]})
+                                     "leases": lease_field([[f"Lsim{n}-{i}", a.backend_id, j[0], 0]
+                                                            for i, j in enumerate(jobs[:pool])])})
             change = None
             if a.protocol == "changes" and len(jobs) > 128:
                 change = packed(dict(body, jobs_added=enc({next(fake): 1 for _ in range(churn)}),
@@ -513,6 +520,7 @@ def run_size(a, nodes: int, backend, protocol: str = "changes", lease_protocol: 
                  "--ready-file", str(readies[-1]), "--go-file", str(go), "--populated-file", str(populated),
                  "--backend-id", backend_id, "--hb-s", str(a.hb_s),
                  "--job-s", str(a.job_s), "--protocol", protocol, "--listing", a.listing, "--lease-protocol", lease_protocol,
+                 "--lease-rows", a.lease_rows,
                  "--duration", str(a.seconds + a.warmup + 30)],
                 env=env, stdout=subprocess.PIPE, text=True))
         t_pop = time.monotonic()
@@ -596,7 +604,7 @@ def run_size(a, nodes: int, backend, protocol: str = "changes", lease_protocol: 
         if nodes and len(reports) < len(gens):
             verdict["short"] = True
             verdict["short_reasons"].append(f"{len(gens) - len(reports)} of {len(gens)} generator reports missing")
-        out = {"nodes": nodes, "protocol": protocol, "lease_protocol": lease_protocol,
+        out = {"nodes": nodes, "protocol": protocol, "lease_protocol": lease_protocol, "lease_rows": a.lease_rows,
                "populated": sum(i["populated"] for i in infos), "held": sum(i["wanted"] for i in infos),
                "hb_mb_per_s": sum(i["bytes_per_s"] for i in infos) / 1e6, "populate_s": round(populate_s, 1),
                "generators": len(gens),
@@ -636,6 +644,9 @@ def main():
     ap.add_argument("--lease-protocol", default="batch",
                     help="router lease traffic, comma list: batch (lease_batch per node per tick, as RouterClient; issue 29) "
                          "or single (one message per lease and per release: before)")
+    ap.add_argument("--lease-rows", default="packed", choices=("packed", "list"),
+                    help="run.leases rows: packed (current run daemons, issue 40) or list (before; a --root tree "
+                         "older than packed rows reads only list)")
     ap.add_argument("--probe-timeout", type=float, default=5.0, help="a probe unanswered this long counts as lost")
     ap.add_argument("--populate-max", type=int, default=700_000)
     ap.add_argument("--populate-timeout", type=float, default=240.0)

@@ -46,6 +46,7 @@ import zmq.asyncio
 from rolloutd.bus import codec, events
 from rolloutd.bus.messages import Lease, LeaseBatch, Release
 from rolloutd.bus.sockets import Sockets, recv_now
+from rolloutd.daemons import lease_rows
 from rolloutd.daemons.router_client import lease_member
 from rolloutd.daemons.supervisor import config_from_args
 
@@ -252,17 +253,32 @@ def measure_router(nodes: int, ops: int, backends: int) -> dict:
             b = r.pool.add(f"http://127.0.0.1:{30000 + i}", api="vllm", capacity=0)
             r.pool.mark(b.id, True)
         ids = list(r.pool.backends)
-        # Every run slot's lease, adopted from run.leases events as after a router restart (timed: the
-        # router's per-event cost; each run daemon sends one with every full listing).
-        ev_us = []
-        for n in range(nodes):
+        # Every run slot's lease, adopted from run.leases events as after a router restart (timed: a
+        # restart's cost per event). The run daemon packs its rows (daemons/lease_rows.py).
+        def lease_event(n, packed):
+            rows = [[f"Lsim{n}-{i}", ids[i % len(ids)], n * 1000 + i, 0] for i in range(512)]
             body = {"daemon": "run", "node": f"sim{n:05d}", "pid": 1, "ts": time.time(), "incarnation": "i",
-                    "leases": [[f"Lsim{n}-{i}", ids[i % len(ids)], n * 1000 + i, 0] for i in range(512)]}
-            f = [zmq.Frame(b"run.leases"), zmq.Frame(codec.pack(body))]
+                    "leases": lease_rows.pack(rows) if packed else rows}
+            return [zmq.Frame(b"run.leases"), zmq.Frame(codec.pack(body))]
+
+        adopt_us = []
+        for n in range(nodes):
+            f = lease_event(n, True)
             c0 = cpu()
             e = events.parse(f)
             r._on_heartbeat(e[1])
-            ev_us.append((cpu() - c0) * 1e6)
+            adopt_us.append((cpu() - c0) * 1e6)
+        # Steady state, every node's next event (what the router does 1,000 times a second at 5,000
+        # nodes): the per-row walk of the rows this replaced (kept below as the baseline, same state),
+        # and today's renewal of the same rows as lists and packed; interleaved node by node.
+        ev_us = {"before": [], "rows": [], "packed": []}
+        for n in range(nodes):
+            f_rows, f_packed = lease_event(n, False), lease_event(n, True)
+            for kind, f in (("before", f_rows), ("rows", f_rows), ("packed", f_packed)):
+                c0 = cpu()
+                e = events.parse(f)
+                (_renew_rows_before if kind == "before" else type(r)._on_heartbeat)(r, e[1])
+                ev_us[kind].append((cpu() - c0) * 1e6)
         ident = zmq.Frame(b"run@sim00000#i")
 
         def frames(msg):
@@ -313,12 +329,41 @@ def measure_router(nodes: int, ops: int, backends: int) -> dict:
         c0 = cpu()
         r.pool.expire(3600.0)
         expire_ms = (cpu() - c0) * 1e3
+        c0 = cpu()
+        _expire_before(r.pool, 3600.0)
+        expire_before_ms = (cpu() - c0) * 1e3
     finally:
         sockets.close()
     return {"lease_us": common.median(lease_us), "release_us": common.median(release_us), "granted": grant,
             "batch_us": {k: common.median(v) for k, v in batch_us.items()}, "rounds": rounds,
-            "leases_event_us": common.median(ev_us), "leases": len(r.pool.leases), "expire_ms": expire_ms,
+            "leases_event_us": common.median(ev_us["packed"]), "leases_event_rows_us": common.median(ev_us["rows"]),
+            "leases_event_before_us": common.median(ev_us["before"]), "adopt_event_us": common.median(adopt_us),
+            "leases": len(r.pool.leases), "expire_ms": expire_ms, "expire_before_ms": expire_before_ms,
             "backends": backends}
+
+
+def _renew_rows_before(router, hb: dict):
+    """``Router._on_heartbeat`` before the rows were packed and renewed by set (795b1da^): the baseline."""
+    leases = hb.get("leases")
+    if not leases or hb.get("daemon") != "run" or not isinstance(leases, list):
+        return
+    requester = f"run@{hb.get('node')}"
+    held, pool, now = router.pool.leases, router.pool, time.monotonic()
+    for row in leases:
+        if (row.__class__ is not list or len(row) != 4 or not isinstance(row[0], str)
+                or not isinstance(row[1], str) or not isinstance(row[3], int)):
+            continue
+        rec = held.get(row[0])
+        if rec is None:
+            pool.adopt(row[0], row[1], row[2], requester, row[3])
+        elif rec.requester == requester:
+            rec.renewed = now
+
+
+def _expire_before(pool, ttl_s: float):
+    """``Pool.expire`` before renewal by set: a walk of every lease each second (the baseline)."""
+    now = time.monotonic()
+    return [r for r in pool.leases.values() if now - r.renewed > ttl_s]
 
 
 def main():
@@ -358,12 +403,17 @@ def main():
     if a.only == "gateway":
         return
     r = measure_router(nodes, ops, a.backends)
-    single = lease_rate * (r["lease_us"] + r["release_us"]) + r["leases_event_us"] / 5.0
+    single = lease_rate * (r["lease_us"] + r["release_us"]) + r["leases_event_before_us"] / 5.0
     print(f"  router ({r['backends']} backends, {r['leases']:,} leases held; medians of {r['rounds']} rounds, "
-          f"{r['granted']} leases granted): run.leases event (512 rows) {r['leases_event_us']:.0f} us, "
-          f"expire walk {r['expire_ms']:.1f} ms")
+          f"{r['granted']} leases granted):")
+    print(f"    run.leases event, 512 rows, renewal: before (per-row walk) {r['leases_event_before_us']:.0f} us, "
+          f"now as rows {r['leases_event_rows_us']:.0f} us, now packed {r['leases_event_us']:.0f} us "
+          f"(packed / before {r['leases_event_us'] / r['leases_event_before_us']:.2f}x); adopting 512 (router "
+          f"restart) {r['adopt_event_us']:.0f} us")
+    print(f"    expiry sweep (once a second): before (every lease) {r['expire_before_ms']:.1f} ms, "
+          f"now {r['expire_ms']:.2f} ms")
     print(f"    single messages (before): lease {r['lease_us']:.1f} us, release {r['release_us']:.1f} us -> per node-second "
-          f"({lease_rate:.1f} leases + releases, a run.leases event per 5 s) {single:.0f} us = "
+          f"({lease_rate:.1f} leases + releases, a run.leases event per 5 s as before) {single:.0f} us = "
           f"{single * 1000 / 1e6:.1%} of a core at 1,000 nodes")
     for k, us in r["batch_us"].items():
         per_op = us / (2 * k)

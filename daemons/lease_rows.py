@@ -32,6 +32,8 @@ class LeaseRows:
         if self._list is not None:
             r = self._list[i]
             return r[1], r[2], r[3]
+        if self._rows.__class__ is bytes:  # read only when an id must be adopted
+            self._rows = np.frombuffer(self._rows, dtype=_I8).reshape(-1, 3)
         b, job, version = (int(x) for x in self._rows[i])
         if not 0 <= b < len(self._backends):
             return None
@@ -65,4 +67,4 @@ def unpack(field) -> LeaseRows | None:
     ids = ids.split("\n") if ids else []
     if len(raw) != ROW_BYTES * len(ids):
         return None
-    return LeaseRows(ids, rows=np.frombuffer(raw, dtype=_I8).reshape(-1, 3), backends=backends)
+    return LeaseRows(ids, rows=raw, backends=backends)

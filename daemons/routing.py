@@ -232,11 +232,11 @@ class Pool:
         self._vouched[requester] = (now, listed, unlisted)
         return listed - held
 
-    def expire(self, ttl_s: float) -> list[LeaseRecord]:
+    def expire(self, ttl_s: float, now: float | None = None) -> list[LeaseRecord]:
         """Release leases not renewed for ``ttl_s``: their run daemon died (or lost them). A
         requester that listed within ``ttl_s`` renews what it listed; only the leases it left out
         are looked at one by one."""
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         dead = []
         leases = self.leases
         for requester, held in self._held_by.items():
