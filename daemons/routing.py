@@ -90,10 +90,10 @@ class Pool:
         self.lease_prefix = lease_prefix  # unique per router incarnation, so adopted ids never collide
         self._released: dict[str, None] = {}  # adopted leases released since (bounded), never re-adopted
         # Renewal by set (``vouch``): the leases each requester holds here, and per requester the time
-        # of its last listing, the ids it listed, and the ones held here it did not list. A listed lease
-        # counts as renewed at its listing's time without touching its record.
+        # of its last listing and the leases held here that it left out. Every other lease it held
+        # then counts as renewed at that time, without touching its record (nor keeping the ids).
         self._held_by: dict[str, set] = {}
-        self._vouched: dict[str, tuple[float, set, set]] = {}
+        self._vouched: dict[str, tuple[float, set]] = {}
 
     # -- membership ------------------------------------------------------------------------
     def add(self, address: str, **fields) -> Backend:
@@ -224,12 +224,12 @@ class Pool:
         unlisted = held - listed  # granted after its snapshot, or lost on its side: their own clocks run
         prev = self._vouched.get(requester)
         if prev is not None and unlisted:
-            t0, before, _ = prev
-            for lid in unlisted & before:  # last renewed by the previous listing
+            t0, before = prev
+            for lid in unlisted - before:  # held at t0 and not left out then: last renewed at t0
                 rec = self.leases[lid]
-                if rec.renewed < t0:
+                if rec.created <= t0 and rec.renewed < t0:
                     rec.renewed = t0
-        self._vouched[requester] = (now, listed, unlisted)
+        self._vouched[requester] = (now, unlisted)
         return listed - held
 
     def expire(self, ttl_s: float, now: float | None = None) -> list[LeaseRecord]:
@@ -242,13 +242,13 @@ class Pool:
         for requester, held in self._held_by.items():
             v = self._vouched.get(requester)
             if v is not None and now - v[0] <= ttl_s:
-                dead.extend(r for r in (leases.get(lid) for lid in v[2])
+                dead.extend(r for r in (leases.get(lid) for lid in v[1])
                             if r is not None and r.requester == requester and now - r.renewed > ttl_s)
                 continue
-            t0, listed = (v[0], v[1]) if v is not None else (0.0, ())
-            for lid in held:
+            t0, unlisted = v if v is not None else (0.0, ())
+            for lid in held:  # a silent requester: what it listed last was renewed at t0
                 r = leases[lid]
-                if now - (max(r.renewed, t0) if lid in listed else r.renewed) > ttl_s:
+                if now - (r.renewed if lid in unlisted else max(r.renewed, t0)) > ttl_s:
                     dead.append(r)
         for r in dead:
             self.release(r.lease_id)

@@ -27,12 +27,15 @@ def test_listed_leases_live_and_what_a_requester_leaves_out_expires_a_ttl_after_
     p, t = pool(), time.monotonic()
     a = [p.lease(j, requester="run@n1").lease_id for j in range(4)]
     p.vouch("run@n1", set(a), now=t + 20)
-    late = p.lease(9, requester="run@n1").lease_id  # granted after that listing
+    late = p.lease(9, requester="run@n1")  # granted after that listing
+    late.created = late.renewed = t + 21
+    late = late.lease_id
     assert p.expire(TTL, now=t + 45) == [] and len(p.leases) == 5
     # The next listing leaves a[0] out (released on its side, the release lost) and never lists `late`.
     p.vouch("run@n1", set(a[1:]), now=t + 40)
-    assert [r.lease_id for r in p.expire(TTL, now=t + 49)] == [late]  # granted at ~t, never listed
-    assert [r.lease_id for r in p.expire(TTL, now=t + 51)] == [a[0]]  # last listed at t+20
+    assert p.expire(TTL, now=t + 49.5) == []
+    assert [r.lease_id for r in p.expire(TTL, now=t + 50.5)] == [a[0]]  # last listed at t+20
+    assert [r.lease_id for r in p.expire(TTL, now=t + 51.5)] == [late]  # granted at t+21, never listed
     assert set(p.leases) == set(a[1:])
     assert p.expire(TTL, now=t + 69) == []  # listed at t+40: renewed until t+70
     gone = p.expire(TTL, now=t + 71)  # the requester went silent: its last listing was at t+40
@@ -108,3 +111,15 @@ def test_list_rows_of_the_wrong_shape_are_dropped_and_the_rest_kept():
     rows = _rows(3) + [["x", "y", "not an int", 0], ["x"], "z"]
     got = lease_rows.unpack(msgpack.unpackb(msgpack.packb(rows)))
     assert got.ids == ["L7-0", "L7-1", "L7-2"]
+
+
+def test_a_silent_requester_loses_what_it_listed_a_ttl_after_the_listing_and_later_grants_a_ttl_after_theirs():
+    p, t = pool(), time.monotonic()
+    a = [p.lease(j, requester="run@n1").lease_id for j in range(3)]
+    p.vouch("run@n1", set(a), now=t + 10)
+    late = p.lease(7, requester="run@n1")
+    late.created = late.renewed = t + 15
+    assert p.expire(TTL, now=t + 39) == []
+    assert sorted(r.lease_id for r in p.expire(TTL, now=t + 41)) == sorted(a)
+    assert p.expire(TTL, now=t + 44) == []
+    assert [r.lease_id for r in p.expire(TTL, now=t + 46)] == [late.lease_id]
