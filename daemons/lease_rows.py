@@ -34,7 +34,7 @@ class LeaseRows:
             return r[1], r[2], r[3]
         if self._rows.__class__ is bytes:  # read only when an id must be adopted
             self._rows = np.frombuffer(self._rows, dtype=_I8).reshape(-1, 3)
-        b, job, version = (int(x) for x in self._rows[i])
+        b, job, version = self._rows[i].tolist()
         if not 0 <= b < len(self._backends):
             return None
         return self._backends[b], job, version
