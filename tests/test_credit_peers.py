@@ -212,3 +212,69 @@ def test_c_a_receiver_announcing_often_while_reading_late_is_not_declared_lost(r
         rig.announce(d, free=8, received=got)
         assert rig.tx.credit() == 8
     assert rig.tx.lost == 0
+
+
+def test_c_old_announcements_read_at_once_by_a_stalled_sender_lose_nothing(rig):
+    """(c) The sender's loop stalls while announcements sent before the jobs arrived wait in its
+    socket (the receiver stalled too): read together, long after the jobs left, they are a span
+    of one instant, not evidence that the jobs are lost."""
+    d = rig.dealer()
+    rig.announce(d, free=4, received=0)
+    assert rig.send_all() == 4
+    for _ in range(3):  # crossing the jobs: sent before any was read
+        d.send(codec.pack({"v": PROTOCOL_VERSION, "kind": "ready", "free": 4, "received": 0}))
+    time.sleep(TTL * 3)  # the sender is stalled
+    for _ in range(3):
+        assert rig.tx.sock.poll(5000)
+        assert rig.tx.on_message(rig.tx.sock.recv_multipart(copy=False))
+    assert rig.tx.lost == 0
+    assert rig.tx.credit() == 0
+    assert read_all(d) == 4
+    rig.announce(d, free=4, received=4)
+    assert rig.tx.credit() == 4
+    assert (rig.tx.lost, rig.tx.late) == (0, 0)
+
+
+def test_the_memory_of_forgotten_receivers_is_bounded(rig):
+    """Only receivers with something in flight are remembered, at most ``remember_max`` of them
+    (the oldest go first) and for ``remember_s``; one whose memory went is a new peer again."""
+    rig.tx.remember_max, rig.tx.remember_s = 2, TTL * 3
+    ds = {i: rig.dealer(f"init@n{i}#1".encode()) for i in range(4)}
+    for i, d in ds.items():
+        rig.announce(d, free=2, received=0)
+    for i in range(3):  # n0, n1, n2 get one job each, n3 none
+        assert rig.tx.send([b"job"]).ident == f"init@n{i}#1".encode()
+        rig.tx.peers[f"init@n{i}#1".encode()].free = 1  # so the next send goes to the next peer
+    time.sleep(TTL * 2)
+    rig.tx.expire()
+    assert not rig.tx.peers
+    assert list(rig.tx.forgotten) == [b"init@n1#1", b"init@n2#1"]  # n0 evicted, n3 had nothing in flight
+    rig.announce(ds[0], free=2, received=0)
+    assert rig.tx.peers[b"init@n0#1"].credit == 2  # its memory went: as a new peer
+    rig.announce(ds[1], free=2, received=0)
+    assert rig.tx.peers[b"init@n1#1"].credit == 1  # remembered: one still in flight
+    assert list(rig.tx.forgotten) == [b"init@n2#1"]
+    time.sleep(TTL * 3)
+    rig.tx.expire()  # n2 past remember_s; n1 silent again, forgotten again (n0: nothing in flight)
+    assert list(rig.tx.forgotten) == [b"init@n1#1"]
+
+
+def test_jobs_given_up_that_turn_up_after_all_are_counted_late_and_the_credit_heals(rig):
+    """A receiver that breaks the protocol (keeps announcing for long without draining) has its
+    jobs given up; when it reads them after all, they show as ``late`` and its credit is its
+    free slots again, not more."""
+    d = rig.dealer()
+    rig.announce(d, free=4, received=0)
+    assert rig.send_all() == 4
+    deadline = time.monotonic() + 10
+    while rig.tx.lost < 4 and time.monotonic() < deadline:
+        time.sleep(TTL / 4)
+        rig.announce(d, free=4, received=0)
+    assert rig.tx.lost == 4
+    assert rig.send_all() == 4  # the sender believes them lost: 4 more go
+    assert read_all(d) == 8
+    rig.announce(d, free=0, received=8)  # 8 taken, no slot free
+    assert rig.tx.late == 4
+    assert rig.tx.credit() == 0
+    rig.announce(d, free=4, received=8)
+    assert rig.tx.credit() == 4
