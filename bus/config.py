@@ -86,6 +86,9 @@ class Config:
         self.data = merged
         self.path = path
         self.node = merged["node"] or socket.gethostname()
+        if not isinstance(self.node, str) or "/" in self.node:  # "/" closes the name in heartbeat topics
+            raise ConfigError(f"node name {self.node!r} in {path or 'config'}: must be a string without '/' "
+                              f"(it ends the node in heartbeat topics, docs/EVENTS.md)")
         ep = dict(merged["endpoints"])
         if not ep:
             ep = {"runtime_dir": str(default_runtime_dir())}

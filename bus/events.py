@@ -1,8 +1,10 @@
 """The events stream: every daemon PUBlishes to an XSUB/XPUB proxy; monitors SUBscribe.
 
 A frame set is ``[topic, msgpack body]``. Topics are dotted names (``job.phase``,
-``daemon.heartbeat``); subscribers filter by prefix. PUB drops messages for a slow
-subscriber instead of blocking, so monitoring never slows the pipeline.
+``daemon.heartbeat``); subscribers filter by prefix. A heartbeat's topic frame also names its
+sender (``daemon.heartbeat/run@n7/``) so a daemon can subscribe to the few it needs; readers
+(``parse``, ``Subscriber``, ``base_topic``) see the dotted name alone. PUB drops messages for a
+slow subscriber instead of blocking, so monitoring never slows the pipeline.
 """
 from __future__ import annotations
 
@@ -18,18 +20,46 @@ from rolloutd.bus.sockets import Closing, Sockets
 
 EVENTS_HWM = 10000
 
+# A heartbeat's topic frame is ``daemon.heartbeat/<daemon>@<node>/``: XPUB filters by prefix, so
+# without the sender every run and init daemon received every heartbeat of the cluster (15 GB/s
+# at 1,000 nodes, docs/SCALING.md). The closing "/" keeps node n7's prefix from matching n70;
+# names may therefore hold no "/" (nor a daemon name "@"), checked here and in Config.
+HEARTBEAT = "daemon.heartbeat"
+SENDER_SEP = "/"
+
+
+def heartbeat_topic(daemon: str, node: str | None = None) -> str:
+    """The heartbeat topic of ``daemon`` on ``node``, which is also the subscription for exactly
+    that daemon; without ``node``, the subscription for that daemon on every node. ValueError for a
+    name that would break prefix matching."""
+    if not daemon or SENDER_SEP in daemon or "@" in daemon:
+        raise ValueError(f"daemon name {daemon!r} cannot name a heartbeat topic (empty, or holds '/' or '@')")
+    if node is None:
+        return f"{HEARTBEAT}{SENDER_SEP}{daemon}@"
+    if not node or SENDER_SEP in node:
+        raise ValueError(f"node name {node!r} cannot name a heartbeat topic (empty, or holds '/')")
+    return f"{HEARTBEAT}{SENDER_SEP}{daemon}@{node}{SENDER_SEP}"
+
+
+def base_topic(frame: bytes | str) -> str:
+    """The dotted topic of a topic frame, without a sender suffix: what every reader compares."""
+    topic = frame if isinstance(frame, str) else bytes(frame).decode()
+    return topic.partition(SENDER_SEP)[0]
+
 
 class Publisher:
     """Publishes events stamped with the daemon, node and pid."""
 
     def __init__(self, sockets: Sockets, daemon: str, node: str):
+        # Before the socket: a name that cannot make a heartbeat topic fails the daemon's start.
+        self.topics = {HEARTBEAT: heartbeat_topic(daemon, node).encode()}  # topics sent with the sender
         self.sock = sockets.connect("PUB", "events_in", hwm=EVENTS_HWM)
         self.base = {"daemon": daemon, "node": node, "pid": os.getpid()}
 
     def publish(self, topic: str, **fields):
         body = dict(self.base, ts=time.time(), **fields)
         try:
-            self.sock.send_multipart([topic.encode(), codec.pack(body)], zmq.NOBLOCK)
+            self.sock.send_multipart([self.topics.get(topic) or topic.encode(), codec.pack(body)], zmq.NOBLOCK)
         except zmq.Again:  # the stream is full: drop, never block the pipeline
             pass
 
@@ -67,7 +97,7 @@ def parse(frames) -> tuple[str, dict] | None:
     if len(frames) != 2:
         return None
     try:
-        topic = (frames[0].bytes if hasattr(frames[0], "bytes") else frames[0]).decode()
+        topic = base_topic(frames[0].bytes if hasattr(frames[0], "bytes") else frames[0])
         body = codec.unpack(frames[1].bytes if hasattr(frames[1], "bytes") else frames[1])
     except (UnicodeDecodeError, codec.CodecError):
         return None
@@ -156,7 +186,7 @@ class Subscriber(Closing):
         if not self.sock.poll(int(timeout_s * 1000)):
             return None
         topic, body = self.sock.recv_multipart()
-        return topic.decode(), codec.unpack(body)
+        return base_topic(topic), codec.unpack(body)
 
     def close(self):
         self.sockets.close()

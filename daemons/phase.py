@@ -22,7 +22,7 @@ import time
 from rolloutd.bus import codec
 from rolloutd.bus.credit import CreditReceiver, CreditSender
 from rolloutd.bus.daemon import Daemon
-from rolloutd.bus.events import HeldJobs, pack_listing
+from rolloutd.bus.events import HeldJobs, base_topic, heartbeat_topic, pack_listing
 from rolloutd.bus.messages import Job, MessageError, Result, empty_trajectory, from_wire
 from rolloutd.bus.sockets import SUBSCRIBE as _SUBSCRIBE
 from rolloutd.bus.sockets import recv, recv_now
@@ -323,7 +323,7 @@ class PhaseDaemon(Daemon):
             if frames is None:
                 continue
             try:
-                topic = frames[0].bytes.decode()
+                topic = base_topic(frames[0].bytes)  # a heartbeat's frame also names its sender
                 body = codec.unpack(frames[1].bytes)
                 if topic == "control.relist":
                     self._relist_asked(body)
@@ -440,9 +440,15 @@ class InitDaemon(PhaseDaemon):
 
     phase = "init"
 
+    @staticmethod
+    def heartbeat_topics(node: str) -> list[bytes]:
+        """The janitor's: this node's run and eval heartbeats, not the cluster's (docs/EVENTS.md)."""
+        return [heartbeat_topic(d, node).encode() for d in ("run", "eval")]
+
     async def setup(self):
         await super().setup()
-        self.control.setsockopt(_SUBSCRIBE, b"daemon.heartbeat")
+        for t in self.heartbeat_topics(self.node):
+            self.control.setsockopt(_SUBSCRIBE, t)
         self.held_elsewhere: dict[str, tuple[set, float]] = {}
         self._trackers: dict[str, HeldJobs] = {}  # run/eval of this node: their listings, rebuilt
         self._strikes: set[str] = set()
@@ -550,10 +556,15 @@ class RunDaemon(PhaseDaemon):
         self.current_version = 0
         self.control.setsockopt(_SUBSCRIBE, b"backend.added")
         self.control.setsockopt(_SUBSCRIBE, b"backend.cleared")
-        # The router's incarnation: a restarted router lost the lease requests it held.
-        self.control.setsockopt(_SUBSCRIBE, b"daemon.heartbeat")
-        self.control.setsockopt(_SUBSCRIBE, b"daemon.started")
+        for t in self.heartbeat_topics(self.node):
+            self.control.setsockopt(_SUBSCRIBE, t)
         await self._preload_tokenizers()
+
+    @staticmethod
+    def heartbeat_topics(node: str) -> list[bytes]:
+        """The router's incarnation (a restarted router lost the lease requests it held): its
+        heartbeats alone, on whatever node, and start notices (docs/EVENTS.md)."""
+        return [heartbeat_topic("router").encode(), b"daemon.started"]
 
     async def _preload_tokenizers(self):
         """Load the configured tokenizers before the first heartbeat: loading one takes seconds and
