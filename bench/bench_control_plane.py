@@ -160,16 +160,17 @@ def generator(a):
             if a.protocol == "changes" and len(jobs) > 128:
                 change = packed(dict(body, jobs_added=enc({next(fake): 1 for _ in range(churn)}),
                                      jobs_removed=enc({next(fake): 1 for _ in range(churn)})))
-            sims.append((packed(full), change, lease_ev))
+            sims.append((packed(full), change, lease_ev, events.heartbeat_topic(phase, node).encode()
+                         if a.hb_topics == "sender" else b"daemon.heartbeat"))
     full_every = max(1, round(5.0 / a.hb_s))
     per_round = sum((len(b"".join(f)) + len(ls or b"")) * (1 if c is None else 1 / full_every)
-                    + (0 if c is None else len(b"".join(c)) * (1 - 1 / full_every)) + 12 for f, c, ls in sims)
+                    + (0 if c is None else len(b"".join(c)) * (1 - 1 / full_every)) + 12 for f, c, ls, _ in sims)
     hb_asked = len(sims) / a.hb_s
     lease_rate = nodes * a.run_pool / a.job_s
     # Each run daemon's leases once before the window, paced under the router's and the stream's
     # queues: the router adopts them (as after its restart) now, so the window measures the steady
     # state (renewals), not 2.56 million adoptions at 5,000 nodes.
-    for i, (_, _, lease_ev) in enumerate(sims):
+    for i, (_, _, lease_ev, _) in enumerate(sims):
         if lease_ev is not None:
             pub.send_multipart([b"run.leases", lease_ev])
             if i % 200 == 199:
@@ -235,13 +236,13 @@ def generator(a):
         ts = struct.pack(">d", time.time())
         seq = struct.pack(">I", seq_base + rnd + 1 - rounds_skipped)
         for i in range(sl * per_slice, min(len(sims), (sl + 1) * per_slice)):
-            full, change, lease_ev = sims[i]
+            full, change, lease_ev, hb_topic = sims[i]
             whole = change is None or rnd % full_every == i % full_every
             p0, p1, p2 = full if whole else change
             try:
                 if whole and lease_ev is not None:
                     pub.send_multipart([b"run.leases", lease_ev], zmq.NOBLOCK)
-                pub.send_multipart([b"daemon.heartbeat", p0 + ts + p1 + seq + p2], zmq.NOBLOCK)
+                pub.send_multipart([hb_topic, p0 + ts + p1 + seq + p2], zmq.NOBLOCK)
                 published += 1
             except zmq.Again:
                 pass
@@ -545,7 +546,7 @@ def run_size(a, nodes: int, backend, protocol: str = "changes", lease_protocol: 
                  "--ready-file", str(readies[-1]), "--go-file", str(go), "--populated-file", str(populated),
                  "--backend-id", backend_id, "--hb-s", str(a.hb_s),
                  "--job-s", str(a.job_s), "--protocol", protocol, "--listing", a.listing, "--lease-protocol", lease_protocol,
-                 "--lease-rows", a.lease_rows,
+                 "--lease-rows", a.lease_rows, "--hb-topics", a.hb_topics,
                  "--duration", str(a.seconds + a.warmup + 30)],
                 env=env, stdout=subprocess.PIPE, text=True))
         t_pop = time.monotonic()
@@ -630,7 +631,7 @@ def run_size(a, nodes: int, backend, protocol: str = "changes", lease_protocol: 
         if nodes and len(reports) < len(gens):
             verdict["short"] = True
             verdict["short_reasons"].append(f"{len(gens) - len(reports)} of {len(gens)} generator reports missing")
-        out = {"nodes": nodes, "protocol": protocol, "lease_protocol": lease_protocol, "lease_rows": a.lease_rows,
+        out = {"nodes": nodes, "protocol": protocol, "lease_protocol": lease_protocol, "lease_rows": a.lease_rows, "hb_topics": a.hb_topics,
                "populated": sum(i["populated"] for i in infos), "held": sum(i["wanted"] for i in infos),
                "hb_mb_per_s": sum(i["bytes_per_s"] for i in infos) / 1e6, "populate_s": round(populate_s, 1), "adopt_s": adopt_s,
                "generators": len(gens),
@@ -673,6 +674,9 @@ def main():
     ap.add_argument("--lease-rows", default="packed", choices=("packed", "list"),
                     help="run.leases rows: packed (current run daemons, issue 40) or list (before; a --root tree "
                          "older than packed rows reads only list)")
+    ap.add_argument("--hb-topics", default="sender", choices=("sender", "plain"),
+                    help="heartbeat topic frames: sender (daemon.heartbeat/<daemon>@<node>/, current daemons) or "
+                         "plain (daemon.heartbeat: before; a --root tree older than sender topics reads only plain)")
     ap.add_argument("--probe-timeout", type=float, default=5.0, help="a probe unanswered this long counts as lost")
     ap.add_argument("--populate-max", type=int, default=700_000)
     ap.add_argument("--populate-timeout", type=float, default=240.0)

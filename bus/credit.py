@@ -24,6 +24,7 @@ import zmq
 
 from rolloutd.bus import codec
 from rolloutd.bus.messages import PROTOCOL_VERSION
+from rolloutd.bus.sockets import send_nowait
 
 READY = b"ready"
 
@@ -176,7 +177,7 @@ class CreditSender:
             if p is None:
                 return None
             try:
-                _send_now(self.sock, [p.ident, *frames])
+                send_nowait(self.sock, [p.ident, *frames])
             except zmq.ZMQError as e:
                 if e.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                     # Gone (or its pipe full): its announcements will bring it back, with what
@@ -219,17 +220,10 @@ class CreditReceiver:
         msg = codec.pack({"v": PROTOCOL_VERSION, "kind": "ready", "free": max(0, free),
                           "received": self.received, "info": self.info})
         try:
-            _send_now(self.sock, [msg])
+            send_nowait(self.sock, [msg])
         except zmq.Again:
             return  # not connected yet; the next update goes
         self._free, self._at_received, self._t = max(0, free), self.received, now
 
     def got(self):
         self.received += 1
-
-
-def _send_now(sock, frames):
-    """Non-blocking send on a sync or asyncio socket; errors raise here either way."""
-    r = sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-    if hasattr(r, "result"):
-        r.result()

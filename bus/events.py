@@ -16,7 +16,7 @@ import numpy as np
 import zmq
 
 from rolloutd.bus import codec
-from rolloutd.bus.sockets import Closing, Sockets
+from rolloutd.bus.sockets import Closing, Sockets, send_now
 
 EVENTS_HWM = 10000
 
@@ -58,10 +58,8 @@ class Publisher:
 
     def publish(self, topic: str, **fields):
         body = dict(self.base, ts=time.time(), **fields)
-        try:
-            self.sock.send_multipart([self.topics.get(topic) or topic.encode(), codec.pack(body)], zmq.NOBLOCK)
-        except zmq.Again:  # the stream is full: drop, never block the pipeline
-            pass
+        # The stream full: dropped, never blocking the pipeline.
+        send_now(self.sock, [self.topics.get(topic) or topic.encode(), codec.pack(body)])
 
 
 # A listing (``jobs``, ``jobs_added``, ``jobs_removed``) is either a list of [id, attempt] pairs or,

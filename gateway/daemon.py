@@ -206,7 +206,7 @@ class Gateway(Daemon):
         if self.journal.failing and len(self.journal.pending) == pending:
             # It wrote nothing (status, say): its reply need not wait for the disk.
             for r, frames in self.replies[held:]:
-                self.front.send_multipart(r + frames, copy=False)
+                send_now(self.front, r + frames)
             del self.replies[held:]
 
     def _check_counts(self, header):
@@ -233,7 +233,7 @@ class Gateway(Daemon):
         self.log.info("request_rejected", code=code, error=message[:300])
         frames = codec.encode(Error(code=code, message=message, req_id=req_id).to_wire())
         if self.journal.failing:  # an error promises nothing durable: it need not wait for the disk
-            self.front.send_multipart(route + frames, copy=False)
+            send_now(self.front, route + frames)
         else:
             self.replies.append((route, frames))
 
@@ -260,7 +260,7 @@ class Gateway(Daemon):
 
     def _flush_replies(self):
         for route, frames in self.replies:
-            self.front.send_multipart(route + frames, copy=False)
+            send_now(self.front, route + frames)
         self.replies.clear()
 
     def _op_submit(self, route, msg):
