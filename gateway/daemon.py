@@ -585,8 +585,16 @@ class Gateway(Daemon):
                         self._unvouch(holder, body.get("jobs_removed", ()), now)
                     else:
                         t.full_at = now
-                        if was_valid and before != t.jobs:  # what the new full listing left out or changed
-                            self._unvouch(holder, before.items() - t.jobs.items(), now)
+                        # What it listed before it vouches for already (the lease sweep re-vouches one
+                        # it unvouched for a late heartbeat): only new pairs are renewed here, and
+                        # usually there are none (its changes since the last full listing add up to
+                        # this one). By key: items() set operations build a tuple per job.
+                        jobs = t.jobs
+                        if was_valid and before == jobs:
+                            listed = ()
+                        elif was_valid:
+                            self._unvouch(holder, [(j, a) for j, a in before.items() if jobs.get(j) != a], now)
+                            listed = [(j, a) for j, a in jobs.items() if before.get(j) != a]
             else:
                 self.hb_seen[who] = now
             if body.get("daemon") == "router":
