@@ -292,9 +292,11 @@ class Router(Daemon):
             return
         if self.shards > 1:  # another shard's node: its leases are not held here (nor adopted)
             node = hb.get("node")
+            if node.__class__ is not str:  # a malformed stamp: nobody's node
+                return
             mine = self.mine.get(node)
             if mine is None:
-                mine = self.mine[node] = isinstance(node, str) and shard_of(node, self.shards) == self.shard
+                mine = self.mine[node] = shard_of(node, self.shards) == self.shard
                 if len(self.mine) > 100_000:  # node names are few; a flood of made-up ones is not kept
                     self.mine.clear()
             if not mine:

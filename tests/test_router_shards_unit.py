@@ -115,6 +115,8 @@ def test_a_shard_adopts_only_its_own_nodes_leases(tmp_path):
     row = ["L9-1", "http://127.0.0.1:1", 7, 0]
     r._on_heartbeat({"daemon": "run", "node": other, "leases": [row]})
     assert r.pool.leases == {} and f"run@{other}" not in r.pool._vouched
+    r._on_heartbeat({"daemon": "run", "node": [mine], "leases": [row]})  # a malformed stamp: ignored, no crash
+    assert r.pool.leases == {}
     r._on_heartbeat({"daemon": "run", "node": mine, "leases": [row]})
     assert list(r.pool.leases) == ["L9-1"] and r.pool.leases["L9-1"].requester == f"run@{mine}"
     # one router: every node is its own
