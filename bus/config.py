@@ -51,7 +51,10 @@ DEFAULTS: dict = {
     # (abort the generation in flight, continue it on a current server). docs/TRAINERS.md.
     "router": {"policy": "least_inflight", "health_interval_s": 5.0, "health_failures": 3,
                "lease_ttl_s": 30.0, "node_affinity": 0.1, "max_policy_lag": 0,
-               "stale_policy": "finish"},
+               "stale_policy": "finish",
+               # Router processes on the head, each owning the backends and serving the nodes that hash
+               # to it (docs/SCALING.md "Router shards"); 1 = one router, as before.
+               "shards": 1},
     "sandbox": {"runtime": "auto", "root_dir": "", "janitor_interval_s": 5.0, "janitor_grace_s": 10.0,
                 "quota_interval_s": 1.0, "disk_low_mb": 1024,
                 "disk_quota": "auto",   # auto | loop | tmpfs | measured (docs/SANDBOX.md "Disk quota")
@@ -89,6 +92,9 @@ class Config:
         if not isinstance(self.node, str) or "/" in self.node:  # "/" closes the name in heartbeat topics
             raise ConfigError(f"node name {self.node!r} in {path or 'config'}: must be a string without '/' "
                               f"(it ends the node in heartbeat topics, docs/EVENTS.md)")
+        shards = merged["router"]["shards"]
+        if shards.__class__ is not int or not 1 <= shards <= 64:
+            raise ConfigError(f"router.shards = {shards!r} in {path or 'config'}: must be an integer from 1 to 64")
         ep = dict(merged["endpoints"])
         if not ep:
             ep = {"runtime_dir": str(default_runtime_dir())}
@@ -152,8 +158,11 @@ class Config:
     def curve(self, name: str):
         if not self.data["keys_dir"]:
             return None
+        from rolloutd.bus.endpoints import ROUTER, router_shard
         from rolloutd.bus.sockets import Curve
 
+        if router_shard(name) is not None:  # every router shard binds with the router's (the server's) keys
+            name = ROUTER
         return Curve.from_dir(self.data["keys_dir"], name)
 
 

@@ -15,7 +15,9 @@ def _daemon(name: str, args) -> int:
     if name == "gateway":
         from rolloutd.gateway.daemon import Gateway as cls
     elif name == "router":
-        from rolloutd.daemons.router import Router as cls
+        from rolloutd.daemons.router import Router
+
+        return Router(cfg, shard=args.shard).main()
     elif name == "events":
         from rolloutd.daemons.events import EventsDaemon as cls
     else:
@@ -190,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("gateway", "router", "init", "run", "eval", "events"):
         sp = sub.add_parser(name, help=f"run the {name} daemon")
         common(sp)
+        if name == "router":
+            sp.add_argument("--shard", type=int, default=0,
+                            help="which router shard this process is, 0..router.shards-1 (docs/SCALING.md)")
         sp.set_defaults(fn=lambda a, n=name: _daemon(n, a))
 
     sp = sub.add_parser("submit", help="submit tasks from a JSONL file and write results as JSONL")

@@ -22,6 +22,7 @@ import time
 from rolloutd.bus import codec
 from rolloutd.bus.credit import CreditReceiver, CreditSender
 from rolloutd.bus.daemon import Daemon
+from rolloutd.bus.endpoints import router_address, router_name, shard_of
 from rolloutd.bus.events import HeldJobs, base_topic, heartbeat_topic, pack_listing
 from rolloutd.bus.messages import Job, MessageError, Result, empty_trajectory, from_wire
 from rolloutd.bus.sockets import SUBSCRIBE as _SUBSCRIBE
@@ -544,7 +545,11 @@ class RunDaemon(PhaseDaemon):
         from rolloutd.daemons.router_client import RouterClient
 
         rcfg = self.cfg.section("router")
-        self.router = RouterClient(self.sockets, requester=f"run@{self.node}", node=self.node)
+        # Every lease of this node goes to one router shard (docs/SCALING.md, "Router shards").
+        shard = shard_of(self.node, int(rcfg["shards"]))
+        self.router_name = router_name(shard)
+        self.router = RouterClient(self.sockets, requester=f"run@{self.node}", node=self.node,
+                                   endpoint=router_address(self.cfg.endpoints, shard))
         self.router.start()
         self.llm_clients = ClientCache(float(self.cfg.section("run")["llm_timeout_s"]))
         self.sessions: dict[int, object] = {}
@@ -556,15 +561,15 @@ class RunDaemon(PhaseDaemon):
         self.current_version = 0
         self.control.setsockopt(_SUBSCRIBE, b"backend.added")
         self.control.setsockopt(_SUBSCRIBE, b"backend.cleared")
-        for t in self.heartbeat_topics(self.node):
+        for t in self.heartbeat_topics(self.node, self.router_name):
             self.control.setsockopt(_SUBSCRIBE, t)
         await self._preload_tokenizers()
 
     @staticmethod
-    def heartbeat_topics(node: str) -> list[bytes]:
-        """The router's incarnation (a restarted router lost the lease requests it held): its
-        heartbeats alone, on whatever node, and start notices (docs/EVENTS.md)."""
-        return [heartbeat_topic("router").encode(), b"daemon.started"]
+    def heartbeat_topics(node: str, router: str = "router") -> list[bytes]:
+        """The incarnation of its router (shard) ``router`` (a restarted router lost the lease
+        requests it held): its heartbeats alone, on whatever node, and start notices (docs/EVENTS.md)."""
+        return [heartbeat_topic(router).encode(), b"daemon.started"]
 
     async def _preload_tokenizers(self):
         """Load the configured tokenizers before the first heartbeat: loading one takes seconds and
@@ -605,7 +610,7 @@ class RunDaemon(PhaseDaemon):
 
     def on_control(self, topic: str, body: dict):
         if topic in ("daemon.heartbeat", "daemon.started"):
-            if body.get("daemon") == "router":
+            if body.get("daemon") == self.router_name:
                 asyncio.get_running_loop().create_task(self._router_seen(body.get("incarnation")))
         elif topic == "backend.added":
             v = int(body.get("policy_version", 0))

@@ -9,6 +9,11 @@ its first health check passes, which runs at once. Leases are renewed by the run
 ``run.leases`` events (with each full heartbeat listing), which list the leases they hold: a
 dead run daemon's leases expire, and a restarted router rebuilds its view from those events. Lease requests waiting here when
 the router dies are re-sent by their run daemons when they see the new router.
+
+With ``router.shards`` = K > 1 this is one of K such processes (``--shard``): shard i is the daemon
+"router" (i = 0) or "router{i}", listens on its own address, is given the backends whose address
+hashes to it and serves the run daemons of the nodes that hash to it, and reads only those nodes'
+``run.leases`` (docs/SCALING.md, "Router shards").
 """
 from __future__ import annotations
 
@@ -20,7 +25,9 @@ import httpx
 from rolloutd.bus import codec, events
 from rolloutd.bus.messages import Error, Lease, MessageError, Reply, check_fields, from_wire
 from rolloutd.bus.sockets import POLLIN, poller, recv_now, send_now
+from rolloutd.bus.config import ConfigError
 from rolloutd.bus.daemon import Daemon
+from rolloutd.bus.endpoints import router_bind_address, router_name, shard_of
 from rolloutd.daemons import lease_rows
 from rolloutd.daemons.routing import NoBackend, Pool
 from rolloutd.llm.client import parse_prometheus
@@ -38,9 +45,15 @@ KINDS = ("lease", "lease_batch", "release", "backend_failed", "add_llm_server", 
 class Router(Daemon):
     name = "router"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, shard: int = 0):
+        self.shards = int(cfg.section("router")["shards"])
+        if not 0 <= shard < self.shards:
+            raise ConfigError(f"router shard {shard} does not exist: router.shards = {self.shards} (shards 0..{self.shards - 1})")
+        self.shard = shard
+        self.name = router_name(shard)  # before the base: its logger, heartbeat topic and keys use it
         super().__init__(cfg)
         self.rcfg = cfg.section("router")
+        self.mine: dict[str, bool] = {}  # node -> its run daemon leases here (shards > 1)
         self.pool = Pool(self.rcfg["policy"], float(self.rcfg["node_affinity"]), lease_prefix=f"L{self.incarnation}-",
                          max_policy_lag=int(self.rcfg["max_policy_lag"]))
         self.waiters: list[tuple[float, list, object]] = []
@@ -53,14 +66,15 @@ class Router(Daemon):
                       "max_batch": 0, "granted_later": 0}
 
     async def setup(self):
-        self.front = self.sockets.bind("ROUTER", "router", hwm=10000)
+        self.front = self.sockets.bind("ROUTER", router_bind_address(self.cfg.endpoints, self.shard), hwm=10000)
         self.watch = self.sockets.connect("SUB", "events_out", subscribe=[b"run.leases"], hwm=10000)
         self.http = httpx.AsyncClient(timeout=2.0)
 
     def heartbeat(self):
         return {"policy": self.pool.policy, "backends": [b.public() for b in self.pool.backends.values()],
                 "leases": len(self.pool.leases), "waiting": len(self.waiters),
-                "current_version": self.pool.current_version(), "lease_traffic": dict(self.stats)}
+                "current_version": self.pool.current_version(), "lease_traffic": dict(self.stats),
+                **({"shard": self.shard, "shards": self.shards} if self.shards > 1 else {})}
 
     async def serve(self):
         health = asyncio.create_task(self._health_loop())
@@ -276,6 +290,17 @@ class Router(Daemon):
         """A run daemon's ``run.leases``: renew what it lists, adopt what this router does not hold."""
         if hb.get("daemon") != "run":
             return
+        if self.shards > 1:  # another shard's node: its leases are not held here (nor adopted)
+            node = hb.get("node")
+            if node.__class__ is not str:  # a malformed stamp: nobody's node
+                return
+            mine = self.mine.get(node)
+            if mine is None:
+                mine = self.mine[node] = shard_of(node, self.shards) == self.shard
+                if len(self.mine) > 100_000:  # node names are few; a flood of made-up ones is not kept
+                    self.mine.clear()
+            if not mine:
+                return
         listed = lease_rows.unpack(hb.get("leases"))
         if listed is None:
             return

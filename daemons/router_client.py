@@ -54,8 +54,10 @@ def lease_member(msg: Lease, requester: str, node: str) -> dict:
 class RouterClient:
     """Async requests to the router over one DEALER socket, matched by request id."""
 
-    def __init__(self, sockets, requester: str, node: str, timeout_s: float = 5.0, hold_max_s: float = HOLD_MAX_S):
-        self.sock = sockets.connect("DEALER", "router", hwm=10000)
+    def __init__(self, sockets, requester: str, node: str, timeout_s: float = 5.0, hold_max_s: float = HOLD_MAX_S,
+                 endpoint: str = "router"):
+        # endpoint: the router's, or its shard's address (router.shards > 1: bus.endpoints.router_address)
+        self.sock = sockets.connect("DEALER", endpoint, hwm=10000)
         self.requester = requester
         self.node = node
         self.timeout_s = timeout_s

@@ -7,6 +7,8 @@ stop notice is published), each with SIGTERM and a deadline before SIGKILL. Each
 in its own process group, so a terminal's Ctrl-C reaches only the supervisor. A child that dies is restarted
 with backoff, and the restart is logged. Children get PR_SET_PDEATHSIG, so a killed
 supervisor leaves no orphans. On exit the ipc files and the written config are removed.
+With ``router.shards`` = K > 1, "router" stands for K processes (router, router1, ...), started
+and stopped together where the router would be (docs/SCALING.md, "Router shards").
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import time
 
 from rolloutd.bus import logs
 from rolloutd.bus.config import Config, dump_toml
+from rolloutd.bus.endpoints import router_ipc_paths, router_name, router_shard
 
 START_ORDER = ["events", "router", "gateway", "eval", "run", "init"]
 STOP_ORDER = ["init", "run", "eval", "gateway", "router", "events"]
@@ -36,10 +39,19 @@ def _child_setup():  # runs in the child between fork and exec
         pass
 
 
+def with_shards(names: list[str], shards: int) -> list[str]:
+    """``names`` with "router" standing for every router shard."""
+    out = []
+    for n in names:
+        out += [router_name(i) for i in range(shards)] if n == "router" else [n]
+    return out
+
+
 class Supervisor:
     def __init__(self, cfg: Config, daemons: list[str] | None = None):
         self.cfg = cfg
-        self.names = daemons or START_ORDER
+        self.shards = int(cfg.section("router")["shards"])
+        self.names = with_shards(daemons or START_ORDER, self.shards)
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {n: 0 for n in self.names}
         self.next_start: dict[str, float] = {}
@@ -59,6 +71,9 @@ class Supervisor:
 
     def spawn(self, name: str):
         cmd = [sys.executable, "-m", "rolloutd.daemons.cli", name, "--config", str(self.config_path)]
+        shard = router_shard(name)
+        if shard:  # router1, router2, ...: the router command with its shard
+            cmd[3:4] = ["router", "--shard", str(shard)]
         self.procs[name] = subprocess.Popen(cmd, preexec_fn=_child_setup, stdin=subprocess.DEVNULL)
         self.started[name] = time.monotonic()
         self.log.info("daemon_spawned", child=name, pid=self.procs[name].pid)
@@ -95,7 +110,7 @@ class Supervisor:
     def stop(self):
         self.stopping = True
         drain = float(self.cfg.section("daemon")["drain_s"])
-        for name in STOP_ORDER:
+        for name in with_shards(STOP_ORDER, self.shards):
             p = self.procs.get(name)
             if p is None or p.poll() is not None:
                 continue
@@ -109,7 +124,7 @@ class Supervisor:
         self.cleanup()
 
     def cleanup(self):
-        for path in self.cfg.endpoints.ipc_paths():
+        for path in self.cfg.endpoints.ipc_paths() + router_ipc_paths(self.cfg.endpoints, self.shards):
             path.unlink(missing_ok=True)
         self.config_path.unlink(missing_ok=True)
         for d in (self.cfg.runtime_dir,):

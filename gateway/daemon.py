@@ -21,6 +21,7 @@ from rolloutd.bus.messages import (CLIENT_REQUESTS, PROTOCOL_VERSION, Error, Job
                                    empty_trajectory, from_wire)
 from rolloutd.bus import events
 from rolloutd.bus.credit import CreditSender
+from rolloutd.bus.endpoints import router_address, router_shard, shard_of
 from rolloutd.bus.sockets import POLLIN, poller, recv_now, send_now
 from rolloutd.bus.daemon import Daemon
 from rolloutd.gateway.jobs import JobRecord, JobTable
@@ -48,16 +49,19 @@ class Gateway(Daemon):
         self.cancels: list[list] = []  # [route, Cancel, ids done, jobs answer, outcome]: see _op_cancel
         self.submits = Submits(self)   # submits being worked through, a slice per loop turn
         self.dispatch_more = False     # _dispatch stopped at DISPATCH_BYTES with credit left
-        self.router_pending: dict[int, tuple[float, list, int]] = {}
+        # router req id -> (deadline, route, client req_id, kind, shard, fan-out or None): see _forward_to_router
+        self.router_pending: dict[int, tuple] = {}
         self.router_seq = 0
+        self.shards = int(cfg.section("router")["shards"])  # router processes (docs/SCALING.md, "Router shards")
         self.daemons: dict[str, dict] = {}   # "name@node" -> last heartbeat
         self.hb_seen: dict[str, float] = {}  # "name@node" -> monotonic time its last complete report arrived
         self.held: dict[str, events.HeldJobs] = {}  # "name@node" -> the jobs its heartbeats list (holders only)
         self.outgoing: list[tuple[JobRecord, list]] = []  # jobs journalled as dispatched, sent after the commit
         self.suspects: dict[int, tuple[int, float, str]] = {}  # job id -> (attempt, since, cause): see _suspect_unlisted
         self.malformed = collections.Counter()  # input dropped or refused as undecodable, by socket
-        self.backends: list = []
-        self.backends_from_reply = 0.0       # monotonic time a router reply last updated self.backends
+        self.backends: list = []             # every shard's, in shard order (status.backends)
+        self.shard_backends: list[list] = [[] for _ in range(self.shards)]
+        self.backends_from_reply = [0.0] * self.shards  # monotonic time a router reply last updated a shard's
         self.backend_regs: dict[str, dict] = {}  # what trainers registered; replayed to a restarted router
         self.handlers = set(handler_names())
         self.next_job_id = 0
@@ -71,7 +75,8 @@ class Gateway(Daemon):
         self.front = s.bind("ROUTER", "gateway", hwm=10000)
         self.to_init = CreditSender(s.bind("ROUTER", "init", hwm=1000))
         self.results = s.bind("PULL", "gateway_results", hwm=1000)
-        self.router = s.connect("DEALER", "router", hwm=1000)
+        self.routers = [s.connect("DEALER", router_address(self.cfg.endpoints, i), hwm=1000) for i in range(self.shards)]
+        self.router = self.routers[0]
         self.watch = s.connect("SUB", "events_out", subscribe=[b"daemon."], hwm=10000)
         self._recover()
 
@@ -116,8 +121,9 @@ class Gateway(Daemon):
     # -- main loop ------------------------------------------------------------------------
     async def serve(self):
         p = poller()
-        for s in (self.front, self.results, self.router, self.watch, self.to_init.sock):
+        for s in (self.front, self.results, *self.routers, self.watch, self.to_init.sock):
             p.register(s, POLLIN)
+        on_reply = [lambda frames, i=i: self._on_router_reply(frames, i) for i in range(self.shards)]
         poll_ms = int(float(self.dcfg["poll_s"]) * 1000)
         last_sweep = time.monotonic()
         while not self.stopping:
@@ -128,7 +134,8 @@ class Gateway(Daemon):
             slice_until = time.perf_counter() + SLICE_S
             self._drain(self.results, self._on_result)
             self._drain(self.front, self._on_request)
-            self._drain(self.router, self._on_router_reply)
+            for sock, fn in zip(self.routers, on_reply):
+                self._drain(sock, fn)
             self._drain(self.watch, self._on_event)
             self._drain(self.to_init.sock, self._on_credit)
             if (self.cancels or self.submits) and self.replies and self._commit():
@@ -404,42 +411,96 @@ class Gateway(Daemon):
             for a in [a for a in self.backend_regs if msg.address in (None, a)]:
                 del self.backend_regs[a]
             self.journal.set_backend(msg.address or "", None)
-        self.router_seq += 1
-        rid = self.router_seq
-        self.router_pending[rid] = (time.monotonic() + float(self.gcfg["router_timeout_s"]), route, msg.req_id, msg.KIND)
+        # A backend is its shard's; a clear of every backend and a listing go to every shard, and their
+        # replies are merged into one (_merge_replies) before the client gets it.
+        address = getattr(msg, "address", None)
+        targets = [shard_of(address, self.shards)] if address is not None else list(range(self.shards))
+        if msg.KIND == "add_llm_server" and self.shards > 1:
+            self._warn_empty_shards()
+        fan = {"parts": {}, "rids": []} if len(targets) > 1 else None
+        deadline = time.monotonic() + float(self.gcfg["router_timeout_s"])
         wire = msg.to_wire()
-        wire["req_id"] = rid
-        send_now(self.router, [b""] + codec.encode(wire))
+        for shard in targets:
+            self.router_seq += 1
+            rid = self.router_seq
+            self.router_pending[rid] = (deadline, route, msg.req_id, msg.KIND, shard, fan)
+            if fan is not None:
+                fan["rids"].append(rid)
+            wire["req_id"] = rid
+            send_now(self.routers[shard], [b""] + codec.encode(wire))
+
+    def _warn_empty_shards(self):
+        """Backends split over the shards by a hash of their address: with few, a shard can get none,
+        and the nodes it serves get no lease (docs/SCALING.md, "Router shards")."""
+        have = {shard_of(a, self.shards) for a in self.backend_regs}
+        empty = sorted(set(range(self.shards)) - have)
+        if empty and len(self.backend_regs) >= self.shards:
+            self.log.warning("router_shards_without_backends", shards=empty, backends=len(self.backend_regs))
 
     _op_add_llm_server = _forward_to_router
     _op_clear_llm_server = _forward_to_router
     _op_list_llm_servers = _forward_to_router
 
-    def _on_router_reply(self, frames):
+    def _on_router_reply(self, frames, shard: int = 0):
         rest = frames[1:] if frames and len(frames[0]) == 0 else frames
         header = codec.decode(rest)
-        pending = self.router_pending.pop(header.get("req_id"), None)
-        if pending is None:
+        pending = self.router_pending.get(header.get("req_id"))
+        if pending is None or pending[4] != shard:  # late (timed out), or not this shard's to answer
             return
-        _, route, client_req, kind = pending
+        del self.router_pending[header["req_id"]]
+        _, route, client_req, kind, _, fan = pending
         if header.get("kind") == "reply" and isinstance(header.get("body"), dict):
-            self._apply_backends(kind, header["body"])
+            self._apply_backends(kind, header["body"], shard)
+        if fan is not None:
+            fan["parts"][shard] = header
+            if len(fan["parts"]) < len(fan["rids"]):
+                return  # the other shards' replies are still to come
+            header = self._merge_replies(kind, fan["parts"])
         header["req_id"] = client_req
         self.replies.append((route, codec.encode(header)))
 
-    def _apply_backends(self, kind: str, body: dict):
+    @staticmethod
+    def _merge_replies(kind: str, parts: dict) -> dict:
+        """One reply from every shard's: the first error if any, else backends (and cleared)
+        concatenated in shard order, leases summed, ``lease_traffic`` summed (``max_batch``: the
+        largest) with each shard's own in ``shards``."""
+        headers = [parts[i] for i in sorted(parts)]
+        for h in headers:
+            if h.get("kind") != "reply" or not isinstance(h.get("body"), dict):
+                return h
+        bodies = [h["body"] for h in headers]
+        if kind == "clear_llm_server":
+            return dict(headers[0], body={"cleared": [a for b in bodies for a in b.get("cleared") or ()]})
+        traffic: dict = {}
+        for b in bodies:
+            for k, v in (b.get("lease_traffic") or {}).items():
+                if isinstance(v, (int, float)):
+                    traffic[k] = max(traffic.get(k, 0), v) if k == "max_batch" else traffic.get(k, 0) + v
+        body = dict(bodies[0], backends=[x for b in bodies for x in b.get("backends") or ()],
+                    leases=sum(int(b.get("leases") or 0) for b in bodies), lease_traffic=traffic,
+                    shards=[{"shard": i, "backends": len(b.get("backends") or ()), "leases": b.get("leases"),
+                             "lease_traffic": b.get("lease_traffic")} for i, b in zip(sorted(parts), bodies)])
+        return dict(headers[0], body=body)
+
+    def _apply_backends(self, kind: str, body: dict, shard: int = 0):
         """``status.backends`` follows the router's answers at once instead of its next heartbeat."""
+        mine = self.shard_backends[shard]
         if kind == "list_llm_servers" and isinstance(body.get("backends"), list):
-            self.backends = body["backends"]
+            mine = body["backends"]
         elif kind == "add_llm_server" and isinstance(body.get("backend"), dict):
             b = body["backend"]
-            self.backends = [x for x in self.backends if x.get("address") != b.get("address")] + [b]
+            mine = [x for x in mine if x.get("address") != b.get("address")] + [b]
         elif kind == "clear_llm_server" and isinstance(body.get("cleared"), list):
             gone = set(body["cleared"])
-            self.backends = [x for x in self.backends if x.get("address") not in gone]
+            mine = [x for x in mine if x.get("address") not in gone]
         else:
             return
-        self.backends_from_reply = time.monotonic()
+        self._set_backends(shard, mine)
+        self.backends_from_reply[shard] = time.monotonic()
+
+    def _set_backends(self, shard: int, backends: list):
+        self.shard_backends[shard] = backends
+        self.backends = backends if self.shards == 1 else [b for bs in self.shard_backends for b in bs]
 
     # -- pipeline ----------------------------------------------------------------------------
     def _on_credit(self, frames):
@@ -597,12 +658,13 @@ class Gateway(Daemon):
                             listed = [(j, a) for j, a in jobs.items() if before.get(j) != a]
             else:
                 self.hb_seen[who] = now
-            if body.get("daemon") == "router":
+            shard = router_shard(body.get("daemon")) if isinstance(body.get("daemon"), str) else None
+            if shard is not None and shard < self.shards:
                 # A heartbeat published before the router answered a backend change can arrive after
                 # the answer: within one heartbeat period of an answer, the answer is the fresher view.
-                if now - self.backends_from_reply > float(self.dcfg["heartbeat_s"]):
-                    self.backends = body.get("backends", [])
-                self._reconcile_backends()
+                if now - self.backends_from_reply[shard] > float(self.dcfg["heartbeat_s"]):
+                    self._set_backends(shard, body.get("backends", []))
+                self._reconcile_backends(shard)
             unvouched = self.table.unvouched
             for jid, attempt in listed:
                 rec = self.table.jobs.get(jid)
@@ -663,13 +725,14 @@ class Gateway(Daemon):
                 rec.last_seen = max(rec.last_seen, since)
                 unvouched.add(jid)
 
-    def _reconcile_backends(self):
-        """A restarted router has forgotten the backends: register them again (add is idempotent)."""
-        known = {b.get("address") for b in self.backends}
+    def _reconcile_backends(self, shard: int = 0):
+        """A restarted router (shard) has forgotten its backends: register them again there (add is
+        idempotent); another shard's backends are not its to know."""
+        known = {b.get("address") for b in self.shard_backends[shard]}
         for address, wire in self.backend_regs.items():
-            if address not in known:
-                self.log.info("backend_reregistered", backend=address)
-                send_now(self.router, [b""] + codec.encode(dict(wire, req_id=0)))
+            if address not in known and shard_of(address, self.shards) == shard:
+                self.log.info("backend_reregistered", backend=address, **({"shard": shard} if self.shards > 1 else {}))
+                send_now(self.routers[shard], [b""] + codec.encode(dict(wire, req_id=0)))
 
     def _holder_lost(self, hb: dict, why: str):
         self._holders_lost([hb], why)
@@ -737,10 +800,13 @@ class Gateway(Daemon):
         dead_s = float(self.gcfg["daemon_dead_s"])
         wall = time.time()
         self._expire_clients(wall)
-        for rid, (deadline, route, client_req, _) in list(self.router_pending.items()):
-            if now > deadline:
+        for rid, (deadline, route, client_req, _, shard, fan) in list(self.router_pending.items()):
+            if now > deadline and rid in self.router_pending:
                 del self.router_pending[rid]
-                self._error(route, client_req, "unavailable", "the router did not answer in time")
+                for other in (fan or {}).get("rids", ()):  # one answer for the request, whichever shard is late
+                    self.router_pending.pop(other, None)
+                who = "the router" if self.shards == 1 else f"router shard {shard}"
+                self._error(route, client_req, "unavailable", f"{who} did not answer in time")
         if now - self.last_event_at > dead_s:
             # Not even our own heartbeat came back: the events stream is down, not every daemon.
             # Liveness cannot be judged without it, so nothing is re-dispatched meanwhile.
