@@ -164,11 +164,15 @@ async def recv(sock: zmq.asyncio.Socket, timeout_s: float) -> list | None:
     return None
 
 
+_ASYNC = zmq.asyncio.Socket
+
+
 def _sync(sock):
     """The socket's own synchronous shadow (pyzmq's ``_shadow_sock``): a non-blocking operation on
     it costs ~3 us less than on the zmq.asyncio socket, which wraps even an immediate result in a
-    Future (bench/bench_sockets.py). A plain socket is its own."""
-    return getattr(sock, "_shadow_sock", sock)
+    Future (bench/bench_sockets.py). A plain socket is its own. (Checked by type: a missing
+    attribute on a zmq socket is looked up as a socket option, ~2 us.)"""
+    return sock._shadow_sock if isinstance(sock, _ASYNC) else sock
 
 
 def recv_now(sock) -> list | None:
@@ -199,12 +203,14 @@ def send_nowait(sock, frames):
     On the sync shadow, with what zmq.asyncio does around an immediate send: while sends wait as
     Futures this one queues behind them (order), and a receive awaited on the same socket is
     re-armed, since the send may have consumed the edge of its fd's notification."""
-    if getattr(sock, "_send_futures", None):
-        r = sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-        r.result()
+    if not isinstance(sock, _ASYNC):
+        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         return
-    _sync(sock).send_multipart(frames, zmq.NOBLOCK, copy=False)
-    if getattr(sock, "_recv_futures", None):
+    if sock._send_futures:
+        sock.send_multipart(frames, zmq.NOBLOCK, copy=False).result()
+        return
+    sock._shadow_sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+    if sock._recv_futures:
         sock._schedule_remaining_events()
 
 
