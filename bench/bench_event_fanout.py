@@ -210,13 +210,7 @@ def main(argv=None) -> int:
             c.stop = True
         for c in counters.values():
             c.join(2)
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
+        common.stop_procs([proc], [log], wait_s=10)
         ctx.destroy(linger=0)
         shutil.rmtree(rd, ignore_errors=True)
 
