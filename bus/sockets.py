@@ -180,11 +180,13 @@ def recv_now(sock) -> list | None:
     first: an empty receive raises zmq.Again (~7 us), asking costs ~2 us, and a drain ends on an
     empty socket every time (bench/bench_head_cpu.py, docs/SCALING.md). Received on the sync shadow,
     as zmq.asyncio itself does for a non-blocking receive, minus its Future."""
-    s = _sync(sock)
-    if not s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+    # EVENTS from the socket itself: zmq.asyncio re-arms its pending polls when EVENTS is read (the
+    # read consumes the fd's edge). Read on the shadow, a poll awaited on this socket slept through
+    # messages (seen: init never read the run daemon's credit in tests/test_reliability.py).
+    if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
         return None
     try:
-        return s.recv_multipart(zmq.NOBLOCK, copy=False)
+        return _sync(sock).recv_multipart(zmq.NOBLOCK, copy=False)
     except zmq.Again:
         return None
 

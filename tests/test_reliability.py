@@ -169,8 +169,15 @@ def test_hung_run_daemon_jobs_come_back_without_the_lease_timeout(up_factory):
             wait_for(lambda: stopped(run), what="the run daemon to stop")
             # init hands these to the stopped daemon on the credit it announced before it stopped.
             ids = c.submit([synthetic(i) for i in range(4)])
-            wait_for(lambda: c.status()["totals"].get("redispatched", 0) >= 4, timeout_s=60,
-                     what="the four jobs re-dispatched after the run daemon was presumed dead")
+            try:
+                wait_for(lambda: c.status()["totals"].get("redispatched", 0) >= 4, timeout_s=60,
+                         what="the four jobs re-dispatched after the run daemon was presumed dead")
+            except AssertionError as e:  # what the gateway saw, for the next reader
+                lines = [x for x in up.log().splitlines() if any(k in x for k in (
+                    "presumed", "redispatch", "suspect", "heartbeat_gap", "relist", "unlisted"))]
+                st = c.status()
+                raise AssertionError(f"{e}\nqueued {st.get('queued')} dispatched {st.get('dispatched')} init "
+                                     f"{phase(c, 'init')}\n" + "\n".join(lines[-40:])) from None
         finally:
             os.kill(run, signal.SIGCONT)
         results = list(c.gather(ids, timeout_s=60))
