@@ -162,7 +162,9 @@ def test_hung_run_daemon_jobs_come_back_without_the_lease_timeout(up_factory):
     not after the lease timeout (300 s here, far beyond this test's waits)."""
     up = up_factory("run.pool=4", "gateway.daemon_dead_s=3", "gateway.lease_timeout_s=300")
     with up.client() as c:
-        wait_for(lambda: phase(c, "run"), what="run's first heartbeat")
+        # Up for 2 s: its serve loop has announced its credit to init (every 0.5 s) before the stop;
+        # its first heartbeat alone can come before the first announcement.
+        wait_for(lambda: (phase(c, "run") or {}).get("uptime_s", 0) >= 2.0, what="run's heartbeats for 2 s")
         run = up.daemon_pid("run")
         os.kill(run, signal.SIGSTOP)
         try:
