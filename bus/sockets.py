@@ -181,8 +181,7 @@ def recv_now(sock) -> list | None:
     empty socket every time (bench/bench_head_cpu.py, docs/SCALING.md). Received on the sync shadow,
     as zmq.asyncio itself does for a non-blocking receive, minus its Future."""
     # EVENTS from the socket itself: zmq.asyncio re-arms its pending polls when EVENTS is read (the
-    # read consumes the fd's edge). Read on the shadow, a poll awaited on this socket slept through
-    # messages (seen: init never read the run daemon's credit in tests/test_reliability.py).
+    # read consumes the fd's edge); a read on the shadow would skip that.
     if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
         return None
     try:
