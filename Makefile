@@ -59,8 +59,9 @@ bench: $(STAMP)
 # Every benchmark's --quick mode, so none of them rots (CI runs this after the tests).
 bench-smoke: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"
-	set -e; img=$$(mktemp -d); for b in bench/bench_*.py; do echo "== $$b --quick"; \
-	  ROLLOUTD_BENCH_IMG_DIR=$$img $(BIN)/python $$b --quick; done; rm -rf $$img
+	set -e; img=$$(mktemp -d); for b in bench/bench_*.py; do echo "== $$b --quick"; t0=$$(date +%s); \
+	  ROLLOUTD_BENCH_IMG_DIR=$$img $(BIN)/python $$b --quick; echo "== $$b --quick took $$(( $$(date +%s) - t0 )) s"; \
+	  done; rm -rf $$img
 
 clean:
 	rm -rf $(VENV) build *.egg-info
