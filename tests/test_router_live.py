@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import time
 
 import pytest
@@ -124,6 +125,74 @@ def test_router_restart_rebuilds_backends_and_leases(up_factory, backends):
         results = list(c.gather(ids, timeout_s=120))
         assert all(r["status"] == "ok" for r in results), [r["error"] for r in results]
         wait_for(lambda: idle(c), what="leases released after the restart")
+
+
+def test_router_restart_adopts_packed_lease_listings_and_ignores_malformed_ones(up_factory, backends):
+    """Above lease_rows.PACK_MIN leases a run daemon lists them packed (docs/EVENTS.md ``run.leases``):
+    a restarted router adopts each on the backend the run daemon holds it on, and a malformed
+    listing neither crashes the router nor drops a lease."""
+    import zmq
+
+    from rolloutd.bus import codec
+    from rolloutd.daemons.lease_rows import PACK_MIN
+
+    up = up_factory("router.lease_ttl_s=4", "daemon.full_listing_s=1")
+    bs = [backends(latency=0.5) for _ in range(2)]
+    n = PACK_MIN + 8
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"run.leases")
+    sub.setsockopt(zmq.RCVTIMEO, 3000)
+    sub.connect(up.events)
+    pub = ctx.socket(zmq.PUB)
+    pub.connect(f"ipc://{up.runtime_dir}/events_in.sock")
+    try:
+        with up.client(timeout_s=3.0, retries=10) as c:
+            for b in bs:
+                c.add_backend(b.url, policy_version=2)
+            wait_for(lambda: all(b["healthy"] for b in c.list_backends()["backends"]), what="both backends admitted")
+            ids = c.submit([llm_job(i, calls=200) for i in range(n)])  # outlive the test: cancelled at its end
+
+            def spread():
+                return {b["address"]: b["inflight"] for b in c.list_backends()["backends"]}
+
+            wait_for(lambda: c.list_backends()["leases"] >= n, what=f"{n} leases taken")
+            before = spread()
+            assert sum(before.values()) == n and all(before.values()), before
+            packed = None
+            for _ in range(10):  # the run daemon's listing of them is the packed form
+                body = codec.unpack(sub.recv_multipart()[-1])
+                if isinstance(body.get("leases"), dict) and len(body["leases"]["ids"].split("\n")) >= n:
+                    packed = body
+                    break
+            assert packed is not None, "no packed run.leases event seen"
+
+            os.kill(up.daemon_pid("router"), signal.SIGKILL)
+            wait_for(lambda: _try(lambda: c.list_backends()["leases"] >= n), timeout_s=30, what="packed leases adopted")
+            assert spread() == before  # each on the backend its row names
+            router = up.daemon_pid("router")
+
+            stamp = {k: packed[k] for k in ("daemon", "node", "pid", "incarnation")} | {"ts": time.time()}
+            good = packed["leases"]
+            ids_plus = good["ids"] + "\nL9-999999"  # one lease nobody holds: adopting it reads its row
+            row_plus = struct.pack("<3q", 0, 1, 2)
+            bad_row = struct.pack("<3q", 99, 1, 2)  # an index past the backends
+            for bad in ({"ids": ids_plus, "backends": good["backends"], "rows": good["rows"]},  # a row short
+                        {"ids": ids_plus, "backends": good["backends"], "rows": good["rows"] + bad_row},
+                        {"ids": ids_plus, "backends": [7], "rows": good["rows"] + row_plus},
+                        {"ids": 5, "backends": good["backends"], "rows": good["rows"] + row_plus},
+                        {"ids": ids_plus, "backends": good["backends"]},
+                        "L9-999999", [["L9-999999", "b", "not a job id", 0]]):
+                pub.send_multipart([b"run.leases", codec.pack(stamp | {"leases": bad})])
+            time.sleep(5)  # longer than lease_ttl_s: a malformed listing had its chance to drop them
+            assert up.daemon_pid("router") == router, "the router restarted on a malformed run.leases"
+            assert c.list_backends()["leases"] == n and spread() == before  # none dropped, none made up
+            c.cancel(ids)
+            wait_for(lambda: idle(c), timeout_s=30, what="leases released after the cancel")
+    finally:
+        sub.close(0)
+        pub.close(0)
+        ctx.term()
 
 
 def _try(fn):
