@@ -40,6 +40,23 @@ def traversable_tmpdir(prefix: str) -> Path:
     return d
 
 
+def stop_daemons(procs, wait_s: float = 20.0) -> None:
+    """SIGTERM daemons a test started itself and wait; one that outlives ``wait_s`` is killed and
+    fails the test (a daemon must stop on SIGTERM)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    stuck = []
+    for p in procs:
+        try:
+            p.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+            stuck.append(" ".join(map(str, p.args[2:4])))
+    assert not stuck, f"did not stop on SIGTERM within {wait_s}s: {stuck}"
+
+
 def remove_tree(d: Path) -> None:
     """Sandboxes may leave chmod 000 dirs owned by nobody behind; root's rm -rf takes them."""
     shutil.rmtree(d, ignore_errors=True)

@@ -22,7 +22,7 @@ from rolloutd.bus import codec, events
 from rolloutd.bus.messages import PROTOCOL_VERSION
 from rolloutd.gateway.client import GatewayTimeout, RolloutClient
 
-from tests.conftest import REPO, remove_tree, short_tmpdir, synthetic, wait_for
+from tests.conftest import REPO, remove_tree, short_tmpdir, stop_daemons, synthetic, wait_for
 
 
 def hb(**fields):
@@ -186,25 +186,12 @@ class Head:
         self.pub.close(0)
         self.sub.close(0)
         self.ctx.term()
-        _stop_all(self.procs)
+        stop_daemons(self.procs)
         for f in self.logs:
             f.close()
         out = "".join((self.dir / f"{n}.log").read_text(errors="replace")[-2000:] for n in ("gateway",))
         remove_tree(self.dir)
         return out
-
-
-def _stop_all(procs):
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
-            raise AssertionError(f"{p.args[3]} did not stop on SIGTERM") from None
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 
 from rolloutd.bus.config import dump_toml
 from rolloutd.bus.endpoints import Endpoints, shard_of
-from tests.conftest import REPO, alive, children_of, remove_tree, short_tmpdir, synthetic, wait_for
+from tests.conftest import REPO, alive, children_of, remove_tree, short_tmpdir, stop_daemons, synthetic, wait_for
 
 K = 2
 FAST = {"daemon": {"heartbeat_s": 0.2, "drain_s": 2.0}, "router": {"shards": K, "lease_ttl_s": 5.0}}
@@ -48,16 +48,11 @@ def sharded(up_factory):
                      >= {(p, n) for p in ("init", "run", "eval") for n in (na, nb)}, 90, "both nodes' phase daemons")
         yield up, nb
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
-        log.close()
-        remove_tree(rd)
+        try:
+            stop_daemons(procs)
+        finally:
+            log.close()
+            remove_tree(rd)
 
 
 def split_backends(backends, per_shard=2):
