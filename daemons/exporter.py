@@ -143,11 +143,21 @@ class StateCollector:
             bh.add_metric(lbl, 1.0 if b.get("healthy", True) else 0.0)
         yield from (bi, bc, bh, bv)
         r = snap["router"]
-        for key, doc in (("leases", "leases the router holds"), ("waiting", "lease requests waiting for capacity"),
+        for key, doc in (("leases", "leases the routers hold (all shards)"),
+                         ("waiting", "lease requests waiting for capacity (all shards)"),
                          ("current_version", "newest policy version among the backends")):
             g = GaugeMetricFamily(f"rolloutd_router_{key}", doc)
             if isinstance(r.get(key), (int, float)):
                 g.add_metric([], float(r[key]))
+            yield g
+        # Each router shard's own (router.shards > 1: docs/SCALING.md, "Router shards"); the
+        # unlabelled families above stay the sums, as they were with one router.
+        for key, doc in (("leases", "leases this router shard holds"),
+                         ("waiting", "lease requests waiting in this router shard")):
+            g = GaugeMetricFamily(f"rolloutd_router_shard_{key}", doc, labels=["router", "node"])
+            for shard in snap.get("routers", []):
+                if isinstance(shard.get(key), (int, float)):
+                    g.add_metric([shard["router"], shard["node"]], float(shard[key]))
             yield g
 
 

@@ -29,8 +29,11 @@ import signal
 import sys
 import time
 
+from rolloutd.bus.endpoints import router_shard
+
 PHASES = ("init", "run", "eval")
 HEAD = ("events", "router", "gateway")
+ROUTER_FIELDS = ("policy", "leases", "waiting", "current_version")
 OUTCOMES = ("done", "failed", "timeout", "cancelled", "forwarded", "malformed")
 FAIL_OUTCOMES = ("failed", "timeout", "cancelled")
 STATUSES = ("ok", "failed", "timeout", "cancelled")
@@ -94,7 +97,8 @@ class State:
         self.events = collections.Counter()            # by topic
         self.daemons: dict[str, DaemonView] = {}       # "daemon@node"
         self.gateway: dict = {}                        # last gateway heartbeat
-        self.router: dict = {}                         # last router heartbeat (without backends)
+        self.routers: dict[str, dict] = {}             # "router@node", "router1@node"...: last heartbeat, no backends
+        self.router_lists: dict[str, set] = {}         # the same key -> backend ids its heartbeat listed
         self.backends: dict[str, dict] = {}            # id -> public fields
         self.jobs = collections.Counter()              # job.done by status
         self.redispatched = 0
@@ -159,10 +163,8 @@ class State:
                 v.hb = body
                 if daemon == "gateway":
                     self.gateway = body
-                elif daemon == "router":
-                    self.router = {k: val for k, val in body.items() if k != "backends"}
-                    if isinstance(body.get("backends"), list):
-                        self.backends = {str(b.get("id")): dict(b) for b in body["backends"] if isinstance(b, dict)}
+                elif router_shard(daemon) is not None:
+                    self._router_heartbeat(key, body)
                 if isinstance(body.get("counts"), dict):
                     self._outcomes(key, str(body.get("phase", daemon)), node, str(inc), body["counts"], now)
         elif topic == "daemon.stopped":
@@ -175,6 +177,43 @@ class State:
             jobs = body.get("jobs") or []
             self._note(now, "abandoned", key, f"{len(jobs)} job(s) abandoned at the drain deadline",
                        ", ".join(str(j[0]) for j in jobs[:8] if isinstance(j, (list, tuple)) and j))
+
+    def _router_heartbeat(self, key: str, body: dict):
+        """A router shard's heartbeat lists its own backends (docs/SCALING.md, "Router shards"): each
+        shard's list replaces what that shard listed before; a backend no shard lists is gone."""
+        self.routers[key] = {k: val for k, val in body.items() if k != "backends"}
+        if not isinstance(body.get("backends"), list):
+            return
+        listed = {str(b.get("id")): dict(b) for b in body["backends"] if isinstance(b, dict)}
+        self.backends.update(listed)
+        self.router_lists[key] = set(listed)
+        known = set().union(*self.router_lists.values())
+        for bid in [b for b in self.backends if b not in known]:
+            del self.backends[bid]
+
+    def router_totals(self, now: float) -> tuple[dict, list[dict]]:
+        """The routers' figures summed over the shards heard from lately, and each shard's."""
+        shards = []
+        for key, hb in self.routers.items():
+            v = self.daemons.get(key)
+            if v is None or self.daemon_state(v, now) != "up":
+                continue
+            shards.append({"router": v.daemon, "shard": router_shard(v.daemon), "node": v.node,
+                           **{k: hb.get(k) for k in ROUTER_FIELDS if k in hb}})
+        shards.sort(key=lambda r: r["shard"])
+        if not shards:
+            return {}, []
+        total: dict = {"shards": len(shards)}
+        if "policy" in shards[0]:
+            total["policy"] = shards[0]["policy"]
+        for k in ("leases", "waiting"):
+            vals = [r[k] for r in shards if isinstance(r.get(k), (int, float))]
+            if vals:
+                total[k] = sum(vals)
+        versions = [r["current_version"] for r in shards if isinstance(r.get("current_version"), (int, float))]
+        if versions:
+            total["current_version"] = max(versions)
+        return total, shards
 
     def _outcomes(self, key, phase, node, inc, counts, now):
         prev = self.outcome_last.get(key)
@@ -286,6 +325,7 @@ class State:
         for (p, _node, o), n in outcomes.items():
             if p in phases:
                 phases[p][o] = phases[p].get(o, 0) + n
+        router, routers = self.router_totals(now)
         gw = self.gateway
         gateway = {k: gw.get(k) for k in ("queued", "dispatched", "done_unacked", "clients", "paused") if k in gw}
         if "dispatched" in gw:
@@ -299,7 +339,8 @@ class State:
             "phases": phases,
             "daemons": daemons,
             "nodes": sorted({d["node"] for d in daemons}),
-            "router": {k: self.router.get(k) for k in ("policy", "leases", "waiting", "current_version") if k in self.router},
+            "router": router,
+            "routers": routers,
             "backends": [self.backends[k] for k in sorted(self.backends)],
             "jobs": {s: self.jobs.get(s, 0) for s in sorted(set(STATUSES) | set(self.jobs))},
             "redispatched": self.redispatched,
@@ -314,9 +355,12 @@ class State:
         }
 
 
-def _order(daemon: str) -> int:
+def _order(daemon: str) -> tuple[int, int]:
     order = HEAD + PHASES
-    return order.index(daemon) if daemon in order else len(order)
+    shard = router_shard(daemon)
+    if shard is not None:  # router shards together, in order
+        return order.index("router"), shard
+    return (order.index(daemon) if daemon in order else len(order)), 0
 
 
 # -- rendering ----------------------------------------------------------------------------------
@@ -363,7 +407,8 @@ def render(snap: dict, source: str = ""):
                    _s(d.get("inflight")), _s(d.get("pool")), _dur(d.get("uptime_s")), f"{d['age_s']:.1f}s ago",
                    str(d["restarts"]))
 
-    bt = Table(title="backends" + (f"  (router: {snap['router'].get('policy', '?')}, leases {snap['router'].get('leases', '-')}, "
+    shards = f", {snap['router']['shards']} shards" if snap["router"].get("shards", 1) > 1 else ""
+    bt = Table(title="backends" + (f"  (router: {snap['router'].get('policy', '?')}{shards}, leases {snap['router'].get('leases', '-')}, "
                                    f"waiting {snap['router'].get('waiting', '-')}, version {snap['router'].get('current_version', '-')})"
                                    if snap["router"] else ""), title_justify="left")
     for c in ("backend", "address", "node", "in flight", "capacity", "healthy", "policy_version"):

@@ -4,6 +4,7 @@ hash to different shards. Backends split as the hash says, each node's jobs leas
 backends, listings merge, and a restarted shard gets back its own backends and leases only."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -107,6 +108,13 @@ def test_two_shards_split_backends_and_nodes_and_survive_a_shard_restart(sharded
         wait_for(lambda: {i: {b["address"] for b in hb["backends"]} for i, hb in routers(c).items()} == urls,
                  what="each shard's heartbeat listing its own backends")
         assert len(c.status()["backends"]) == 4
+        # The monitor shows both shards: every backend, and the shards' figures summed.
+        mon = subprocess.run([sys.executable, "-m", "rolloutd.daemons.cli", "monitor", "--events", up.events, "--once",
+                              "--json", "--collect", "3"], capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert mon.returncode == 0, mon.stderr[-2000:]
+        snap = json.loads(mon.stdout)
+        assert {b["address"] for b in snap["backends"]} == urls[0] | urls[1]
+        assert snap["router"]["shards"] == K and [r["router"] for r in snap["routers"]] == ["router", "router1"]
 
         ids = c.submit([llm_job(i) for i in range(40)])
         results = list(c.gather(ids, timeout_s=120))

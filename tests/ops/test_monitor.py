@@ -69,6 +69,59 @@ def test_state_queues_inflight_backends():
     assert s.snapshot()["phases"]["run"]["nodes"] == 1   # the silent one no longer counts
 
 
+def test_state_sums_router_shards_and_keeps_each_shards_backends():
+    """router.shards = 2: each shard's heartbeat lists its own backends; the monitor shows both
+    shards' backends and their summed leases, and the exporter each shard's figures besides."""
+    import threading
+
+    from rolloutd.daemons.exporter import StateCollector
+
+    clk = Clock()
+    s = State(dead_after_s=3.0, clock=clk)
+
+    def backend(bid, inflight):
+        return {"id": bid, "address": f"http://{bid}:8000", "node": "", "inflight": inflight, "capacity": 0,
+                "healthy": True, "policy_version": 2}
+
+    s.apply("daemon.heartbeat", hb("router", "head", policy="least_inflight", leases=3, waiting=1, current_version=2,
+                                    backends=[backend("a", 3)]))
+    s.apply("daemon.heartbeat", hb("router1", "head", policy="least_inflight", leases=5, waiting=0, current_version=3,
+                                    backends=[backend("b", 2), backend("c", 3)]))
+    snap = s.snapshot()
+    assert [b["id"] for b in snap["backends"]] == ["a", "b", "c"]
+    assert snap["router"] == {"shards": 2, "policy": "least_inflight", "leases": 8, "waiting": 1, "current_version": 3}
+    assert [(r["router"], r["leases"]) for r in snap["routers"]] == [("router", 3), ("router1", 5)]
+    assert [d["daemon"] for d in snap["daemons"]] == ["router", "router1"]
+    assert "2 shards, leases 8" in render_text(snap)
+
+    m = {}
+    for fam in StateCollector(s, threading.Lock()).collect():
+        for smp in fam.samples:
+            m[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    assert m[("rolloutd_router_leases", ())] == 8.0
+    assert m[("rolloutd_router_shard_leases", (("node", "head"), ("router", "router1")))] == 5.0
+    assert m[("rolloutd_router_shard_waiting", (("node", "head"), ("router", "router")))] == 1.0
+
+    # shard 1 no longer lists c: gone; shard 0's backend stays whatever shard 1 lists
+    s.apply("daemon.heartbeat", hb("router1", "head", policy="least_inflight", leases=2, waiting=0, current_version=3,
+                                    backends=[backend("b", 2)]))
+    assert [b["id"] for b in s.snapshot()["backends"]] == ["a", "b"]
+    # shard 0 falls silent: the sums are the live shard's
+    clk.t += 4.0
+    s.apply("daemon.heartbeat", hb("router1", "head", policy="least_inflight", leases=2, waiting=0, current_version=3,
+                                    backends=[backend("b", 2)]))
+    snap = s.snapshot()
+    assert snap["router"]["shards"] == 1 and snap["router"]["leases"] == 2 and snap["router"]["waiting"] == 0
+
+
+def render_text(snap) -> str:
+    from rich.console import Console
+
+    con = Console(record=True, width=200, color_system=None)
+    con.print(render(snap, "ipc://test"))
+    return con.export_text()
+
+
 def test_state_outcomes_survive_restarts_and_failures_are_listed():
     clk = Clock()
     s = State(clock=clk)
