@@ -364,9 +364,12 @@ class AddLLMServer(Message):
     capacity: int = 0
     weight: float = 1.0
     node: str = ""
+    shard: int = -1  # the router shard to hold it; -1: the shard of the address's hash (docs/SCALING.md)
     req_id: int = 0
 
     def validate(self):
+        if self.shard < -1:  # its upper bound (router.shards - 1) is the gateway's to check
+            raise MessageError("invalid", f"add_llm_server.shard must be -1 (by address) or a shard number >= 0, got {self.shard}")
         if self.api not in ("vllm", "sglang"):
             raise MessageError("invalid", f"api must be 'vllm' or 'sglang', not {self.api!r}")
         _http_url("add_llm_server.address", self.address)

@@ -123,7 +123,7 @@ def cmd_backend(args) -> int:
     with _client(args) as c:
         if args.action == "add":
             out = c.add_backend(args.address, api=args.api, policy_version=args.policy_version,
-                                capacity=args.capacity, weight=args.weight, node=args.node)
+                                capacity=args.capacity, weight=args.weight, node=args.node, shard=args.shard)
         elif args.action == "clear":
             out = c.clear_backends(args.address)
         else:
@@ -224,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--capacity", type=int, default=0)
     sp.add_argument("--weight", type=float, default=1.0)
     sp.add_argument("--node", default="")
+    sp.add_argument("--shard", type=int, default=-1,
+                    help="router shard to hold it (router.shards > 1; default -1: by a hash of the address)")
     sp.set_defaults(fn=cmd_backend)
     return p
 

@@ -169,9 +169,10 @@ class RolloutClient(Closing):
         return self.request(Status())
 
     def add_backend(self, address: str, api: str = "vllm", policy_version: int = 0, capacity: int = 0,
-                    weight: float = 1.0, node: str = "") -> dict:
+                    weight: float = 1.0, node: str = "", shard: int = -1) -> dict:
+        """``shard``: with router.shards > 1, the router shard that holds it (-1: by address hash)."""
         return self.request(AddLLMServer(address=address, api=api, policy_version=policy_version,
-                                         capacity=capacity, weight=weight, node=node))["backend"]
+                                         capacity=capacity, weight=weight, node=node, shard=shard))["backend"]
 
     def clear_backends(self, address: str | None = None) -> list[str]:
         return self.request(ClearLLMServer(address=address))["cleared"]

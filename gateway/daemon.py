@@ -402,19 +402,35 @@ class Gateway(Daemon):
         self.paused = True
         self._reply(route, msg.req_id, paused=True)
 
+    def _backend_shard(self, address: str, wire: dict | None = None) -> int:
+        """The router shard that holds ``address``: the one its registration named, else its hash's."""
+        wire = self.backend_regs.get(address) if wire is None else wire
+        named = wire.get("shard", -1) if wire else -1
+        return named if 0 <= named < self.shards else shard_of(address, self.shards)
+
     def _forward_to_router(self, route, msg):
-        if msg.KIND == "add_llm_server":
-            wire = {k: v for k, v in msg.to_wire().items() if k not in ("req_id",)}
-            self.backend_regs[msg.address] = wire
-            self.journal.set_backend(msg.address, wire)
-        elif msg.KIND == "clear_llm_server":
-            for a in [a for a in self.backend_regs if msg.address in (None, a)]:
-                del self.backend_regs[a]
-            self.journal.set_backend(msg.address or "", None)
         # A backend is its shard's; a clear of every backend and a listing go to every shard, and their
         # replies are merged into one (_merge_replies) before the client gets it.
         address = getattr(msg, "address", None)
-        targets = [shard_of(address, self.shards)] if address is not None else list(range(self.shards))
+        if msg.KIND == "add_llm_server":
+            reg = {k: v for k, v in msg.to_wire().items() if k not in ("req_id",)}
+            target = self._backend_shard(address, reg)
+            if msg.shard >= self.shards:
+                raise MessageError("invalid", f"add_llm_server.shard={msg.shard}, but router.shards = {self.shards} "
+                                   f"(shards 0..{self.shards - 1}; -1: by address)")
+            if address in self.backend_regs and self._backend_shard(address) != target:
+                raise MessageError("invalid", f"{address} is registered on router shard {self._backend_shard(address)}: "
+                                   "clear it (clear_llm_server) before registering it on another")
+            self.backend_regs[address] = reg
+            self.journal.set_backend(address, reg)
+            targets = [target]
+        elif msg.KIND == "clear_llm_server":
+            targets = [self._backend_shard(address)] if address is not None else list(range(self.shards))
+            for a in [a for a in self.backend_regs if address in (None, a)]:
+                del self.backend_regs[a]
+            self.journal.set_backend(address or "", None)
+        else:
+            targets = list(range(self.shards))
         if msg.KIND == "add_llm_server" and self.shards > 1:
             self._warn_empty_shards()
         fan = {"parts": {}, "rids": []} if len(targets) > 1 else None
@@ -432,7 +448,7 @@ class Gateway(Daemon):
     def _warn_empty_shards(self):
         """Backends split over the shards by a hash of their address: with few, a shard can get none,
         and the nodes it serves get no lease (docs/SCALING.md, "Router shards")."""
-        have = {shard_of(a, self.shards) for a in self.backend_regs}
+        have = {self._backend_shard(a) for a in self.backend_regs}
         empty = sorted(set(range(self.shards)) - have)
         if empty and len(self.backend_regs) >= self.shards:
             self.log.warning("router_shards_without_backends", shards=empty, backends=len(self.backend_regs))
@@ -730,7 +746,7 @@ class Gateway(Daemon):
         idempotent); another shard's backends are not its to know."""
         known = {b.get("address") for b in self.shard_backends[shard]}
         for address, wire in self.backend_regs.items():
-            if address not in known and shard_of(address, self.shards) == shard:
+            if address not in known and self._backend_shard(address, wire) == shard:
                 self.log.info("backend_reregistered", backend=address, **({"shard": shard} if self.shards > 1 else {}))
                 send_now(self.routers[shard], [b""] + codec.encode(dict(wire, req_id=0)))
 

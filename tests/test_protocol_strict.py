@@ -57,6 +57,10 @@ REFUSED = [
     ("address with only a port", {"kind": "add_llm_server", "address": "http://:8000"}, "invalid", "has no host"),
     ("address with a bad port", {"kind": "add_llm_server", "address": "http://h:99999"}, "invalid", "is not a valid URL"),
     ("address not http", {"kind": "add_llm_server", "address": "ftp://h"}, "invalid", "must be an http(s) URL"),
+    ("shard below -1", {"kind": "add_llm_server", "address": "http://h:1", "shard": -2}, "invalid",
+     "add_llm_server.shard must be -1 (by address) or a shard number >= 0, got -2"),
+    ("shard not an int", {"kind": "add_llm_server", "address": "http://h:1", "shard": "1"}, "invalid",
+     "add_llm_server.shard"),
     ("binary key in an instance", {"kind": "submit", "client_id": "c", "tasks": [dict(TASK, instance={"a": [{b"k": 1}]})]},
      "invalid", "submit.tasks[0].instance.a[0]: map keys must be strings, got binary data key b'k'"),
 ]

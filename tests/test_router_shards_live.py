@@ -15,6 +15,7 @@ import pytest
 
 from rolloutd.bus.config import dump_toml
 from rolloutd.bus.endpoints import Endpoints, shard_of
+from rolloutd.gateway.client import GatewayError
 from tests.conftest import REPO, alive, children_of, remove_tree, short_tmpdir, stop_daemons, synthetic, wait_for
 
 K = 2
@@ -115,6 +116,23 @@ def test_two_shards_split_backends_and_nodes_and_survive_a_shard_restart(sharded
         snap = json.loads(mon.stdout)
         assert {b["address"] for b in snap["backends"]} == urls[0] | urls[1]
         assert snap["router"]["shards"] == K and [r["router"] for r in snap["routers"]] == ["router", "router1"]
+
+        # A registration may name its shard (add_llm_server.shard): held there, not where its hash says;
+        # another shard, or one past router.shards, is refused; a clear finds it on its shard.
+        extra = backends(latency=0.2)
+        there = 1 - shard_of(extra.url, K)
+        c.add_backend(extra.url, shard=there)
+        wait_for(lambda: extra.url in {b["address"] for b in routers(c)[there]["backends"]},
+                 what="the named shard's heartbeat listing the backend")
+        assert extra.url not in {b["address"] for b in routers(c)[1 - there]["backends"]}
+        for bad in (1 - there, K):
+            with pytest.raises(GatewayError) as e:
+                c.add_backend(extra.url, shard=bad)
+            assert e.value.code == "invalid", e.value
+        assert c.add_backend(extra.url, shard=there)["address"] == extra.url  # the same again: idempotent
+        assert c.clear_backends(extra.url) == [extra.url]
+        wait_for(lambda: extra.url not in {b["address"] for hb in routers(c).values() for b in hb["backends"]},
+                 what="the cleared backend gone from its shard")
 
         ids = c.submit([llm_job(i) for i in range(40)])
         results = list(c.gather(ids, timeout_s=120))
