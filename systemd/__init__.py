@@ -92,26 +92,58 @@ def find_rolloutd() -> str:
     raise FileNotFoundError("no rolloutd executable beside this python or on PATH; pass --bin")
 
 
-def write_units(dest: str | os.PathLike, rolloutd_bin: str | os.PathLike | None = None) -> list[Path]:
-    """Write every unit into ``dest`` with ExecStart rewritten; returns the written paths."""
+def shard_unit_name(shard: int) -> str:
+    """Router shard ``shard`` >= 1's unit: ``rolloutd-router1@.service``, ... (shard 0 is the router's)."""
+    return f"rolloutd-router{shard}@.service"
+
+
+def shard_units(router_shards: int) -> dict[str, str]:
+    """``router.shards`` = K > 1 (docs/SCALING.md, "Router shards"): a unit for each shard 1..K-1,
+    the router's with ``--shard i``, and the head target wanting them too. Made at install time,
+    not shipped: K is the deployment's."""
+    if router_shards <= 1:
+        return {}
+    router = (HERE / "rolloutd-router@.service").read_text()
+    cmd = f"ExecStart={DEFAULT_BIN} router "
+    assert cmd in router, "the router unit's ExecStart moved: update shard_units"
+    out = {}
+    for i in range(1, router_shards):
+        text = router.replace(cmd, f"ExecStart={DEFAULT_BIN} router --shard {i} ", 1)
+        text = text.replace("# rolloutd: router daemon,", f"# rolloutd: router shard {i} (made by `install --router-shards`),", 1)
+        text = text.replace("Description=rolloutd router (%i):", f"Description=rolloutd router shard {i} (%i):", 1)
+        text = text.replace("SyslogIdentifier=rolloutd-router\n", f"SyslogIdentifier=rolloutd-router{i}\n", 1)
+        out[shard_unit_name(i)] = text
+    head = (HERE / "rolloutd-head@.target").read_text()
+    wants = " ".join(instance_name(n, "%i") for n in out)
+    out["rolloutd-head@.target"] = head.replace("rolloutd-router@%i.service", f"rolloutd-router@%i.service {wants}", 1)
+    return out
+
+
+def write_units(dest: str | os.PathLike, rolloutd_bin: str | os.PathLike | None = None,
+                router_shards: int = 1) -> list[Path]:
+    """Write every unit into ``dest`` with ExecStart rewritten, and a unit per router shard beyond
+    the first (``router_shards``); returns the written paths."""
     d = Path(dest)
     d.mkdir(parents=True, exist_ok=True)
+    texts = {src.name: src.read_text() for src in unit_files()}
+    texts.update(shard_units(router_shards))
     out = []
-    for src in unit_files():
-        p = d / src.name
-        p.write_text(render(src.read_text(), rolloutd_bin))
+    for name, text in texts.items():
+        p = d / name
+        p.write_text(render(text, rolloutd_bin))
         p.chmod(0o644)
         out.append(p)
     return out
 
 
-def verify(unit_dir: str | os.PathLike, instance: str = "main") -> tuple[int, str]:
+def verify(unit_dir: str | os.PathLike, instance: str = "main", router_shards: int = 1) -> tuple[int, str]:
     """``systemd-analyze verify`` every unit of ``unit_dir`` as ``instance``; (rc, output)."""
     exe = shutil.which("systemd-analyze")
     if exe is None:
         raise FileNotFoundError("systemd-analyze is not installed")
     d = Path(unit_dir)
     names = [str(d / instance_name(p.name, instance)) for p in unit_files()]
+    names += [str(d / instance_name(shard_unit_name(i), instance)) for i in range(1, router_shards)]
     env = dict(os.environ, SYSTEMD_LOG_COLOR="0", SYSTEMD_PAGER="")
     r = subprocess.run([exe, "verify", "--man=no", *names], capture_output=True, text=True, env=env, timeout=120)
     return r.returncode, (r.stdout + r.stderr).strip()

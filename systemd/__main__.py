@@ -1,8 +1,12 @@
 """``python -m rolloutd.systemd COMMAND``: install the rolloutd units, check them, find the Slurm scripts.
 
     python -m rolloutd.systemd install [--dest /etc/systemd/system] [--bin PATH] [--instance main] [--head HOST]
-    python -m rolloutd.systemd render OUTDIR [--bin PATH]
-    python -m rolloutd.systemd verify [--bin PATH] [--instance main]
+                                       [--router-shards K]
+    python -m rolloutd.systemd render OUTDIR [--bin PATH] [--router-shards K]
+    python -m rolloutd.systemd verify [--bin PATH] [--instance main] [--router-shards K]
+
+``--router-shards K`` (the deployment's ``router.shards``): a unit for each router shard 1..K-1
+(``rolloutd-router1@.service``, ...) and the head target starting them.
     python -m rolloutd.systemd example-config [--instance main] [--head HOST]
     python -m rolloutd.systemd slurm-path | sbatch-path
 """
@@ -16,6 +20,11 @@ from pathlib import Path
 from rolloutd import systemd as units
 
 
+def _router_shards(sp):
+    sp.add_argument("--router-shards", type=int, default=1, metavar="K",
+                    help="router.shards of the deployment: a unit per shard 1..K-1 (default 1: none)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rolloutd.systemd", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -27,12 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--head", default="head.example", help="head host for the example config")
     sp.add_argument("--config-dir", default="/etc/rolloutd")
     sp.add_argument("--no-reload", action="store_true", help="do not run systemctl daemon-reload")
+    _router_shards(sp)
     sp = sub.add_parser("render", help="write the units with ExecStart rewritten into OUTDIR")
     sp.add_argument("outdir")
     sp.add_argument("--bin")
+    _router_shards(sp)
     sp = sub.add_parser("verify", help="systemd-analyze verify every unit (rendered for --bin)")
     sp.add_argument("--bin")
     sp.add_argument("--instance", default="main")
+    _router_shards(sp)
     sp = sub.add_parser("example-config", help="print an example /etc/rolloutd/INSTANCE.toml")
     sp.add_argument("--instance", default="main")
     sp.add_argument("--head", default="head.example")
@@ -50,20 +62,20 @@ def main(argv: list[str] | None = None) -> int:
         print(units.EXAMPLE_CONFIG.format(instance=a.instance, head=a.head), end="")
         return 0
     if a.cmd == "render":
-        for path in units.write_units(a.outdir, a.bin or units.find_rolloutd()):
+        for path in units.write_units(a.outdir, a.bin or units.find_rolloutd(), a.router_shards):
             print(path)
         return 0
     if a.cmd == "verify":
         with tempfile.TemporaryDirectory() as d:
-            units.write_units(d, a.bin or units.find_rolloutd())
-            rc, out = units.verify(d, a.instance)
+            units.write_units(d, a.bin or units.find_rolloutd(), a.router_shards)
+            rc, out = units.verify(d, a.instance, a.router_shards)
         if out:
             print(out, file=sys.stderr)
         return 1 if rc or out else 0
     # install
     import subprocess
 
-    for path in units.write_units(a.dest, a.bin or units.find_rolloutd()):
+    for path in units.write_units(a.dest, a.bin or units.find_rolloutd(), a.router_shards):
         print(f"wrote {path}")
     cfg = Path(a.config_dir) / f"{a.instance}.toml"
     if not cfg.exists():

@@ -31,6 +31,8 @@
 #   ROLLOUTD_DRAIN_S      daemon.drain_s for every daemon (default: the config's, 10 s)
 #   ROLLOUTD_SET          extra space-separated SECTION.KEY=VALUE overrides for every daemon
 #   ROLLOUTD_RESTART      1 (default): restart a daemon that exits unexpectedly, with backoff; 0: stop the node
+#   ROLLOUTD_ROUTER_SHARDS  router.shards for every daemon (default: the config's, 1); with K > 1 the
+#                         head node also runs router1 .. router{K-1} (`rolloutd router --shard i`)
 set -uo pipefail
 
 BIN=${ROLLOUTD_BIN:-rolloutd}
@@ -116,6 +118,7 @@ stop_step() {
 declare -A PID=()       # daemon name -> pid
 declare -A NAME_OF=()   # pid -> daemon name
 declare -A BACKOFF=()
+SHARDS_DOWN=()          # router shards 1.. in stop order (ROLLOUTD_ROUTER_SHARDS)
 STOPPING=0
 
 start_daemon() {
@@ -125,7 +128,9 @@ start_daemon() {
     ((IGNORE_OK)) && pre+=(env --ignore-signal=USR1)
     # PR_SET_PDEATHSIG where setpriv supports it: a daemon never outlives this script.
     ((PDEATHSIG)) && pre+=(setpriv --pdeathsig TERM --)
-    "${pre[@]}" "$BIN" "$name" "${ARGS[@]}" </dev/null &
+    local cmd=("$name")
+    [[ $name =~ ^router[1-9][0-9]*$ ]] && cmd=(router --shard "${name#router}")   # a router shard
+    "${pre[@]}" "$BIN" "${cmd[@]}" "${ARGS[@]}" </dev/null &
     PID[$name]=$!
     NAME_OF[$!]=$name
     log daemon_spawned "\"child\": \"$name\", \"pid\": $!"
@@ -137,7 +142,7 @@ stop_all() {
     local drain=${DRAIN%.*}
     local deadline_s=$(( ${drain:-0} + 5 ))
     local name pid t rc
-    for name in init run eval gateway router events; do
+    for name in init run eval gateway "${SHARDS_DOWN[@]}" router events; do
         pid=${PID[$name]:-}
         [[ -n $pid ]] || continue
         kill -TERM "$pid" 2>/dev/null
@@ -176,14 +181,20 @@ cmd_node() {
            --set "endpoints.runtime_dir=$RUNTIME")
     [[ -n ${ROLLOUTD_KEYS_DIR:-} ]] && ARGS+=(--set "keys_dir=$ROLLOUTD_KEYS_DIR")
     [[ -n ${ROLLOUTD_DRAIN_S:-} ]] && ARGS+=(--set "daemon.drain_s=$ROLLOUTD_DRAIN_S")
-    local s
+    local s i
     for s in ${ROLLOUTD_SET:-}; do ARGS+=(--set "$s"); done
+    # Router shards beyond the first run on the head beside the router, stopped before it.
+    local shards=${ROLLOUTD_ROUTER_SHARDS:-1} routers=(router)
+    [[ $shards =~ ^[1-9][0-9]*$ ]] || die "ROLLOUTD_ROUTER_SHARDS must be a whole number >= 1, not '$shards'"
+    ((shards > 1)) && ARGS+=(--set "router.shards=$shards")
+    SHARDS_DOWN=()
+    for ((i = 1; i < shards; i++)); do routers+=("router$i"); SHARDS_DOWN=("router$i" "${SHARDS_DOWN[@]}"); done
 
     trap 'STOPPING=1' TERM INT HUP USR1
     local names=(eval run init)
     local is_head=0
     [[ $NODE == "$HEAD_NODE" || $NODE == "${HEAD_NODE%%.*}" ]] && is_head=1
-    ((is_head)) && names=(events router gateway eval run init)
+    ((is_head)) && names=(events "${routers[@]}" gateway eval run init)
     log node_starting "\"head\": $is_head, \"runtime_dir\": \"$RUNTIME\", \"daemons\": \"${names[*]}\""
     local name
     for name in "${names[@]}"; do

@@ -55,7 +55,8 @@ def test_launcher_refuses_outside_an_allocation():
     assert r.returncode == 2
 
 
-def test_sbatch_runs_the_pipeline_and_stops_it(procs):
+@pytest.mark.parametrize("shards", [1, 2], ids=["one-router", "two-router-shards"])
+def test_sbatch_runs_the_pipeline_and_stops_it(procs, shards):
     reason = slurm_unavailable_reason()
     if reason:
         pytest.skip(reason)
@@ -71,7 +72,8 @@ def test_sbatch_runs_the_pipeline_and_stops_it(procs):
         out = d / "job.out"
         env = dict(cluster.env, ROLLOUTD_BIN=rolloutd_bin(), ROLLOUTD_BASE_PORT=str(port),
                    ROLLOUTD_INFO_FILE=str(info), ROLLOUTD_RUNTIME_DIR=str(rt), ROLLOUTD_DRAIN_S="2",
-                   ROLLOUTD_SET="daemon.heartbeat_s=0.3 gateway.daemon_dead_s=2")
+                   ROLLOUTD_SET="daemon.heartbeat_s=0.3 gateway.daemon_dead_s=2", ROLLOUTD_ROUTER_SHARDS=str(shards))
+        daemons = list(DAEMONS) + [f"router{i}" for i in range(1, shards)]
         env.pop("ROLLOUTD_CONFIG", None)
         r = cluster.sh(["sbatch", "--parsable", "--nodes=1", "--time=10", f"--output={out}", f"--chdir={d}",
                         str(units.slurm_batch())], env=env)
@@ -93,7 +95,7 @@ def test_sbatch_runs_the_pipeline_and_stops_it(procs):
         # A daemon that dies is restarted by the node launcher.
         def spawned():   # task output reaches the file through srun, a little after the info file
             got = {e["child"]: e["pid"] for e in launcher_events(out.read_text()) if e["event"] == "daemon_spawned"}
-            return got if set(got) == set(DAEMONS) else None
+            return got if set(got) == set(daemons) else None
 
         spawned = wait_for(spawned, 20, "the launcher's daemon_spawned lines")
         os.kill(spawned["run"], signal.SIGKILL)
@@ -119,10 +121,11 @@ def test_sbatch_runs_the_pipeline_and_stops_it(procs):
         text = out.read_text()
         ev = launcher_events(text)
         exited = [e["child"] for e in ev if e["event"] == "daemon_exited" and e.get("rc") == 0]
-        stop_seq = [c for c in exited if c in DAEMONS][-6:]
-        assert stop_seq == ["init", "run", "eval", "gateway", "router", "events"], ev
+        stop_seq = [c for c in exited if c in daemons][-len(daemons):]
+        shards_down = [f"router{i}" for i in range(shards - 1, 0, -1)]
+        assert stop_seq == ["init", "run", "eval", "gateway", *shards_down, "router", "events"], ev
         assert any(e["event"] == "node_stopped" for e in ev)
-        for name in DAEMONS:
+        for name in daemons:
             assert re.search(rf"daemon_stopped.*(daemon={name}\b|\"daemon\": \"{name}\")", text) or \
                 re.search(rf"(daemon={name}\b|\"daemon\": \"{name}\").*daemon_stopped", text), name
         assert not rt.exists(), "the runtime directory should be removed"

@@ -156,3 +156,28 @@ def test_module_cli_install_render_and_paths(tmp_path):
     # launcher paths
     r = subprocess.run([sys.executable, "-m", "systemd", "slurm-path"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and r.stdout.strip().endswith("rolloutd-slurm.sh")
+
+
+def test_router_shard_units_start_each_shard(tmp_path):
+    """router.shards = 3: `install --router-shards 3` writes a unit for shards 1 and 2 (the router's,
+    with --shard i) and a head target that wants them; they lint clean and their ExecStart parses."""
+    from rolloutd.daemons.cli import build_parser
+
+    r = subprocess.run([sys.executable, "-m", "rolloutd.systemd", "render", str(tmp_path), "--bin", rolloutd_bin(),
+                        "--router-shards", "3"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for i in (1, 2):
+        u = parse(tmp_path / f"rolloutd-router{i}@.service")
+        argv = u["Service"]["ExecStart"][0].split()
+        assert argv[0] == rolloutd_bin() and argv[1:4] == ["router", "--shard", str(i)]
+        assert u["Service"]["SyslogIdentifier"] == [f"rolloutd-router{i}"]
+        assert u["Install"]["WantedBy"] == ["rolloutd-head@%i.target"]
+        line = [a.replace("${ROLLOUTD_CONFIG}", "/etc/rolloutd/main.toml").replace("%t", "/run").replace("%i", "main")
+                for a in argv[1:] if not a.startswith("$ROLLOUTD")]
+        assert build_parser().parse_args(line).shard == i
+    head = parse(tmp_path / "rolloutd-head@.target")["Unit"]["Wants"][0].split()
+    assert sorted(head) == sorted(f"rolloutd-{n}@%i.service" for n in (*units.HEAD, "router1", "router2"))
+    assert not (tmp_path / "rolloutd-router3@.service").exists()
+    if shutil.which("systemd-analyze") is not None:
+        rc, out = units.verify(tmp_path, "main", router_shards=3)
+        assert rc == 0 and out == "", out
