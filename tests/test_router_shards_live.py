@@ -176,3 +176,61 @@ def test_two_shards_split_backends_and_nodes_and_survive_a_shard_restart(sharded
         for r in results:
             assert {t["backend"] for t in r["turns"]} <= urls[shard_of(r["node"], K)]
         assert {r["node"] for r in results} >= {nb}
+
+
+def test_two_shards_over_tcp_with_curve(backends):
+    """The shards over tcp with CURVE, as a multi-node deployment runs them: the head (events, both
+    router shards, gateway) and two nodes' phase daemons, one node per shard, every socket on
+    loopback tcp with keys. A backend registered on each shard (``add_llm_server.shard``); each
+    node's jobs lease over CURVE from its own shard's backend only."""
+    from rolloutd.bus.sockets import Curve
+    from rolloutd.gateway.client import RolloutClient
+    from tests.ops.helpers import free_port
+
+    d = short_tmpdir("rd-tcp-")
+    keys = d / "keys"
+    r = subprocess.run([sys.executable, "-m", "rolloutd.daemons.cli", "keys", "generate", str(keys)],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    port = free_port(6 + K)
+    na, nb = node_on(0), node_on(1)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    procs, logs = [], []
+
+    def start(node: str, daemon: str, *extra: str):
+        cfg = d / f"{node}.toml"
+        if not cfg.exists():
+            cfg.write_text(dump_toml({"node": node, "keys_dir": str(keys), **FAST,
+                                      "endpoints": {"head": "127.0.0.1", "base_port": port, "runtime_dir": str(d / node)}}))
+        log = open(d / f"{daemon}{''.join(extra)}-{node}.log", "w")  # noqa: SIM115 - closed below
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, "-m", "rolloutd.daemons.cli", daemon, *extra, "--config", str(cfg)],
+                                      stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env))
+
+    try:
+        for daemon, extra in (("events", ()), ("router", ()), ("router", ("--shard", "1")), ("gateway", ())):
+            start(na, daemon, *extra)
+        for node in (na, nb):
+            for daemon in ("eval", "run", "init"):
+                start(node, daemon)
+        shard_b = [backends(latency=0.05) for _ in range(K)]
+        with RolloutClient(f"tcp://127.0.0.1:{port}", timeout_s=3.0, retries=20, curve=Curve.from_dir(keys, "client")) as c:
+            wait_for(lambda: {(x["daemon"], x["node"]) for x in c.status()["daemons"]}
+                     >= {(p, n) for p in ("init", "run", "eval") for n in (na, nb)} | {("router1", na)}, 90,
+                     "every daemon over tcp with CURVE")
+            for i, b in enumerate(shard_b):
+                c.add_backend(b.url, shard=i)
+            wait_for(lambda: len(c.list_backends()["backends"]) == K
+                     and all(b["healthy"] for b in c.list_backends()["backends"]), what="both backends admitted")
+            ids = c.submit([llm_job(i) for i in range(16)])
+            results = list(c.gather(ids, timeout_s=120))
+        assert all(x["status"] == "ok" for x in results), [x["error"] for x in results]
+        by_node = {n: {t["backend"] for x in results if x["node"] == n for t in x["turns"]} for n in (na, nb)}
+        assert by_node == {na: {shard_b[0].url}, nb: {shard_b[1].url}}, by_node
+    finally:
+        try:
+            stop_daemons(procs)
+        finally:
+            for f in logs:
+                f.close()
+            remove_tree(d)
