@@ -63,6 +63,10 @@ class CreditSender:
 
     def __init__(self, sock, ttl_s: float = 3.0, remember_s: float = 600.0, remember_max: int = 16384):
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished receiver raises instead of eating the job
+        # A receiver reconnecting under its identity (a tcp link that broke without a FIN) takes it
+        # over from the old, silent connection, which would otherwise keep it, and the jobs, until
+        # TCP gives up on it. What was queued on the old one is lost: the lost-job rule above.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock = sock
         self.ttl_s = ttl_s
         self.peers: dict[bytes, Peer] = {}

@@ -278,3 +278,81 @@ def test_jobs_given_up_that_turn_up_after_all_are_counted_late_and_the_credit_he
     assert rig.tx.credit() == 0
     rig.announce(d, free=4, received=8)
     assert rig.tx.credit() == 4
+
+
+def test_a_receiver_reconnecting_while_its_old_connection_lingers_gets_the_jobs():
+    """A node's tcp link breaks without a FIN (a switch dies): its DEALER reconnects with the same
+    identity while the sender's ROUTER still holds the old, silent connection. Without
+    ROUTER_HANDOVER the ROUTER refuses the newcomer and keeps routing to the dead link until TCP
+    gives up on it (minutes); with it the new connection takes the identity at once. The broken
+    link is a relay in this test that stops forwarding and keeps both its sockets open."""
+    import socket
+    import threading
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    tx = CreditSender(router, ttl_s=5.0)
+    frozen, stop = threading.Event(), threading.Event()
+    lsock = socket.create_server(("127.0.0.1", 0))
+    relay_port = lsock.getsockname()[1]
+    held: list[socket.socket] = [lsock]
+
+    def pump(src, dst):
+        while not stop.is_set():
+            try:
+                data = src.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            if not frozen.is_set():
+                dst.sendall(data)
+
+    def relay():
+        lsock.settimeout(10)
+        a, _ = lsock.accept()
+        b = socket.create_connection(("127.0.0.1", port))
+        held.extend([a, b])
+        for src, dst in ((a, b), (b, a)):
+            threading.Thread(target=pump, args=(src, dst), daemon=True).start()
+
+    t = threading.Thread(target=relay, daemon=True)
+    t.start()
+    dealers = []
+
+    def dealer(addr):
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.IDENTITY, IDENT)
+        d.connect(addr)
+        dealers.append(d)
+        return d
+
+    def announce(d, free, received):
+        d.send(codec.pack({"v": PROTOCOL_VERSION, "kind": "ready", "free": free, "received": received,
+                           "info": {"node": "n1"}}))
+        if not router.poll(3000):
+            return False
+        return tx.on_message(router.recv_multipart(copy=False))
+
+    try:
+        old = dealer(f"tcp://127.0.0.1:{relay_port}")
+        assert announce(old, 4, 0)
+        assert tx.send([b"job-1"]) is not None and old.poll(3000) and old.recv_multipart()[-1] == b"job-1"
+        frozen.set()  # the link goes silent; the relay's connection to the ROUTER stays open
+        old.close(0)
+        new = dealer(f"tcp://127.0.0.1:{port}")  # the same receiver, back on a working path
+        assert announce(new, 4, 1), "the ROUTER refused a receiver reconnecting under its own identity"
+        assert tx.send([b"job-2"]) is not None
+        assert new.poll(3000), "the job went to the dead connection"
+        assert new.recv_multipart()[-1] == b"job-2"
+    finally:
+        stop.set()
+        for s in held:
+            s.close()
+        for d in dealers:
+            d.close(0)
+        router.close(0)
+        ctx.term()
