@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", choices=["auto", "qwen", "tiny"], default="auto")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 4 rollouts x 4 turns, one repeat; history case 2 rollouts x 2 calls")
+                    help="smoke run: 4 rollouts x 4 turns, one repeat; history case 2 rollouts x 2 calls after 20 messages")
     ap.add_argument("--shapes", default=",".join(SHAPES),
                     help="API shapes the agent speaks, each against the same built-in run (default: all four)")
     ap.add_argument("--modes", default=",".join(MODES), help="json (one body per reply), stream (SSE), or both")
@@ -540,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rollouts, args.turns, args.repeats = 4, 4, 1
         args.history_rollouts, args.history_calls = 2, 2
+        args.history = min(args.history, 20)
     warm = (args.history - 2) // 2 if args.history else 0  # calls that build the history
     import uvicorn
 

@@ -220,10 +220,10 @@ def main() -> int:
     ap.add_argument("--profile", default=None, help="py-spy the server through phases of these names (comma list)")
     ap.add_argument("--tokenizer", default="auto", help="auto | qwen | tiny")
     ap.add_argument("--max-context", type=int, default=16384)
-    ap.add_argument("--quick", action="store_true", help="6 s phases, one repeat")
+    ap.add_argument("--quick", action="store_true", help="3 s phases, one repeat")
     a = ap.parse_args()
     if a.quick:
-        a.phase_s, a.repeats = 6.0, 1
+        a.phase_s, a.repeats = 3.0, 1
     tok_dir, tok_name = tokenizer_dir(a.tokenizer)
     d = Path(tempfile.mkdtemp(prefix="bei-", dir="/tmp"))
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -4,7 +4,7 @@ Over ~700 lines because it runs one experiment in three modes (scripted, patched
 that must share their measurement code to be comparable.
 
     python bench/bench_router.py             # 5 reps, about 4 minutes on 2 cores (220-225 s measured)
-    python bench/bench_router.py --quick     # 2 reps, smaller batches, 65-75 s
+    python bench/bench_router.py --quick     # 1 rep, smaller batches, ~35 s (CI's smoke run)
     python bench/bench_router.py --reps 3 --tick-ms 20 --json out.json --root /path/to/patched/copy
     python bench/bench_router.py --ab-root /path/to/patched/copy   # + least_inflight from the patched
                                                                     #   tree, in the same run
@@ -419,7 +419,7 @@ def set_backends(c, rec: Recorder, backends) -> list[str]:
 # ---- the benchmark --------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="2 reps, smaller batches (under 90 s)")
+    ap.add_argument("--quick", action="store_true", help="1 rep, smaller batches (~35 s)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--tick-ms", type=float, default=20.0)
     ap.add_argument("--root", default=str(common.REPO), help="source tree to run the daemons from (A/B a patch)")
@@ -432,7 +432,7 @@ def main(argv=None) -> int:
     if args.vllm:
         return main_vllm(args)
     sys.setswitchinterval(0.001)  # the backends' threads note request times: keep GIL hand-offs short
-    reps = args.reps or (2 if args.quick else 5)
+    reps = args.reps or (1 if args.quick else 5)
     tick_s = args.tick_ms / 1000.0
     sizes = ({"constant": 128, "lognormal": 384, "periodic": 256, "unequal": 128} if args.quick else
              {"constant": 256, "lognormal": 512, "periodic": 512, "unequal": 256})
