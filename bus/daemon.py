@@ -143,10 +143,26 @@ class Daemon:
         finally:
             sockets.close()
 
+    # Head daemons hold tables of hundreds of thousands of records (the gateway's jobs, the router's
+    # leases): a full collection walks them all, 180-270 ms of a stalled loop at 648,000 jobs
+    # (poll p99 ~100 ms at 1,000 nodes, docs/SCALING.md section 8). After each full collection its
+    # survivors are frozen, so the next walks only what came since. The records hold no reference
+    # cycles; a frozen object that later becomes cyclic garbage is kept (that is the price).
+    freeze_after_full_gc = False
+
+    def _freeze_survivors(self):
+        full = gc.get_stats()[2]["collections"]
+        if full != self._full_gcs:
+            self._full_gcs = full
+            gc.freeze()
+
     async def _heartbeats(self):
         period = float(self.dcfg["heartbeat_s"])
+        self._full_gcs = gc.get_stats()[2]["collections"]
         while True:
             self._loop_beat = time.monotonic()
+            if self.freeze_after_full_gc:
+                self._freeze_survivors()
             try:
                 self.events.publish("daemon.heartbeat", incarnation=self.incarnation,
                                     uptime_s=round(time.time() - self.started_at, 3), **self.heartbeat())

@@ -44,6 +44,7 @@ KINDS = ("lease", "lease_batch", "release", "backend_failed", "add_llm_server", 
 
 class Router(Daemon):
     name = "router"
+    freeze_after_full_gc = True  # its table of jobs / leases (bus/daemon.py)
 
     def __init__(self, cfg, shard: int = 0):
         self.shards = int(cfg.section("router")["shards"])

@@ -37,6 +37,7 @@ DISPATCH_BYTES = 64 << 20  # jobs sent per loop turn stop past this many bytes (
 
 class Gateway(Daemon):
     name = "gateway"
+    freeze_after_full_gc = True  # its table of jobs / leases (bus/daemon.py)
 
     def __init__(self, cfg):
         super().__init__(cfg)
