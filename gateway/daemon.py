@@ -32,6 +32,7 @@ from rolloutd.handlers.registry import handler_names
 ROUTER_OPS = ("add_llm_server", "clear_llm_server", "list_llm_servers")
 DRAIN_BATCH = 512
 CANCEL_SLICE = 256  # job ids the cancels in progress get through per loop turn
+LISTING_KEYS = ("jobs", "jobs_added", "jobs_removed")  # a heartbeat's listing (docs/EVENTS.md)
 DISPATCH_BYTES = 64 << 20  # jobs sent per loop turn stop past this many bytes (an instance can be MiBs)
 
 
@@ -689,6 +690,12 @@ class Gateway(Daemon):
                     rec.last_seen = now
                     rec.holder = holder
                     unvouched.discard(jid)  # this holder's heartbeats renew it from now on
+            # The body stays (self.daemons) until the next one; its listing is in self.held already.
+            # Kept, its pairs filled the young generation: the collector's count of new objects nets
+            # out against the old bodies freed, so ~220,000 of them piled up at 1,000 nodes and a
+            # pass over them cost 25-45 ms once a second (docs/SCALING.md, section 8).
+            for key in LISTING_KEYS:
+                body.pop(key, None)
         elif topic in ("daemon.died", "daemon.stopped"):
             t = self.held.get(who)
             if t is not None:
