@@ -54,3 +54,16 @@ def test_the_gateway_renews_and_hands_on_jobs_from_packed_listings():
     gw._on_event(hb(jobs_added=[], jobs_removed=events.pack_listing(gone), jobs_seq=2))
     assert gw.table.unvouched == set(gone)  # handed on: their lease clocks restart
     assert np.array_equal(sorted(gw.held["run@n1"].jobs), sorted(set(HELD) - set(gone)))
+
+
+def test_the_gateway_keeps_a_heartbeat_without_its_listing():
+    """The last body of each daemon is kept for ``status``; its listing lives in ``held`` only
+    (kept in the body too, 3,000 heartbeats a second filled the collector's young generation:
+    docs/SCALING.md section 8)."""
+    gw = Gateway(config_from_args(None, None, ["logging.level=warning"]))
+    gw._on_event(hb(jobs=events.pack_listing(HELD), jobs_seq=1, pool=64))
+    gw._on_event(hb(jobs_added=[[7, 1]], jobs_removed=[], jobs_seq=2, pool=64))
+    body = gw.daemons["run@n1"]
+    assert body["pool"] == 64 and body["jobs_seq"] == 2
+    assert not {"jobs", "jobs_added", "jobs_removed"} & set(body)
+    assert gw.held["run@n1"].jobs == HELD | {7: 1}
