@@ -5,6 +5,7 @@ the project calls ``zmq.Context.socket``.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from pathlib import Path
@@ -158,13 +159,23 @@ class Sockets(Closing):
 
 
 async def recv(sock: zmq.asyncio.Socket, timeout_s: float) -> list | None:
-    """One multipart message or None after ``timeout_s``. Every recv has a timeout."""
+    """One multipart message or None after ``timeout_s``. Every recv has a timeout.
+
+    One already queued is taken without Futures (a poll's and a receive's: ~8% of a phase
+    daemon's CPU under load), after one turn of the loop, as an await of them would give."""
+    frames = recv_now(sock)
+    if frames is not None:
+        await asyncio.sleep(0)
+        return frames
     if await sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-        return await sock.recv_multipart(copy=False)
+        return recv_now(sock)  # None only if another reader of the socket took it meanwhile
     return None
 
 
 _ASYNC = zmq.asyncio.Socket
+# Plain ints: pyzmq converts an option given as its enum member through the enum machinery, ~1 us
+# of the ~2 us an EVENTS read costs (a drain reads it once per message and once at its end).
+_EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 
 
 def _sync(sock):
@@ -180,14 +191,23 @@ def recv_now(sock) -> list | None:
     first: an empty receive raises zmq.Again (~7 us), asking costs ~2 us, and a drain ends on an
     empty socket every time (bench/bench_head_cpu.py, docs/SCALING.md). Received on the sync shadow,
     as zmq.asyncio itself does for a non-blocking receive, minus its Future."""
-    # EVENTS from the socket itself: zmq.asyncio re-arms its pending polls when EVENTS is read (the
-    # read consumes the fd's edge); a read on the shadow would skip that.
-    if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+    sync = _sync(sock)
+    if not _events(sock, sync) & _POLLIN:
         return None
     try:
-        return _sync(sock).recv_multipart(zmq.NOBLOCK, copy=False)
+        return sync.recv_multipart(zmq.NOBLOCK, copy=False)
     except zmq.Again:
         return None
+
+
+def _events(sock, sync) -> int:
+    """EVENTS, read on the shadow ``sync`` of ``sock``. The read consumes the edge of the fd's
+    notification: a zmq.asyncio Future waiting on ``sock`` is re-armed as its own EVENTS read
+    would (that read, a Python override, costs ~1 us more on every message)."""
+    events = sync.getsockopt(_EVENTS)
+    if sync is not sock and (sock._recv_futures or sock._send_futures):
+        sock._schedule_remaining_events(events)
+    return events
 
 
 def send_now(sock, frames) -> bool:
@@ -216,7 +236,7 @@ def send_nowait(sock, frames):
 
 
 def writable(sock) -> bool:
-    return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
+    return bool(sock.getsockopt(_EVENTS) & _POLLOUT)
 
 
 Again = zmq.Again
@@ -226,8 +246,42 @@ POLLOUT = zmq.POLLOUT
 SUBSCRIBE = zmq.SUBSCRIBE
 
 
-def poller():
-    return zmq.asyncio.Poller()
+class InWaiter:
+    """Waits until one of ``socks`` has a message (or a timeout): a daemon loop's one await.
+
+    A zmq.asyncio ``Poller.poll`` of seven sockets costs ~145 us even when one is ready (a Future
+    per socket, their callbacks, the timeout, a zmq_poll once woken): 15% of the gateway's CPU at
+    the pipeline benchmark's load. So the sockets are asked first (EVENTS, ~1 us each) and a ready
+    one costs a loop turn (``sleep(0)``: the daemon's other tasks still run); then a short
+    blocking zmq_poll; only a wait longer than that pays for the Futures."""
+
+    BLOCK_MS = 2  # the longest the loop's other tasks (heartbeats, signals) wait for this one
+
+    def __init__(self, socks):
+        self.pairs = [(s, _sync(s)) for s in socks]
+        self.poller = zmq.asyncio.Poller()
+        self.sync_poller = zmq.Poller()
+        for s, sync in self.pairs:
+            self.poller.register(s, zmq.POLLIN)
+            self.sync_poller.register(sync, zmq.POLLIN)
+
+    def ready(self) -> bool:
+        # The first ready one answers: those not read keep their edges (the drain that follows
+        # reads every socket, re-arming as it goes).
+        return any(_events(s, sync) & _POLLIN for s, sync in self.pairs)
+
+    async def wait(self, timeout_ms: int):
+        if timeout_ms <= 0 or self.ready():
+            await asyncio.sleep(0)
+            return
+        # Under load the next message is a peer's turn away: wait for it in zmq_poll (~10 us),
+        # holding the event loop at most BLOCK_MS; only a longer wait pays for the Futures.
+        block = min(timeout_ms, self.BLOCK_MS)
+        self.sync_poller.poll(block)
+        if self.ready():  # read after the poll, which consumed edges a Future may wait on
+            await asyncio.sleep(0)
+        elif timeout_ms > block:
+            await self.poller.poll(timeout_ms - block)
 
 
 def sync_poller():

@@ -24,7 +24,7 @@ import httpx
 
 from rolloutd.bus import codec, events
 from rolloutd.bus.messages import Error, Lease, MessageError, Reply, check_fields, from_wire
-from rolloutd.bus.sockets import POLLIN, poller, recv_now, send_now
+from rolloutd.bus.sockets import InWaiter, recv_now, send_now
 from rolloutd.bus.config import ConfigError
 from rolloutd.bus.daemon import Daemon
 from rolloutd.bus.endpoints import router_bind_address, router_name, shard_of
@@ -79,14 +79,12 @@ class Router(Daemon):
 
     async def serve(self):
         health = asyncio.create_task(self._health_loop())
-        p = poller()
-        p.register(self.front, POLLIN)
-        p.register(self.watch, POLLIN)
+        waiter = InWaiter((self.front, self.watch))
         ttl = float(self.rcfg["lease_ttl_s"])
         last_expire = time.monotonic()
         try:
             while not self.stopping:
-                await p.poll(100)
+                await waiter.wait(100)
                 for _ in range(512):
                     frames = recv_now(self.front)
                     if frames is None:

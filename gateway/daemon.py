@@ -22,7 +22,7 @@ from rolloutd.bus.messages import (CLIENT_REQUESTS, PROTOCOL_VERSION, Error, Job
 from rolloutd.bus import events
 from rolloutd.bus.credit import CreditSender
 from rolloutd.bus.endpoints import router_address, router_shard, shard_of
-from rolloutd.bus.sockets import POLLIN, poller, recv_now, send_now
+from rolloutd.bus.sockets import InWaiter, recv_now, send_now
 from rolloutd.bus.daemon import Daemon
 from rolloutd.gateway.jobs import JobRecord, JobTable
 from rolloutd.gateway.journal import Journal
@@ -122,15 +122,13 @@ class Gateway(Daemon):
 
     # -- main loop ------------------------------------------------------------------------
     async def serve(self):
-        p = poller()
-        for s in (self.front, self.results, *self.routers, self.watch, self.to_init.sock):
-            p.register(s, POLLIN)
+        waiter = InWaiter((self.front, self.results, *self.routers, self.watch, self.to_init.sock))
         on_reply = [lambda frames, i=i: self._on_router_reply(frames, i) for i in range(self.shards)]
         poll_ms = int(float(self.dcfg["poll_s"]) * 1000)
         last_sweep = time.monotonic()
         while not self.stopping:
             timeout = poll_ms if not self.waiters else max(0, min(poll_ms, int((min(w[0] for w in self.waiters) - time.monotonic()) * 1000) + 1))
-            await p.poll(0 if self.cancels or self.submits or self.dispatch_more else timeout)
+            await waiter.wait(0 if self.cancels or self.submits or self.dispatch_more else timeout)
             # The slices of large requests get what is left of SLICE_S after this turn's receiving
             # (a decode of the largest request may have used it all: then one step each).
             slice_until = time.perf_counter() + SLICE_S
@@ -296,10 +294,12 @@ class Gateway(Daemon):
             self.waiters.append((time.monotonic() + msg.wait_s, route, msg))
 
     def _poll_reply(self, route, msg, recs):
-        # Result frames are forwarded as received: a header with arrays refers to buffer frames,
-        # so each result is re-encoded into one reply (arrays stay zero-copy views).
+        # Each result is encoded into one reply: a result's large arrays are frames of their own
+        # (zero-copy views), whose indices change; its small ones pass as the msgpack they came in.
         # A result kept as its decoded trajectory (the usual case) is not decoded again.
         results = [r.result if isinstance(r.result, dict) else codec.decode(r.result)["trajectory"] for r in recs]
+        if not msg.inline_arrays:  # this client reads ext 1 frames only
+            results = [codec.build_arrays(r) for r in results]
         c = self.table.client(msg.client_id)
         last = recs[-1].seq if recs else msg.after
         if last > c.sent:
@@ -390,8 +390,7 @@ class Gateway(Daemon):
         now = time.time()
         daemons = [dict(d, age_s=round(now - d.get("ts", now), 3)) for d in self.daemons.values()]
         for d in daemons:
-            for k in ("jobs", "jobs_added", "jobs_removed", "leases"):
-                d.pop(k, None)
+            d.pop("leases", None)  # the router's lease listing; the job listings are not kept (LISTING_KEYS)
         self._reply(route, msg.req_id, version=__version__, protocol=PROTOCOL_VERSION, paused=self.paused,
                     **self.table.counts(), totals=dict(self.table.totals), daemons=daemons, backends=self.backends,
                     journal=self.journal.path or "", journal_full=self.journal.failing, handlers=sorted(self.handlers), malformed=dict(self.malformed))
@@ -582,7 +581,7 @@ class Gateway(Daemon):
 
     def _on_result(self, frames):
         try:
-            msg = from_wire(codec.decode(frames), expect=("result",))
+            msg = from_wire(codec.decode_forwarded(frames), expect=("result",))
         except (codec.CodecError, MessageError) as e:
             self.malformed["results"] += 1
             self.log.warning("malformed_result_dropped", error=str(e))
@@ -599,7 +598,8 @@ class Gateway(Daemon):
             return
         traj = msg.trajectory
         traj["attempts"] = rec.attempt
-        # Kept decoded (its arrays are views of the received frames); encoded only for the journal.
+        # Kept decoded, its small arrays as the msgpack they came in (codec.decode_forwarded; large
+        # ones are views of the received frames); encoded only for the journal.
         self._complete(rec, traj, traj["status"], traj, msg)
 
     def _complete(self, rec: JobRecord, result, status: str, traj: dict | None = None, msg=None):

@@ -108,3 +108,35 @@ def test_a_bad_inline_array_is_a_codec_error(desc, why):
     head = msgpack.packb({"v": 1, "x": msgpack.ExtType(codec.INLINE_EXT, msgpack.packb(desc, use_bin_type=True))})
     with pytest.raises(codec.CodecError, match=why):
         codec.decode([head])
+
+
+def test_a_forwarded_message_passes_its_small_arrays_through_unbuilt():
+    """The gateway's results: small arrays stay msgpack ExtType objects, packed again as they
+    came; a receiver of the re-encoded message reads the same arrays. Arrays in frames (whose
+    indices a forwarder changes) are built as ``decode`` builds them."""
+    import msgpack
+
+    small = {"ids": np.arange(7, dtype=np.int32), "lp": np.linspace(-1, 0, 5, dtype=np.float32), "n": 3}
+    frames = codec.encode({"kind": "result", "trajectory": small})
+    fwd = codec.decode_forwarded(frames)
+    assert isinstance(fwd["trajectory"]["ids"], msgpack.ExtType) and fwd["trajectory"]["n"] == 3
+    again = codec.encode({"results": [fwd["trajectory"]]})
+    assert len(again) == 1
+    got = codec.decode(again)["results"][0]
+    assert got["ids"].tolist() == list(range(7)) and got["lp"].dtype == np.float32
+    assert got["lp"].tolist() == small["lp"].tolist()
+    # Built, for a receiver that takes ext 1 frames only.
+    built = codec.build_arrays(fwd["trajectory"])
+    assert isinstance(built["ids"], np.ndarray) and built["ids"].tolist() == list(range(7))
+    assert len(codec.encode(built, inline_max=None)) == 3
+    # A large array travels as a frame: decoded (built) the usual way.
+    big = codec.encode({"trajectory": {"ids": np.arange(10_000, dtype=np.int32)}})
+    assert len(big) == 2
+    assert codec.decode_forwarded(big)["trajectory"]["ids"].tolist() == list(range(10_000))
+
+
+@pytest.mark.parametrize("frames", [[b""], [b"\x91\x01"], [b"\xc1"], [b"\x81\xa1a"], [b"\x81\x01\x02"],
+                                    [codec.encode({"a": 1})[0] + b"\x01"]])
+def test_a_bad_forwarded_message_is_a_codec_error(frames):
+    with pytest.raises(codec.CodecError):
+        codec.decode_forwarded(frames)
