@@ -10,6 +10,7 @@ sees the load it did not lease and sends every job to the idle server.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -24,12 +25,13 @@ OUTSIDE = 4  # requests sent to vLLM directly, not through rolloutd (each re-sen
 JOBS = 3     # through rolloutd: on the idle server they reach 0, 1, 2 leases, below vLLM's load
 
 
-@pytest.fixture
+@contextlib.contextmanager
 def outside_load(vllm_server):
     """OUTSIDE long generations on vLLM from a process the router knows nothing of; killed at
     the end (its connections close: vLLM aborts what they were generating). Started 0.5 s apart,
     so that their re-sends do not fall together: vLLM's count dips by one at a time, never to
-    the idle server's."""
+    the idle server's. Started once rolloutd is up: vLLM generating on both cores slowed the six
+    daemons' start past the 90 s readiness wait in a CI run."""
     body = json.dumps({"model": vllm_server.model, "prompt": [1, 2, 3, 4], "max_tokens": 3000, "ignore_eos": True})
     code = (f"import threading, httpx\n"
             f"import time\n"
@@ -41,12 +43,14 @@ def outside_load(vllm_server):
             f"ts = [threading.Thread(target=one, args=(i,)) for i in range({OUTSIDE})]\n"
             f"[t.start() for t in ts]\n")
     proc = subprocess.Popen([sys.executable, "-c", code])
-    yield proc
-    proc.kill()
-    proc.wait(timeout=30)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
-def test_least_load_routes_around_load_the_router_did_not_lease(up_factory, vllm_server, outside_load):
+def test_least_load_routes_around_load_the_router_did_not_lease(up_factory, vllm_server):
     from rolloutd.backends.policies import get_policy
     from rolloutd.backends.scripted import ScriptedBackend
 
@@ -54,7 +58,7 @@ def test_least_load_routes_around_load_the_router_did_not_lease(up_factory, vllm
     idle.start()
     try:
         up = up_factory("router.policy=least_load", "router.health_interval_s=0.3")
-        with up.client() as c:
+        with outside_load(vllm_server), up.client() as c:
             c.add_backend(vllm_server.url, api="vllm", policy_version=0)
             c.add_backend(idle.url, api="vllm", policy_version=0)
 
