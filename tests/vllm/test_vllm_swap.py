@@ -26,11 +26,12 @@ from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
-# Long enough that every job is mid-generation at the swap (tens of tokens/s each here; 300 was
-# not: in one CI run the first job had sampled all 300 before the third one started), and
+# Long enough that every job is mid-generation at the swap (hundreds of tokens/s each when the
+# machine is quiet; 300 was not: in one CI run the first job had sampled all 300 before the third
+# one started; 1024 was not either once, with the daemons just started and starved), and
 # ignore_eos: the random tiny model samples EOS now and then (a job that ended before the swap
 # failed this test in two full runs: its sampler state depends on the requests before it).
-MAX_TOKENS = 1024
+MAX_TOKENS = 2048
 JOBS = 3
 PROMPT_LEN = 16
 
@@ -56,9 +57,15 @@ def recomputed_logprobs(vllm, ids: list[int]) -> list[float]:
 def test_continue_across_a_swap_with_vllms_real_abort(up_factory, vllm_server):
     v0, v1 = vllm_server.url, vllm_server.url + "/"
     up = up_factory("router.max_policy_lag=0", "router.stale_policy=continue")
-    before = metrics(v0)
     with up.client() as c:
         c.add_backend(v0, api="vllm", policy_version=0)
+        # One short job through first: the daemons just started (imports, tokenizer, connection
+        # pool) and, with vLLM on both cores, their loops ran 3-7 s late in a CI run, which
+        # staggered the three jobs until none overlapped. Warm, they start together.
+        warm = c.submit([{"handler": "synthetic_llm", "instance_id": "warm",
+                          "instance": {"seed": 99, "llm_calls": 1, "max_tokens": 4, "prompt_len": PROMPT_LEN}}])
+        assert [r["status"] for r in c.gather(warm, timeout_s=120)] == ["ok"]
+        before = metrics(v0)
         ids = c.submit([{"handler": "synthetic_llm", "instance_id": f"s{i}",
                          "instance": {"seed": i, "llm_calls": 1, "max_tokens": MAX_TOKENS, "prompt_len": PROMPT_LEN,
                                       "ignore_eos": True}}
