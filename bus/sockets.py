@@ -284,10 +284,6 @@ class InWaiter:
             await self.poller.poll(timeout_ms - block)
 
 
-def sync_poller():
-    return zmq.Poller()
-
-
 def generate_keys(keys_dir: str | os.PathLike, names: list[str]) -> list[Path]:
     """Make CURVE key pairs: ``server`` plus each name; public keys of clients are copied
     into ``authorized/`` (the server accepts exactly those)."""

@@ -101,22 +101,22 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY):
     b = session.bounds
     gate = _Gate()
 
-    async def timed_send(send, msg) -> None:
+    async def timed_send(send, start: dict, body: bytes) -> None:
         # A client that never takes its reply must not hold the request (and its job's slot) forever.
-        # asyncio.timeout, not wait_for: no task per send (wait_for's is 2 of them per reply).
+        # asyncio.timeout, not wait_for: no task per send (wait_for's is 2 of them per reply); one
+        # for the whole reply, its head and its body.
         async with asyncio.timeout(b.send_timeout_s):
-            await send(msg)
+            await send(start)
+            await send({"type": "http.response.body", "body": body})
 
     async def send_json(send, status: int, payload: bytes, extra: list | None = None) -> None:
         headers = _JSON + [(b"content-length", str(len(payload)).encode())] + (extra or [])
-        await timed_send(send, {"type": "http.response.start", "status": status, "headers": headers})
-        await timed_send(send, {"type": "http.response.body", "body": payload})
+        await timed_send(send, {"type": "http.response.start", "status": status, "headers": headers}, payload)
 
     async def send_sse(send, chunks: list[bytes]) -> None:
         # Every event is known before the first is sent (the reply is complete): one body, one
         # write, the same bytes as one send per event (which cost a write and a wakeup each).
-        await timed_send(send, {"type": "http.response.start", "status": 200, "headers": _SSE})
-        await timed_send(send, {"type": "http.response.body", "body": b"".join(chunks)})
+        await timed_send(send, {"type": "http.response.start", "status": 200, "headers": _SSE}, b"".join(chunks))
 
     def authorized(scope) -> bool:
         """``Authorization: Bearer`` (OpenAI, Anthropic's auth token), ``x-api-key`` (Anthropic),

@@ -41,7 +41,7 @@ class EndpointBounds:
     max_header_bytes: int = 64 * 1024  # request line + headers (h11's max incomplete event size): 400
     max_headers: int = 100  # header fields: 431
     request_timeout_s: float = 30.0  # a request (headers and body) not complete this long after its first byte: 408
-    send_timeout_s: float = 60.0  # a reply the client does not take in this long: the connection is closed
+    send_timeout_s: float = 60.0  # a reply (head and body) the client does not take in this long: the connection is closed
     max_connections: int = 64  # open connections per job: more are answered 503 and closed
     max_inflight: int = 16  # requests being handled per job: more get 429
     max_depth: int = 400  # JSON nesting: deeper bodies get 400

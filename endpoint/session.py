@@ -28,7 +28,8 @@ Interface (what the harness handler uses)::
   :countTokens``; each answers errors in its own shape.
 * A session's requests run concurrently; each conversation is extended by one at a time.
   Request parsing, rendering and tokenization run in endpoint threads, never on the caller's
-  loop; ``EndpointBounds`` bounds what one job's traffic may cost (docs/HARNESS.md, "Bounds").
+  loop (only a short sampled reply is parsed there); ``EndpointBounds`` bounds what one job's
+  traffic may cost (docs/HARNESS.md, "Bounds").
 * ``parser`` names a tool-call parser of the registry (``rolloutd.llm.toolparse``); ``conv_options``
   are extra ``Conversation`` keywords (model-family settings); ``api_key`` is checked when set.
 
@@ -77,6 +78,10 @@ log = structlog.get_logger("rolloutd.llm")
 __all__ = ["EndpointSession", "GenerateFn"]
 
 GenerateFn = Callable[[Any, SamplingParams], Awaitable[tuple[Generation, str, int]]]
+
+# A sampled reply this long or shorter is parsed on the loop (EndpointSession._short): ~0.1 ms
+# (Hermes, Qwen2.5 tokenizer; 512 tokens took 0.19 ms).
+INLINE_REPLY_TOKENS = 256
 
 
 class EndpointSession:
@@ -128,26 +133,38 @@ class EndpointSession:
         self.tree.conv_options = value
 
     # -- bounds ----------------------------------------------------------------------------
-    async def _offload(self, fn, *args):
-        """Run ``fn(*args)`` in an endpoint thread, one at a time per job; its CPU time, an
-        encode worker's included, is counted against ``limits.max_cpu_s``, and long texts are
-        tokenized in a worker bounded by the context window and the CPU left (encode_bounds)."""
+    def _counted(self, fn, *args):
+        """``fn(*args)`` in this thread, its CPU time (an encode worker's included) counted against
+        ``limits.max_cpu_s``, long texts tokenized in a worker bounded by the context window and
+        the CPU left (encode_bounds)."""
         lim = self.limits
+        t0, w0 = time.thread_time(), ENCODE_STATS.cpu_s
+        try:
+            cpu = min(lim.max_request_cpu_s, max(0.1, lim.max_cpu_s - self.metrics["endpoint_cpu_s"]))
+            with encode_bounds(lim.max_context, cpu):
+                return fn(*args)
+        finally:
+            self.metrics["endpoint_cpu_s"] += time.thread_time() - t0 + ENCODE_STATS.cpu_s - w0
 
-        def timed():
-            t0, w0 = time.thread_time(), ENCODE_STATS.cpu_s
-            try:
-                cpu = min(lim.max_request_cpu_s, max(0.1, lim.max_cpu_s - self.metrics["endpoint_cpu_s"]))
-                with encode_bounds(lim.max_context, cpu):
-                    return fn(*args)
-            finally:
-                self.metrics["endpoint_cpu_s"] += time.thread_time() - t0 + ENCODE_STATS.cpu_s - w0
-
+    async def _offload(self, fn, *args):
+        """Run ``fn(*args)`` in an endpoint thread, one at a time per job, counted (``_counted``)."""
         async with self._work:
             try:
-                return await asyncio.get_running_loop().run_in_executor(POOL, timed)
+                return await asyncio.get_running_loop().run_in_executor(POOL, self._counted, fn, *args)
             except EncodeRefused as e:
                 raise encode_refusal(e, self.limits, self.metrics["endpoint_cpu_s"]) from None
+
+    async def _short(self, n_tokens: int, fn, *args):
+        """``fn(*args)`` on the loop when it is work on a reply of at most ``INLINE_REPLY_TOKENS``
+        and none of this job's thread work is running (the tree is then the loop's alone);
+        otherwise ``_offload``. A hand-off to a thread and back costs ~40-80 us of CPU, more than
+        parsing such a reply."""
+        if n_tokens > INLINE_REPLY_TOKENS or self._work.locked():
+            return await self._offload(fn, *args)
+        try:
+            return self._counted(fn, *args)
+        except EncodeRefused as e:
+            raise encode_refusal(e, self.limits, self.metrics["endpoint_cpu_s"]) from None
 
     async def max_body(self) -> int:
         """The largest body this job may send: one whose content could still fit its context
@@ -217,27 +234,43 @@ class EndpointSession:
                      tool_calls=[], reasoning=None, finish_reason="stop", prompt_tokens=0, completion_tokens=0,
                      token_ids=[], logprobs=[])
 
-    def _admit(self, calls: bool = True) -> None:
-        """Refuse a request the job can no longer serve; ``calls``: also one past ``max_llm_calls``
-        (``/v1/completions``; the chat routes answer that with :meth:`_budget_reply`)."""
+    def _refusal(self, calls: bool = True) -> EndpointError | None:
+        """Why the job can no longer serve a request, or None; ``calls``: also one past
+        ``max_llm_calls`` (``/v1/completions``; the chat routes answer that with
+        :meth:`_budget_reply`). Only reads the session: endpoint threads call it too."""
         if self._cancelled is not None:
-            raise self._refuse(EndpointError(503, f"the job is {self._cancelled}; no more LLM calls",
-                                             type="service_unavailable", code="job_" + self._cancelled, retry=False))
+            return EndpointError(503, f"the job is {self._cancelled}; no more LLM calls",
+                                 type="service_unavailable", code="job_" + self._cancelled, retry=False)
         if self.fatal is not None:
-            raise self._refuse(EndpointError(503, f"the job cannot sample any more: {self.fatal}",
-                                             type="service_unavailable", code="job_failed", retry=False))
+            return EndpointError(503, f"the job cannot sample any more: {self.fatal}",
+                                 type="service_unavailable", code="job_failed", retry=False)
         d = self.limits.deadline
         if d is not None and time.monotonic() >= d:
-            raise self._refuse(EndpointError(503, "the job's deadline has passed; no more LLM calls",
-                                             type="service_unavailable", code="deadline_exceeded", retry=False))
+            return EndpointError(503, "the job's deadline has passed; no more LLM calls",
+                                 type="service_unavailable", code="deadline_exceeded", retry=False)
         cap = self.limits.max_llm_calls
         if calls and cap is not None and self.metrics["llm_calls"] >= cap:
-            raise self._refuse(EndpointError(429, f"this job's budget of {cap} LLM calls is spent",
-                                             type="insufficient_quota", code="insufficient_quota", retry=False))
+            return EndpointError(429, f"this job's budget of {cap} LLM calls is spent",
+                                 type="insufficient_quota", code="insufficient_quota", retry=False)
         if self.metrics["endpoint_cpu_s"] > self.limits.max_cpu_s:
-            raise self._refuse(EndpointError(429, f"this job's requests used more than {self.limits.max_cpu_s:g} s "
-                                             "of the endpoint's CPU", type="insufficient_quota",
-                                             code="cpu_budget_exhausted", retry=False))
+            return EndpointError(429, f"this job's requests used more than {self.limits.max_cpu_s:g} s "
+                                 "of the endpoint's CPU", type="insufficient_quota",
+                                 code="cpu_budget_exhausted", retry=False)
+        return None
+
+    def _admit(self, calls: bool = True) -> None:
+        """Refuse (raise) a request the job can no longer serve (:meth:`_refusal`)."""
+        err = self._refusal(calls)
+        if err is not None:
+            raise self._refuse(err)
+
+    def _placed(self, msgs: list[Msg], tools: list | None) -> Segment | None:
+        """The request's segment (``tree.place``) if the loop would serve it now, else None (the
+        loop then answers it as before). In the endpoint thread, right after the request's parse:
+        one hand-off per request, not two."""
+        if self._budget_spent() or self._refusal() is not None:
+            return None
+        return self.tree.place(msgs, tools)
 
     # -- chat ------------------------------------------------------------------------------
     async def chat(self, body: dict | bytes) -> Reply:
@@ -249,18 +282,24 @@ class EndpointSession:
         self._admit(calls=False)
         if self._mbpt is None:
             await self.max_body()
-        body, msgs, tools, parse_calls, samp = await self._offload(self._prepare_chat, body)
-        return await self.serve_messages(msgs, tools, parse_calls, samp, bool(body.get("logprobs"))), body
+
+        def work():
+            p = self._prepare_chat(body)
+            return p, self._placed(p[1], p[2])
+
+        (body, msgs, tools, parse_calls, samp), seg = await self._offload(work)
+        return await self.serve_messages(msgs, tools, parse_calls, samp, bool(body.get("logprobs")), seg), body
 
     async def serve_messages(self, msgs: list[Msg], tools: list | None, parse_calls: bool, samp: Sampling,
-                             want_lp: bool = False) -> Reply:
+                             want_lp: bool = False, seg: Segment | None = None) -> Reply:
         """One translated chat request of any API shape: placed in the conversation it
-        continues (or a new one), sampled, parsed. A job's requests run concurrently; each
-        conversation is extended by one request at a time."""
-        if self._budget_spent():
-            return self._budget_reply()
-        self._admit()
-        seg = await self._offload(self.tree.place, msgs, tools)
+        continues (or a new one; ``seg``: already placed, by :meth:`_placed`), sampled, parsed.
+        A job's requests run concurrently; each conversation is extended by one request at a time."""
+        if seg is None:
+            if self._budget_spent():
+                return self._budget_reply()
+            self._admit()
+            seg = await self._offload(self.tree.place, msgs, tools)
         try:
             if self._budget_spent():  # spent by a request served meanwhile
                 return self._budget_reply()
@@ -273,8 +312,8 @@ class EndpointSession:
                     seg.closed = True
                 raise
             try:  # parsing a long reply is CPU work too: in the job's endpoint thread, not on the loop
-                return await self._offload(self._chat_reply, seg, n_ctx, ids, lps, finish, stop_hit, parse_calls,
-                                           want_lp)
+                return await self._short(len(ids), self._chat_reply, seg, n_ctx, ids, lps, finish, stop_hit,
+                                         parse_calls, want_lp)
             except BaseException:
                 seg.closed = True  # cancelled before its entry was recorded: the turn is in it, unmatched
                 raise
@@ -400,8 +439,13 @@ class EndpointSession:
         self._admit(calls=False)
         if self._mbpt is None:
             await self.max_body()
-        req = await self._offload(self._prepare_wire, raw, parse)
-        return req, await self.serve_messages(req.messages, req.tools, req.parse_calls, req.sampling)
+
+        def work():
+            req = self._prepare_wire(raw, parse)
+            return req, self._placed(req.messages, req.tools)
+
+        req, seg = await self._offload(work)
+        return req, await self.serve_messages(req.messages, req.tools, req.parse_calls, req.sampling, seg=seg)
 
     def _count(self, req: WireRequest) -> int:
         conv = Conversation(self.tokenizer, self.call_ids.prepare([m.template_dict() for m in req.messages]),
@@ -473,7 +517,7 @@ class EndpointSession:
                               "finish_reason": g.finish_reason, "backend": str(backend),
                               "policy_version": int(pv), "latency_s": float(g.latency_s or 0.0),
                               "obs_start": None, "obs_end": None, "continuation": False}]}
-        await self._offload(self.tree.add_raw, seg)  # segments change in endpoint threads only, one per job
+        await self._short(len(out), self.tree.add_raw, seg)  # the tree is changed by one of the job's calls at a time
         ids_out, lps_out = out.tolist(), lp.astype(np.float64).tolist()
         fr = g.finish_reason if g.finish_reason in ("stop", "length") else "stop"
         reply = Reply(id=f"cmpl-{uuid.uuid4().hex}", model=self.model, content=text, tool_calls=[],
