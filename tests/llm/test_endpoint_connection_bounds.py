@@ -120,8 +120,9 @@ def test_a_job_at_its_connection_cap_is_not_accepted_until_one_closes(arun, tmp_
 
 
 def test_a_reply_the_client_never_takes_ends_the_request(qwen_tokenizer, arun):
-    """``send_timeout_s`` bounds each send of a reply: a client that never takes it (the send
-    never completes) ends the request instead of holding it, and its job's slot, forever."""
+    """``send_timeout_s`` bounds the sending of a reply (its head and body together): a client
+    that never takes it (the send never completes) ends the request instead of holding it, and
+    its job's slot, forever."""
     from rolloutd.endpoint.app import make_app
     from rolloutd.endpoint.session import EndpointSession
 
