@@ -84,6 +84,16 @@ GenerateFn = Callable[[Any, SamplingParams], Awaitable[tuple[Generation, str, in
 INLINE_REPLY_TOKENS = 256
 
 
+def _release(seg: Segment | None) -> None:
+    """A placement nobody will serve (its request was cancelled): the conversation is free again."""
+    if seg is not None:
+        seg.busy = False
+
+
+def _release_placed(parsed_and_placed: tuple) -> None:
+    _release(parsed_and_placed[1])
+
+
 class EndpointSession:
     """One job's endpoint: its segments, limits and the backend call in flight."""
 
@@ -146,13 +156,30 @@ class EndpointSession:
         finally:
             self.metrics["endpoint_cpu_s"] += time.thread_time() - t0 + ENCODE_STATS.cpu_s - w0
 
-    async def _offload(self, fn, *args):
-        """Run ``fn(*args)`` in an endpoint thread, one at a time per job, counted (``_counted``)."""
+    async def _offload(self, fn, *args, abandoned: Callable[[Any], None] | None = None):
+        """Run ``fn(*args)`` in an endpoint thread, one at a time per job, counted (``_counted``).
+        A thread cannot be stopped: when the caller is cancelled, the job's turn is kept until
+        the work ends (one writer of the job's conversations) and ``abandoned(result)`` undoes
+        what nobody will use (a placement's busy mark)."""
         async with self._work:
+            fut = asyncio.get_running_loop().run_in_executor(POOL, self._counted, fn, *args)
             try:
-                return await asyncio.get_running_loop().run_in_executor(POOL, self._counted, fn, *args)
+                return await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                while not fut.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(fut)  # a second cancel is this one again: the thread still runs
+                if abandoned is not None and fut.exception() is None:
+                    abandoned(fut.result())
+                raise
             except EncodeRefused as e:
-                raise encode_refusal(e, self.limits, self.metrics["endpoint_cpu_s"]) from None
+                raise self._encode_refusal(e) from None
+
+    async def settled(self) -> None:
+        """Wait until none of this job's thread work runs (a cancelled request's included): before
+        the trajectory is read."""
+        async with self._work:
+            pass
 
     async def _short(self, n_tokens: int, fn, *args):
         """``fn(*args)`` on the loop when it is work on a reply of at most ``INLINE_REPLY_TOKENS``
@@ -164,7 +191,10 @@ class EndpointSession:
         try:
             return self._counted(fn, *args)
         except EncodeRefused as e:
-            raise encode_refusal(e, self.limits, self.metrics["endpoint_cpu_s"]) from None
+            raise self._encode_refusal(e) from None
+
+    def _encode_refusal(self, e: EncodeRefused) -> EndpointError:
+        return encode_refusal(e, self.limits, self.metrics["endpoint_cpu_s"])
 
     async def max_body(self) -> int:
         """The largest body this job may send: one whose content could still fit its context
@@ -287,7 +317,7 @@ class EndpointSession:
             p = self._prepare_chat(body)
             return p, self._placed(p[1], p[2])
 
-        (body, msgs, tools, parse_calls, samp), seg = await self._offload(work)
+        (body, msgs, tools, parse_calls, samp), seg = await self._offload(work, abandoned=_release_placed)
         return await self.serve_messages(msgs, tools, parse_calls, samp, bool(body.get("logprobs")), seg), body
 
     async def serve_messages(self, msgs: list[Msg], tools: list | None, parse_calls: bool, samp: Sampling,
@@ -299,7 +329,7 @@ class EndpointSession:
             if self._budget_spent():
                 return self._budget_reply()
             self._admit()
-            seg = await self._offload(self.tree.place, msgs, tools)
+            seg = await self._offload(self.tree.place, msgs, tools, abandoned=_release)
         try:
             if self._budget_spent():  # spent by a request served meanwhile
                 return self._budget_reply()
@@ -444,7 +474,7 @@ class EndpointSession:
             req = self._prepare_wire(raw, parse)
             return req, self._placed(req.messages, req.tools)
 
-        req, seg = await self._offload(work)
+        req, seg = await self._offload(work, abandoned=_release_placed)
         return req, await self.serve_messages(req.messages, req.tools, req.parse_calls, req.sampling, seg=seg)
 
     def _count(self, req: WireRequest) -> int:

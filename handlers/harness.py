@@ -54,6 +54,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from rolloutd.handlers.base import AgentHandler, JobContext, PhaseTimeout
 from rolloutd.handlers.pytest_grader import AGENT_ERRNOS
 from rolloutd.handlers.harness_presets import AGENT_DIR, PRESETS, agent_script_binds, node_bin, record_requests
@@ -69,6 +71,8 @@ TASK_VIA = ("arg", "file", "stdin")
 TASK_FILE = ".rolloutd_task.md"
 LLM_SOCKET = "llm.sock"
 TAIL_CHARS = 16384  # output_tail and eval_output: the last 16 KiB, as the agent tool's tail_bytes
+
+log = structlog.get_logger("rolloutd.harness")
 
 
 class HarnessInstanceError(ValueError):
@@ -565,6 +569,7 @@ class HarnessHandler(AgentHandler):
                 session.cancel("cancelled")  # refuse new calls, abort the backend request in flight
             await client.close()
             await server.stop()
+            await _settled(session)
             _copy_trajectory(ctx, session)
         agent = {"exit_code": res.exit_code, "timed_out": res.timed_out, "duration_s": round(time.monotonic() - t0, 3),
                  "output_tail": (res.output or "")[-TAIL_CHARS:], "output_bytes": res.info.get("output_bytes"),
@@ -785,6 +790,16 @@ def stdout_reward(out: str, details: dict, why: str | None) -> tuple[float, dict
     except InvalidReward as e:
         details["eval_reward_error"] = details["reason"] = str(e)
         return 0.0, details
+
+
+async def _settled(session, timeout_s: float = 30.0) -> None:
+    """Wait for the endpoint's thread work of requests the server stop cancelled (a placement, a
+    long reply's parse): it changes the conversations the trajectory is read from."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await session.settled()
+    except TimeoutError:
+        log.warning("endpoint_thread_work_outlived_job", timeout_s=timeout_s)
 
 
 def _copy_trajectory(ctx: JobContext, session) -> None:
