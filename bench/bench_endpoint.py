@@ -25,7 +25,8 @@ through the same path, untimed (system, task, then tool call + tool result pairs
 real one), then ``--history-calls`` calls are measured, each resending the whole history.
 The endpoint keeps, per session, the previous request's translated messages (chat:
 ``parse_messages``' ``prev``; other shapes: ``wire.memo_items``/``memo_value``; the body's
-nesting walk: ``bounds.load_body``'s ``prev``), so only the new messages are translated; the
+JSON and nesting walk: ``bounds.load_body``'s ``resent``), so only the new messages are decoded
+and translated; the
 same calls are also run with that cache off (``uncached``: the bench swaps those names for the
 run, no production code changes) to show what it saves. A rollout's connection idle at the gate
 for more than 3 s is reopened by its first measured call (the server closes idle ones at 5 s).
@@ -296,7 +297,7 @@ def translation_cache(on: bool):
 
     saved = [(sm, "parse_messages", sm.parse_messages), (sm, "load_body", sm.load_body)]
     sm.parse_messages = lambda raw, prev=None: chat.parse_messages(raw, None)
-    sm.load_body = lambda raw, depth, prev=None: bounds.load_body(raw, depth, None)  # the nesting walk in full
+    sm.load_body = lambda raw, depth, resent=None: bounds.load_body(raw, depth, None)  # json.loads, the walk in full
     for m in (anthropic, responses, gemini):
         saved += [(m, "memo_items", m.memo_items), (m, "memo_value", m.memo_value)]
         m.memo_items = lambda items, fn, cache: wire.memo_items(items, fn, None)
@@ -451,6 +452,7 @@ def breakdown(shape: str, prev: bytes, cur: bytes, tok, n: int = 15) -> dict:
     last two bodies of a rollout (``cur`` resends ``prev``'s history plus one call and its
     result). ms of thread CPU, medians of ``n``."""
     from rolloutd.endpoint.bounds import EndpointBounds, nesting_ok
+    from rolloutd.endpoint.resent import ResentBodies
     from rolloutd.endpoint.shapes import anthropic, gemini, responses
 
     def ms(f) -> float:
@@ -467,6 +469,11 @@ def breakdown(shape: str, prev: bytes, cur: bytes, tok, n: int = 15) -> dict:
 
     async def no_backend(ids, params):
         raise AssertionError("no LLM call")
+
+    def resent_decode():
+        r = ResentBodies()
+        r.keep(r.decode(prev))
+        return lambda: r.decode(cur)
 
     def prepared(cache_on: bool):
         def setup():
@@ -488,6 +495,7 @@ def breakdown(shape: str, prev: bytes, cur: bytes, tok, n: int = 15) -> dict:
     return {"bytes": len(cur), "messages_in_body": len(body.get("messages") or body.get("input")
                                                        or body.get("contents") or ()),
             "json_loads_ms": ms(lambda: lambda: json.loads(cur)),
+            "resent_decode_ms": ms(resent_decode),
             "nesting_walk_full_ms": ms(lambda: lambda: nesting_ok(body, depth)),
             "nesting_walk_after_prev_ms": ms(lambda: lambda: nesting_ok(body, depth, pbody)),
             "prepare_cached_ms": ms(prepared(True)), "prepare_uncached_ms": ms(prepared(False))}
@@ -605,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
               f"parse {v['parse_ms_per_call']:.3f}) {ok}")
     for shape, v in parts.items():
         print(f"# {shape} request of {v['messages_in_body']} history items ({v['bytes']} bytes), one thread: json.loads "
-              f"{v['json_loads_ms']:.3f} ms, nesting walk {v['nesting_walk_full_ms']:.3f} (skipping the last body's "
+              f"{v['json_loads_ms']:.3f} ms (the resent history reused: {v['resent_decode_ms']:.3f}), nesting walk {v['nesting_walk_full_ms']:.3f} (skipping the last body's "
               f"items {v['nesting_walk_after_prev_ms']:.3f}), whole translation {v['prepare_cached_ms']:.3f} "
               f"(uncached {v['prepare_uncached_ms']:.3f})")
     if args.json:

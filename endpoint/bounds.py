@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..llm.encode_worker import EncodeRefused
+from .resent import ResentBodies
 from .wire import EndpointError, Msg, bad
 
 
@@ -115,7 +116,8 @@ def nesting_ok(obj: Any, limit: int, prev: Any = None) -> bool:
             p = prev.get(k)
             if type(v) is list and type(p) is list:  # the list is at depth 2, its items at 3
                 n = len(p)
-                stack.extend((x, 3) for i, x in enumerate(v) if type(x) in (dict, list) and not (i < n and x == p[i]))
+                stack.extend((x, 3) for i, x in enumerate(v)
+                             if type(x) in (dict, list) and not (i < n and (x is p[i] or x == p[i])))
             elif type(v) in (dict, list):
                 stack.append((v, 2))
     while stack:
@@ -129,21 +131,24 @@ def nesting_ok(obj: Any, limit: int, prev: Any = None) -> bool:
     return True
 
 
-def load_body(raw: bytes | dict, depth: int, prev: dict | None = None) -> dict:
-    """The JSON body (bounded nesting) as a dict; runs in an endpoint thread. ``prev``: the
-    job's previous body that this returned (see :func:`nesting_ok`)."""
+def load_body(raw: bytes | dict, depth: int, resent: ResentBodies | None = None) -> dict:
+    """The JSON body (bounded nesting) as a dict; runs in an endpoint thread. ``resent``: the
+    job's bodies so far (see :mod:`.resent`): the history the body resends is neither decoded
+    nor walked again (:func:`nesting_ok`'s ``prev``)."""
     if isinstance(raw, dict):
         return raw
     try:
-        body = json.loads(raw)
+        body = json.loads(raw) if resent is None else resent.decode(raw)
     except RecursionError:
         body = None
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the body is not valid JSON: {e}") from None
-    if body is None or not nesting_ok(body, depth, prev):
+    if body is None or not nesting_ok(body, depth, resent.body if resent is not None else None):
         raise bad(f"the body is nested deeper than {depth} levels")
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
+    if resent is not None:
+        resent.keep(body)
     return body
 
 

@@ -69,6 +69,7 @@ from .bounds import (POOL, EndpointBounds, EndpointLimits, check_size, encode_re
                      unaddressed)
 from ..llm.encode_worker import ENCODE_STATS, EncodeRefused
 from .shapes.chat import parse_messages, parse_sampling, parse_tool_choice, parse_tools
+from .resent import ResentBodies
 from .stops import TokenText, apply_stop
 from .tree import ConversationTree, Gen, Segment
 from .wire import EndpointError, Msg, Reply, Sampling, WireRequest, bad, canon_args
@@ -122,7 +123,7 @@ class EndpointSession:
         self._cancelled: str | None = None
         self.text = TokenText(tokenizer)  # sampled ids -> text (stop strings, logprobs' tokens)
         self._prev_msgs: tuple[list, list[Msg]] | None = None
-        self._prev_body: dict | None = None  # the last request body that passed load_body's nesting check
+        self._resent = ResentBodies()  # the request bodies so far: their resent history is not decoded again
         self.bounds = EndpointBounds()
         self._work = asyncio.Semaphore(1)  # this job's share of the endpoint threads: one at a time
         self._mbpt: int | None = None
@@ -205,11 +206,9 @@ class EndpointSession:
         return self.limits.max_context * self._mbpt * b.json_expansion + b.json_overhead
 
     def _load(self, raw: bytes | dict) -> dict:
-        """The request body; its history's nesting is walked only where it differs from the last one's."""
-        body = load_body(raw, self.bounds.max_depth, self._prev_body)
-        if not isinstance(raw, dict):  # a dict was never walked (a caller's own object)
-            self._prev_body = body
-        return body
+        """The request body; the history it resends is decoded and walked only where it differs
+        from the last body's."""
+        return load_body(raw, self.bounds.max_depth, self._resent)
 
     def _prepare_chat(self, raw: bytes | dict):
         """Parse and check a chat request, the cheap refusals first; runs in an endpoint thread."""

@@ -26,7 +26,7 @@ def parse_messages(raw: Any, prev: tuple[list, list[Msg]] | None = None) -> list
     prev_raw, prev_msgs = prev if prev is not None else ((), ())
     n_prev = len(prev_raw)
     for i, m in enumerate(raw):
-        if i < n_prev and m == prev_raw[i]:
+        if i < n_prev and (m is prev_raw[i] or m == prev_raw[i]):
             out.append(prev_msgs[i])
             continue
         where = f"messages[{i}]"

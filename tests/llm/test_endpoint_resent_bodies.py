@@ -1,0 +1,165 @@
+"""A job's request bodies decoded without decoding again the history they resend
+(``endpoint/resent.py``): the value and every error are ``json.loads``' own, for bodies that
+extend, edit, reorder, shrink or break the previous one; the unchanged items are the previous
+body's objects. An agent controls every byte of a body: nothing it sends may decode differently."""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from rolloutd.endpoint.bounds import load_body
+from rolloutd.endpoint.resent import ResentBodies
+from rolloutd.endpoint.wire import EndpointError
+
+
+def same(a, b) -> bool:
+    """Equal as JSON values, NaN included, types kept (1 vs 1.0 vs True), key order included."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return (math.isnan(a) and math.isnan(b)) or a == b
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def outcome(fn, raw):
+    try:
+        return "ok", fn(raw)
+    except (ValueError, RecursionError) as e:
+        return "error", (type(e), str(e))
+
+
+def check(r: ResentBodies, raw: bytes):
+    want, got = outcome(json.loads, raw), outcome(r.decode, raw)
+    assert want[0] == got[0], (raw[:200], want, got)
+    if want[0] == "ok":
+        assert same(want[1], got[1]), raw[:200]
+        if isinstance(got[1], dict):
+            r.keep(got[1])
+    else:
+        assert want[1] == got[1]
+    return got
+
+
+def msg(i: int, rng: random.Random) -> dict:
+    kind = rng.randrange(4)
+    if kind == 0:
+        return {"role": "user", "content": f"task {i} \u00e9\u4e2d \U0001F600 \"quoted\" \\ back"}
+    if kind == 1:
+        return {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{i}", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"cmd": f"ls {i}"})}}]}
+    if kind == 2:
+        return {"role": "tool", "tool_call_id": f"call_{i}", "content": "x" * rng.randrange(50) + "\n\t"}
+    return {"role": "user", "content": [{"type": "text", "text": f"part {i}"}, {"type": "text", "text": "[]{},:"}]}
+
+
+def dumps(body: dict, rng: random.Random, style: int) -> bytes:
+    if style == 0:
+        return json.dumps(body).encode()
+    if style == 1:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    if style == 2:
+        return json.dumps(body, indent=2).encode()
+    return (" \n" + json.dumps(body, separators=(" , ", " : ")) + "\r\n").encode("utf-16" if rng.random() < 0.3 else "utf-8")
+
+
+def test_a_growing_history_decodes_as_json_loads_and_reuses_the_unchanged_items():
+    rng = random.Random(7)
+    r = ResentBodies()
+    msgs = [{"role": "system", "content": "you are a coder"}]
+    prev = None
+    for i in range(60):
+        msgs = msgs + [msg(i, rng) for _ in range(rng.randrange(1, 3))]
+        body = {"model": "m", "messages": msgs, "tools": [{"type": "function", "function": {"name": "bash"}}],
+                "max_tokens": 64}
+        if i % 7 == 3:
+            body = {"messages": msgs, "model": "m"}  # the history first
+        _, got = check(r, dumps(body, rng, 0))
+        if prev is not None and i % 7 not in (3, 4):  # same layout as the body before: its items are reused
+            n = len(prev["messages"])
+            assert all(got["messages"][j] is prev["messages"][j] for j in range(n))
+        prev = got
+
+
+def test_an_edited_shrunk_or_reordered_history_is_decoded_again_where_it_differs():
+    rng = random.Random(11)
+    r = ResentBodies()
+    msgs = [msg(i, rng) for i in range(40)]
+    _, first = check(r, json.dumps({"model": "m", "messages": msgs}).encode())
+    edited = [dict(m) for m in msgs]
+    edited[17] = {**edited[17], "content": "the agent rewrote this one"}  # a compaction, an edit
+    _, got = check(r, json.dumps({"model": "m", "messages": edited + [msg(99, rng)]}).encode())
+    assert all(got["messages"][j] is first["messages"][j] for j in range(17))
+    assert got["messages"][17]["content"] == "the agent rewrote this one"
+    assert all(got["messages"][j] is not first["messages"][j] for j in range(17, 40))
+    # one character changed inside an early item, same length: nothing after it is taken over
+    raw = json.dumps({"model": "m", "messages": edited + [msg(99, rng)]})
+    at = raw.index("the agent rewrote")
+    check(r, (raw[:at] + "The" + raw[at + 3:]).encode())
+    check(r, json.dumps({"model": "m", "messages": edited[:5]}).encode())  # shrunk
+    check(r, json.dumps({"model": "m", "messages": list(reversed(edited))}).encode())  # reordered
+    check(r, json.dumps({"model": "n", "messages": edited}).encode())  # something before the history changed
+    check(r, json.dumps({"model": "m", "messages": []}).encode())
+    check(r, json.dumps({"model": "m", "input": edited}).encode())  # another shape's key
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_bodies_and_their_corruptions_decode_or_fail_as_json_loads(seed):
+    """Every prefix cut, byte flip, splice and duplicate of a history body, after a body that
+    passed: the same value or the same error as json.loads, NaN and big ints included."""
+    rng = random.Random(seed)
+    r = ResentBodies()
+    msgs = [msg(i, rng) for i in range(12)]
+    base = {"model": "m", "messages": msgs, "temperature": float("nan") if seed % 2 else 0.5, "seed": 10 ** 30}
+    for style in range(4):
+        check(r, dumps(base, rng, style))
+    good = json.dumps({**base, "messages": msgs + [msg(50, rng)]})
+    check(r, json.dumps(base).encode())
+    for _ in range(150):
+        t = good
+        op = rng.randrange(6)
+        if op == 0:
+            t = t[:rng.randrange(len(t))]  # cut
+        elif op == 1:
+            j = rng.randrange(len(t))
+            t = t[:j] + rng.choice('{}[],:" \\x0e') + t[j + 1:]  # one character replaced
+        elif op == 2:
+            j = rng.randrange(len(t))
+            t = t[:j] + t[j:j + rng.randrange(1, 20)] + t[j:]  # a piece repeated
+        elif op == 3:
+            t = t.replace('"model"', '"messages"', 1)  # a duplicate key: json.loads keeps the last
+        elif op == 4:
+            t = t + rng.choice([" ", "x", "{}", ",", "\x00"])  # after the object
+        else:
+            t = t.replace("}]", "},]", 1)  # a trailing comma
+        check(r, t.encode())
+        if rng.random() < 0.3:
+            check(r, good.encode())  # back to a body that extends a kept one
+    check(r, b"\xef\xbb\xbf" + good.encode())  # a UTF-8 BOM, which json.loads takes from bytes
+    check(r, b"\xff\xfe{")  # not decodable
+    check(r, b"[1, 2]")  # not an object
+    check(r, b"")
+
+
+def test_load_body_refuses_with_the_resent_history_as_without():
+    """load_body with the job's bodies: the same 400s (invalid JSON, too deep, not an object), and
+    a refused body is not kept for the next one."""
+    r = ResentBodies()
+    msgs = [{"role": "user", "content": "hi"}] * 3
+    ok = json.dumps({"messages": msgs}).encode()
+    assert load_body(ok, 8, r)["messages"] == msgs and r.body is not None
+    deep = json.dumps({"messages": msgs + [{"role": "user", "content": [[[[[[["x"]]]]]]]}]}).encode()
+    for raw in (deep, b"{\"messages\": [", b"[]", b"{" * 100_000):
+        with pytest.raises(EndpointError) as e1:
+            load_body(raw, 8)
+        with pytest.raises(EndpointError) as e2:
+            load_body(raw, 8, r)
+        assert (e1.value.status, e1.value.message) == (e2.value.status, e2.value.message)
+    kept = r.body
+    assert load_body(ok, 8, r) == json.loads(ok) and r.body is not kept
