@@ -9,6 +9,7 @@ for OpenAI Chat Completions and Completions, ``responses``, ``anthropic``, ``gem
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import time
@@ -200,6 +201,32 @@ def memo_items(items: list, fn: Any, cache: dict | None) -> list:
     if cache is not None:
         cache["items"], cache["out"] = items, out
     return out
+
+
+def assembled_before(pieces: list, cache: dict | None) -> tuple[int, list, list]:
+    """Where to resume assembling messages from ``pieces`` (``memo_items``' result): the previous
+    call's messages (``keep_assembled``) up to its last clean point -- an item boundary after which
+    no message was still being built -- among the leading items whose pieces are that call's very
+    objects (so a resent history is not assembled again, and its messages match the conversation
+    by identity). Returns (items done, their messages, the clean points so far as (items, messages)).
+    A message is never changed once past a clean point."""
+    prev = cache.get("assembled") if cache is not None else None
+    if prev is None:
+        return 0, [], []
+    p_pieces, marks, p_msgs = prev
+    n, k = min(len(p_pieces), len(pieces)), 0
+    while k < n and pieces[k] is p_pieces[k]:
+        k += 1
+    j = bisect.bisect_right(marks, (k, math.inf))  # the last clean point at or before item k
+    if not j:
+        return 0, [], []
+    return marks[j - 1][0], p_msgs[:marks[j - 1][1]], marks[:j]
+
+
+def keep_assembled(cache: dict | None, pieces: list, marks: list, msgs: list) -> None:
+    """Remember this call's assembly for the next (``assembled_before``)."""
+    if cache is not None:
+        cache["assembled"] = (pieces, marks, msgs)
 
 
 def memo_value(raw: Any, fn: Any, cache: dict | None, key: str) -> Any:

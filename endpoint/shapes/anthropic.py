@@ -32,8 +32,8 @@ import math
 import re
 from typing import Any
 
-from ..wire import (EndpointError, Msg, Reply, Sampling, WireRequest, args_object, bad, canon_args, dumps, memo_items,
-                   memo_value, tools_given)
+from ..wire import (EndpointError, Msg, Reply, Sampling, WireRequest, args_object, assembled_before, bad, canon_args, dumps,
+                    keep_assembled, memo_items, memo_value, tools_given)
 
 __all__ = ["call_id_of", "count_tokens_response", "error_body", "parse", "parse_count_tokens", "response",
            "stream_events", "tool_use_id"]
@@ -207,28 +207,16 @@ def _messages(body: dict, cache: dict | None) -> list[Msg]:
 
 
 def _assembled(items: list, cache: dict | None) -> list[Msg]:
-    """The messages of the translated ``items`` (each a tuple of pieces). The previous call's
-    messages (``cache``) are reused for the leading items whose pieces are the very objects of
-    that call (``memo_items`` reused them: the item was equal), so a resent history is not
-    assembled again; a message is never changed once built."""
-    prev = cache.get("assembled") if cache is not None else None
-    k = 0
-    msgs: list[Msg] = []
-    ends: list[int] = []  # len(msgs) after each item
-    if prev is not None:
-        p_items, p_ends, p_msgs = prev
-        n = min(len(p_items), len(items))
-        while k < n and items[k] is p_items[k]:
-            k += 1
-        if k:
-            msgs, ends = p_msgs[:p_ends[k - 1]], p_ends[:k]
+    """The messages of the translated ``items`` (each a tuple of pieces), resuming from the
+    previous call's (``assembled_before``: every item boundary is a clean point here)."""
+    start, msgs, marks = assembled_before(items, cache)
     names: dict[str, str] = {}  # tool_use id -> tool name, for the tool messages
-    for pieces in items[:k]:
+    for pieces in items[:start]:
         for p in pieces:
             if p[0] == "assistant":
                 names.update(zip(p[3], (n for n, _ in p[2])))
-    for pieces in items[k:]:
-        for p in pieces:
+    for i in range(start, len(items)):
+        for p in items[i]:
             if p[0] == "assistant":
                 _, text, calls, ids, reasoning = p
                 names.update(zip(ids, (n for n, _ in calls)))
@@ -237,9 +225,8 @@ def _assembled(items: list, cache: dict | None) -> list[Msg]:
                 msgs.append(Msg(role="tool", content=p[2], name=names.get(p[1]), tool_call_id=p[1]))
             else:
                 msgs.append(Msg(role=p[0], content=p[1]))
-        ends.append(len(msgs))
-    if cache is not None:
-        cache["assembled"] = (items, ends, msgs)
+        marks.append((i + 1, len(msgs)))
+    keep_assembled(cache, items, marks, msgs)
     return msgs
 
 

@@ -30,8 +30,8 @@ import json
 import math
 from typing import Any
 
-from ..wire import (EndpointError, Msg, Reply, Sampling, WireRequest, args_object, bad, canon_args, dumps, memo_items,
-                   memo_value, tools_given)
+from ..wire import (EndpointError, Msg, Reply, Sampling, WireRequest, args_object, assembled_before, bad, canon_args, dumps,
+                    keep_assembled, memo_items, memo_value, tools_given)
 
 __all__ = ["count_tokens_response", "error_body", "parse", "parse_count_tokens", "response", "stream_chunks"]
 
@@ -215,22 +215,27 @@ def _content(c: Any, i: int) -> tuple:
 
 
 def _contents(raw: Any, out: list[Msg], cache: dict | None = None) -> None:
+    """Translated contents assembled into messages, resuming from the previous call's assembly
+    (``assembled_before``) at a point where no model turn was open and no call unanswered."""
     if not isinstance(raw, list) or not raw:
         raise bad("* GenerateContentRequest.contents: contents is not specified", "contents")
+    pieces = memo_items(raw, _content, cache)
+    start, msgs, marks = assembled_before(pieces, cache)
     prev_model = False
     pending: list[tuple[str, str]] = []  # (id, name) of the last model turn's calls not answered yet
-    for p in memo_items(raw, _content, cache):
+    for i in range(start, len(pieces)):
+        p = pieces[i]
         if p[0] == "model":
             _, text, thoughts, calls, ids = p
-            pending = ([] if not prev_model else pending) + [(i, n) for i, (n, _) in zip(ids, calls)]
+            pending = ([] if not prev_model else pending) + [(cid, n) for cid, (n, _) in zip(ids, calls)]
             if prev_model:  # consecutive model contents are one turn (a chat records one per streamed chunk)
-                m = out[-1]
+                m = msgs[-1]
                 m.content += text
                 m.calls, m.call_ids = m.calls + calls, m.call_ids + ids
                 if thoughts:
                     m.reasoning = (m.reasoning or "") + thoughts
             else:
-                out.append(Msg(role="assistant", content=text, calls=calls, call_ids=ids, reasoning=thoughts))
+                msgs.append(Msg(role="assistant", content=text, calls=calls, call_ids=ids, reasoning=thoughts))
             prev_model = True
         else:
             prev_model = False
@@ -238,9 +243,13 @@ def _contents(raw: Any, out: list[Msg], cache: dict | None = None) -> None:
                 hit = next((k for k, pc in enumerate(pending) if (pc[0] == tid if tid else pc[1] == n)), None)
                 if hit is not None:  # a response without an id answers the first open call of its name
                     tid = pending.pop(hit)[0]
-                out.append(Msg(role="tool", content=t, name=n, tool_call_id=tid))
+                msgs.append(Msg(role="tool", content=t, name=n, tool_call_id=tid))
             if p[2] is not None:
-                out.append(Msg(role="user", content=p[2]))
+                msgs.append(Msg(role="user", content=p[2]))
+        if not prev_model and not pending:
+            marks.append((i + 1, len(msgs)))
+    keep_assembled(cache, pieces, marks, msgs)
+    out.extend(msgs)
 
 
 def _number(cfg: dict, camel: str, snake: str, lo: float | None, hi: float | None, cast=float) -> Any:

@@ -39,8 +39,8 @@ import base64
 import time
 from typing import Any
 
-from ..wire import (EndpointError, Msg, Reply, Sampling, WireRequest, bad, call_arguments, canon_args, dumps,
-                   memo_items, memo_value, number, tools_given)
+from ..wire import (EndpointError, Msg, Reply, Sampling, WireRequest, assembled_before, bad, call_arguments, canon_args,
+                    dumps, keep_assembled, memo_items, memo_value, number, tools_given)
 
 __all__ = ["conversation_items", "error_body", "output_items", "parse", "response", "response_id",
            "stream_events"]
@@ -254,8 +254,11 @@ def _item(it: Any, where: str) -> tuple:
 
 def _items(items: list, out: list[Msg], where0: str, cache: dict | None = None) -> None:
     """Translated items assembled into messages: a run of assistant-side items (reasoning, an
-    assistant message, calls) is one assistant message, as one reply renders it."""
-    names: dict[str, str] = {}
+    assistant message, calls) is one assistant message, as one reply renders it. Resumes from the
+    previous call's assembly (``assembled_before``) at a point where no run was open."""
+    pieces = memo_items(items, lambda it, i: _item(it, f"{where0}[{i}]"), cache)
+    start, msgs, marks = assembled_before(pieces, cache)
+    names: dict[str, str] = {p[3]: p[1] for p in pieces[:start] if p[0] == "call"}
     cur: Msg | None = None  # the assistant message a run of assistant-side items is building
     reasoning: str | None = None  # a reasoning item waiting for its message
 
@@ -264,10 +267,11 @@ def _items(items: list, out: list[Msg], where0: str, cache: dict | None = None) 
         if cur is None:
             cur = Msg(role="assistant", content="", reasoning=reasoning)
             reasoning = None
-            out.append(cur)
+            msgs.append(cur)
         return cur
 
-    for p in memo_items(items, lambda it, i: _item(it, f"{where0}[{i}]"), cache):
+    for i in range(start, len(pieces)):
+        p = pieces[i]
         k = p[0]
         if k == "message":
             if p[1] == "assistant":
@@ -277,7 +281,7 @@ def _items(items: list, out: list[Msg], where0: str, cache: dict | None = None) 
                 m.content += p[2]
                 continue
             cur, reasoning = None, None  # reasoning not followed by an assistant turn: nothing to attach it to
-            out.append(Msg(role=p[1], content=p[2]))
+            msgs.append(Msg(role=p[1], content=p[2]))
         elif k == "reasoning":
             cur = None
             reasoning = p[1]
@@ -288,7 +292,11 @@ def _items(items: list, out: list[Msg], where0: str, cache: dict | None = None) 
             names[p[3]] = p[1]
         elif k == "output":
             cur, reasoning = None, None
-            out.append(Msg(role="tool", content=p[2], name=names.get(p[1]), tool_call_id=p[1]))
+            msgs.append(Msg(role="tool", content=p[2], name=names.get(p[1]), tool_call_id=p[1]))
+        if cur is None and reasoning is None:
+            marks.append((i + 1, len(msgs)))
+    keep_assembled(cache, pieces, marks, msgs)
+    out.extend(msgs)
 
 
 def parse(body: Any, history: list | None = None, cache: dict | None = None) -> WireRequest:
