@@ -131,26 +131,27 @@ class ResentBodies:
         its ``]``. ``reuse``: leading items that are ``prev``'s, character for character."""
         if reuse:
             items, ends = prev.items[:reuse], prev.ends[:reuse]
-            pos = _WS(text, ends[-1]).end()
-            c = text[pos]
-            if c == "]":
-                return items, ends, pos + 1
-            if c != ",":
-                raise _Malformed
-            pos = _WS(text, pos + 1).end()
+            pos = _next_item(text, ends[-1])
         else:
             items, ends = [], []
             pos = _WS(text, pos).end()
             if text[pos] == "]":
-                return items, ends, pos + 1
-        while True:
-            value, pos = _SCAN(text, pos)
+                pos = ~(pos + 1)
+        while pos >= 0:
+            value, end = _SCAN(text, pos)
             items.append(value)
-            ends.append(pos)
-            pos = _WS(text, pos).end()
-            c = text[pos]
-            if c == "]":
-                return items, ends, pos + 1
-            if c != ",":
-                raise _Malformed
-            pos = _WS(text, pos + 1).end()
+            ends.append(end)
+            pos = _next_item(text, end)
+        return items, ends, ~pos
+
+
+def _next_item(text: str, end: int) -> int:
+    """After a list item that ended at ``end``: where the next item starts, or ``~`` the offset
+    after the list's ``]``."""
+    pos = _WS(text, end).end()
+    c = text[pos]
+    if c == "]":
+        return ~(pos + 1)
+    if c != ",":
+        raise _Malformed
+    return _WS(text, pos + 1).end()
