@@ -19,9 +19,10 @@ from typing import Any
 
 _WS = re.compile(r"[ \t\n\r]*").match  # JSON's whitespace, as json.decoder's
 _SCAN = json.JSONDecoder().raw_decode  # json.loads' own decoder settings (NaN, big ints, strict strings)
-# Items decoded one by one in a list, at most: ~1 us each against json.loads' ~20 ns for a tiny
-# one, so a 12 MB list of zeros took 4.8 s instead of 0.24 (measured). Past it, json.loads.
-MAX_ITEMS = 10_000
+# Scanner calls (keys, values, items) in a body, at most (reused items are free): ~1 us each against
+# json.loads' ~20 ns for a tiny one, so a 12 MB list of zeros took 4.8 s instead of 0.24
+# (measured). Past it, json.loads.
+MAX_STEPS = 10_000
 
 
 class _Malformed(Exception):
@@ -93,12 +94,14 @@ class ResentBodies:
             raise _Malformed
         obj: dict = {}
         best: _Kept | None = None
+        steps = 0
         pos = _WS(text, pos + 1).end()
         if text[pos] == "}":
             pos += 1
         else:
             while True:
-                if text[pos] != '"':
+                steps += 1
+                if text[pos] != '"' or steps > MAX_STEPS:
                     raise _Malformed
                 key, pos = _SCAN(text, pos)
                 if key in obj:
@@ -109,12 +112,13 @@ class ResentBodies:
                 pos = _WS(text, pos + 1).end()
                 if text[pos] == "[" and (only is None or key == only):
                     reuse = k if prev is not None and k and pos + 1 == prev.start else 0
-                    value, ends, end = self._items(text, pos + 1, prev, reuse)
+                    value, ends, end, steps = self._items(text, pos + 1, prev, reuse, steps)
                     if best is None or len(ends) > len(best.ends):
                         best = _Kept(text, key, pos + 1, value, ends)
                     pos = end
                 else:
                     value, pos = _SCAN(text, pos)
+                    steps += 1
                 obj[key] = value
                 pos = _WS(text, pos).end()
                 c = text[pos]
@@ -129,9 +133,10 @@ class ResentBodies:
         return obj, best
 
     @staticmethod
-    def _items(text: str, pos: int, prev: _Kept | None, reuse: int) -> tuple[list, list[int], int]:
-        """The list opened just before ``pos``: its items, where each ended, and the offset after
-        its ``]``. ``reuse``: leading items that are ``prev``'s, character for character."""
+    def _items(text: str, pos: int, prev: _Kept | None, reuse: int, steps: int) -> tuple[list, list[int], int, int]:
+        """The list opened just before ``pos``: its items, where each ended, the offset after its
+        ``]``, and ``steps`` plus the items decoded. ``reuse``: leading items that are ``prev``'s,
+        character for character."""
         if reuse:
             items, ends = prev.items[:reuse], prev.ends[:reuse]
             pos = _next_item(text, ends[-1])
@@ -141,13 +146,14 @@ class ResentBodies:
             if text[pos] == "]":
                 pos = ~(pos + 1)
         while pos >= 0:
-            if len(items) >= MAX_ITEMS:
+            steps += 1
+            if steps > MAX_STEPS:
                 raise _Malformed  # not a history: json.loads, at its own speed
             value, end = _SCAN(text, pos)
             items.append(value)
             ends.append(end)
             pos = _next_item(text, end)
-        return items, ends, ~pos
+        return items, ends, ~pos, steps
 
 
 def _next_item(text: str, end: int) -> int:
