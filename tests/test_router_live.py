@@ -62,8 +62,14 @@ def test_failed_backend_leaves_rotation_and_is_readmitted(up_factory, backends):
     good, bad = backends(latency=0.05), backends(latency=0.05)
     port = bad.port
     with up.client() as c:
+        def health():
+            return {b["address"]: b["healthy"] for b in c.list_backends()["backends"]}
+
         c.add_backend(good.url)
         c.add_backend(bad.url)
+        # A backend serves once its first health check passed: jobs submitted before the second
+        # one's all leased the first (a lease covers a job), and it never served (a loaded CI run).
+        wait_for(lambda: health() == {good.url: True, bad.url: True}, what="both backends in rotation")
         ids = c.submit([llm_job(i, calls=6) for i in range(10)])
         wait_for(lambda: bad.stats["requests"] >= 12, what="the doomed backend serving")
         bad.stop()  # mid-run: its jobs fail over to the other backend
@@ -71,9 +77,6 @@ def test_failed_backend_leaves_rotation_and_is_readmitted(up_factory, backends):
         assert all(r["status"] == "ok" for r in results), [r["error"] for r in results]
         assert any(len({t["backend"] for t in r["turns"]}) == 2 for r in results), [  # some moved mid-job
             [t["backend"][-5:] for t in r["turns"]] for r in results] + [bad.stats, good.stats]
-
-        def health():
-            return {b["address"]: b["healthy"] for b in c.list_backends()["backends"]}
 
         wait_for(lambda: health()[bad.url] is False, what="bad backend out of rotation")
         backends(latency=0.05, port=port)  # the server comes back on the same address
