@@ -111,7 +111,7 @@ class ResentBodies:
                     raise _Malformed
                 pos = _WS(text, pos + 1).end()
                 if text[pos] == "[" and (only is None or key == only):
-                    reuse = k if prev is not None and k and pos + 1 == prev.start else 0
+                    reuse = k if k and pos + 1 == prev.start else 0  # k > 0 only with a prev
                     value, ends, end, steps = self._items(text, pos + 1, prev, reuse, steps)
                     if best is None or len(ends) > len(best.ends):
                         best = _Kept(text, key, pos + 1, value, ends)
