@@ -16,6 +16,8 @@ continuation was asked for exactly the prompt plus every token before it.
 """
 from __future__ import annotations
 
+import time
+
 import httpx
 import numpy as np
 import pytest
@@ -83,6 +85,17 @@ def test_continue_across_a_swap_with_vllms_real_abort(up_factory, vllm_server):
         wait_for(lambda: metrics(v0)["generated"] - start >= JOBS * 64, timeout_s=120,
                  what="tokens sampled on version 0")
         c.add_backend(v1, api="vllm", policy_version=1)
+        # The aborts reached the engine: once every job continues on version 1, vLLM runs those
+        # continuations and nothing else. An abort it missed would sample its version-0 call on
+        # to MAX_TOKENS beside the continuation (seconds at these speeds).
+        wait_for(lambda: [b["inflight"] for b in c.list_backends()["backends"] if b["address"] == v1] == [JOBS],
+                 timeout_s=120, what="every job leasing version 1")
+        mark = metrics(v0)["generated"]
+        wait_for(lambda: metrics(v0)["generated"] - mark >= JOBS * 32, timeout_s=120, what="the continuations sampling")
+        running = []
+        for _ in range(10):
+            running.append(metrics(v0)["num_requests_running"])
+            time.sleep(0.1)
         results = list(c.gather(ids, timeout_s=240))
     after = metrics(v0)
     assert [r["status"] for r in results] == ["ok"] * JOBS, [r["error"] for r in results]
@@ -105,9 +118,11 @@ def test_continue_across_a_swap_with_vllms_real_abort(up_factory, vllm_server):
         got = [float(x) for x in r["logprobs"]]
         worst = max(abs(g - w) for g, w in zip(got, want))
         assert len(got) == len(want) and worst < 1e-3, worst
-    # The abort reached the engine: it stopped sampling the v0 calls. Had the closed streams gone
-    # unnoticed, each would have run on to MAX_TOKENS (the generated count would exceed the
-    # recorded one by ~JOBS * MAX_TOKENS); what it may exceed by is what was sampled but unread.
+    assert max(running) <= JOBS, running  # no version-0 call sampled on beside the continuations
+    # Every recorded token was sampled by vLLM. It may have sampled more: what the run daemon had
+    # not read when it closed the stream. Not bounded here: on a loaded machine the daemon reads
+    # seconds late while vLLM samples ahead into the socket's buffers. (A bound of JOBS * 64 failed
+    # one CI run at 3,283, which could not tell a late reader from a missed abort: `running` can.)
     extra = after["generated"] - before["generated"] - recorded
-    assert 0 <= extra < JOBS * 64, (after["generated"] - before["generated"], recorded)
+    assert extra >= 0, (after["generated"] - before["generated"], recorded)
     assert after["num_requests_running"] == 0
