@@ -69,8 +69,8 @@ HEAVY = ("import json, os, urllib.request\n"
 def test_job_cancelled_while_its_request_is_translated_waits_for_the_thread(harness_up, oracle_backend):
     """A cancel that lands while an endpoint thread translates the job's request: the request never
     reaches the backend, the job ends cancelled with its two turns, and its trajectory is copied
-    after the thread ended (its CPU, counted when the thread ends, is in the job's metrics;
-    copied at the cancel it would be the two short calls' milliseconds). docs/ARCHITECTURE.md,
+    after the thread ended (the thread's CPU, counted when it ends, is in the job's metrics;
+    copied at the cancel they would hold the two short calls' milliseconds). docs/ARCHITECTURE.md,
     "Threads beside the loop"."""
     inst = {"command": ["python", "-c", HEAVY], "task": "x", "task_via": "stdin",
             "limits": {"wall_s": 600, "max_context": 1 << 22}, "eval": {"command": ["true"]}}
@@ -82,12 +82,15 @@ def test_job_cancelled_while_its_request_is_translated_waits_for_the_thread(harn
         cpu0 = _cpu_s(run)
         wait_for(lambda: _cpu_s(run) - cpu0 >= 0.3, timeout_s=120, what="the run daemon translating the big request")
         c.cancel([jid])
+        spent = _cpu_s(run) - cpu0  # most of it the thread's (the loop only received the body)
         (r,) = c.gather([jid], timeout_s=120)
     assert r["status"] == "cancelled", r["error"]
     assert oracle_backend.stats["requests"] - requests == 2, "the big request reached the backend before the cancel"
     check(r, 2)
     assert len(r["turns"]) == 2 and "trajectory_error" not in r["metrics"], r["metrics"]
-    assert r["metrics"]["endpoint_cpu_s"] > 1.0, r["metrics"]
+    # The thread stops at its next check of the cancel (a 503 it counts) or at its end: either
+    # way its CPU is counted when it ends, before the copy (without the wait: 0.012 s, checked).
+    assert r["metrics"]["endpoint_cpu_s"] >= 0.5 * spent, (spent, r["metrics"])
     assert not harness_up.logged("endpoint_thread_work_outlived_job")
 
 
