@@ -33,7 +33,7 @@ import re
 from typing import Any
 
 from ..wire import (EndpointError, Msg, Reply, Sampling, WireRequest, args_object, assembled_before, bad, canon_args, dumps,
-                    keep_assembled, memo_items, memo_value, tools_given)
+                    keep_assembled, memo_items, memo_value, names_before, tools_given)
 
 __all__ = ["call_id_of", "count_tokens_response", "error_body", "parse", "parse_count_tokens", "response",
            "stream_events", "tool_use_id"]
@@ -210,11 +210,13 @@ def _assembled(items: list, cache: dict | None) -> list[Msg]:
     """The messages of the translated ``items`` (each a tuple of pieces), resuming from the
     previous call's (``assembled_before``: every item boundary is a clean point here)."""
     start, msgs, marks = assembled_before(items, cache)
-    names: dict[str, str] = {}  # tool_use id -> tool name, for the tool messages
-    for pieces in items[:start]:
-        for p in pieces:
-            if p[0] == "assistant":
-                names.update(zip(p[3], (n for n, _ in p[2])))
+    names = names_before(cache, start)  # tool_use id -> tool name, for the tool messages
+    if names is None:
+        names = {}
+        for pieces in items[:start]:
+            for p in pieces:
+                if p[0] == "assistant":
+                    names.update(zip(p[3], (n for n, _ in p[2])))
     for i in range(start, len(items)):
         for p in items[i]:
             if p[0] == "assistant":
@@ -226,7 +228,7 @@ def _assembled(items: list, cache: dict | None) -> list[Msg]:
             else:
                 msgs.append(Msg(role=p[0], content=p[1]))
         marks.append((i + 1, len(msgs)))
-    keep_assembled(cache, items, marks, msgs)
+    keep_assembled(cache, items, marks, msgs, names)
     return msgs
 
 

@@ -40,7 +40,7 @@ import time
 from typing import Any
 
 from ..wire import (EndpointError, Msg, Reply, Sampling, WireRequest, assembled_before, bad, call_arguments, canon_args,
-                    dumps, keep_assembled, memo_items, memo_value, number, tools_given)
+                    dumps, keep_assembled, memo_items, memo_value, names_before, number, tools_given)
 
 __all__ = ["conversation_items", "error_body", "output_items", "parse", "response", "response_id",
            "stream_events"]
@@ -258,7 +258,9 @@ def _items(items: list, out: list[Msg], where0: str, cache: dict | None = None) 
     previous call's assembly (``assembled_before``) at a point where no run was open."""
     pieces = memo_items(items, lambda it, i: _item(it, f"{where0}[{i}]"), cache)
     start, msgs, marks = assembled_before(pieces, cache)
-    names: dict[str, str] = {p[3]: p[1] for p in pieces[:start] if p[0] == "call"}
+    names = names_before(cache, start)  # call id -> function name, for the tool messages
+    if names is None:
+        names = {p[3]: p[1] for p in pieces[:start] if p[0] == "call"}
     cur: Msg | None = None  # the assistant message a run of assistant-side items is building
     reasoning: str | None = None  # a reasoning item waiting for its message
 
@@ -295,7 +297,7 @@ def _items(items: list, out: list[Msg], where0: str, cache: dict | None = None) 
             msgs.append(Msg(role="tool", content=p[2], name=names.get(p[1]), tool_call_id=p[1]))
         if cur is None and reasoning is None:
             marks.append((i + 1, len(msgs)))
-    keep_assembled(cache, pieces, marks, msgs)
+    keep_assembled(cache, pieces, marks, msgs, names)
     out.extend(msgs)
 
 

@@ -106,3 +106,31 @@ def test_an_edit_or_a_cut_inside_a_turn_parses_as_fresh():
             except Exception as e:  # noqa: BLE001
                 cached = type(e)
             assert cached == fresh, (shape, trial, op, at)
+
+
+def test_a_tool_result_named_by_a_call_in_the_reused_history():
+    """An output answering a call made turns before (a background command's result, say) gets the
+    call's name from the reused history's id -> name map (``wire.names_before``), as a fresh parse
+    gives it; after an edit that removed the call it gets none, as a fresh parse gives it."""
+    late = {
+        "responses": lambda i: [{"type": "function_call_output", "call_id": f"c{i - 2}", "output": "late"}],
+        "anthropic": lambda i: [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"toolu_{i - 2}", "content": "late"}]}],
+    }
+    for shape, extra in late.items():
+        turn, _, first, parse = SHAPES[shape]
+        rng = random.Random(7)
+        cache: dict = {}
+        history = [first]
+        for i in range(12):
+            history = history + turn(i, rng) + (extra(i) if i >= 2 else [])
+            got = parse(json.loads(json.dumps(body(shape, history))), cache).messages
+            assert got == parse(body(shape, history), None).messages, (shape, i)
+            assert [m.name for m in got if m.role == "tool" and m.content == "late"] == [
+                "exec_command" if shape == "responses" else "bash"] * (i - 1), (shape, i)
+        # the call answered late is edited out of the resent history: its id names nothing now
+        calls = [k for k, it in enumerate(history) if '"toolu_9"' in json.dumps(it) or '"c9"' in json.dumps(it)]
+        h = [it for k, it in enumerate(history) if k != calls[0]]
+        got = parse(json.loads(json.dumps(body(shape, h))), cache).messages
+        assert got == parse(body(shape, h), None).messages, shape
+        assert [m.name for m in got if m.tool_call_id in ("c9", "9")] == [None, None], shape  # "toolu_9" -> "9"
