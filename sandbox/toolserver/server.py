@@ -72,6 +72,8 @@ class ToolServer:
         self._grading = threading.Lock()  # one grade/purge at a time
         self.refused_inside = 0  # connections from the sandbox's own processes (closed)
         self.ignored_signals = 0  # INT/TERM from inside (pid 1 ignores them)
+        self.last_ignored_signal = 0
+        self._ignored_logged = 0  # the count the last signal_ignored line gave
         self._tl = threading.local()  # per connection thread: the restart notes of its last reply
         self.hardened = False
         self.data_limit: Optional[int] = None  # bytes of its own RLIMIT_DATA (main: procs.limit_self)
@@ -152,9 +154,19 @@ class ToolServer:
             time.sleep(3600)
 
     def _ignored(self, signum: int, _frame: Any) -> None:
-        self.ignored_signals += 1  # the agent can send them in a loop: a log line now and then
-        if _now_and_then(self.ignored_signals):
-            log("signal_ignored", signal=signum, count=self.ignored_signals)
+        # Count only: Python runs this in the main thread between two bytecodes, possibly inside
+        # the log's lock (the last line being written), so logging here could deadlock for good.
+        # The reaper, woken by the same signal's byte on the wakeup fd, writes the line.
+        self.ignored_signals += 1
+        self.last_ignored_signal = signum
+
+    def _log_ignored_signals(self) -> None:
+        """A line when the count of ignored signals passes a power of ten (the agent can send
+        them in a loop)."""
+        n = self.ignored_signals
+        if n and len(str(n)) > len(str(self._ignored_logged or "")):
+            self._ignored_logged = n
+            log("signal_ignored", signal=self.last_ignored_signal, count=n)
 
     def _listen(self, path: str) -> None:
         """Bind the tool socket at path (replacing whatever is there) and accept on it."""
@@ -283,6 +295,7 @@ class ToolServer:
     def _reaper(self) -> None:
         while True:
             os.read(self._chld_r, 4096)  # any signal's byte: a spare scan is harmless
+            self._log_ignored_signals()
             if self._tools_ready.is_set() and not self._tools_error:
                 self._reap_orphans()
             time.sleep(0.005)  # one /proc scan per 5 ms at most under a storm of exits

@@ -216,6 +216,48 @@ def test_signal_flood_does_not_grow_the_host_log(bwrap_rt):
     assert ignored and ignored[-1]["count"] >= 1, (r.output, data[-2000:])
 
 
+def test_a_signal_handled_while_the_log_is_being_written_does_not_deadlock(monkeypatch):
+    """Python runs a signal handler in the main thread between two bytecodes, which may be inside
+    the log stream's lock (the previous signal's log line being written). The handler used to log
+    itself: it then waited for a lock its own thread held, for ever, and every thread that logged
+    after it (a tool call's reply path) hung with it. Seen once as a flood with no log line at all."""
+    import signal
+
+    from rolloutd.sandbox.toolserver import toollog
+    from rolloutd.sandbox.toolserver.server import ToolServer
+
+    server = ToolServer({"workdir": "/tmp"})
+    r, w = os.pipe()
+    stream = toollog.CappedStream(w)
+    monkeypatch.setattr(toollog, "_stream", stream)
+    done = threading.Event()
+
+    def handler_inside_the_write():
+        with stream._lock:  # what the interrupted write holds
+            server._ignored(signal.SIGINT, None)
+            done.set()
+
+    t = threading.Thread(target=handler_inside_the_write, daemon=True)
+    t.start()
+    try:
+        assert done.wait(5), "the signal handler blocked on the log's lock"
+        assert server.ignored_signals == 1
+        server._log_ignored_signals()  # a thread outside the handler writes the line
+        line = json.loads(os.read(r, 65536).splitlines()[-1])
+        assert line["event"] == "signal_ignored" and line["count"] == 1, line
+        server.ignored_signals = 9
+        server._log_ignored_signals()
+        server.ignored_signals = 12
+        server._log_ignored_signals()  # 10 passed since the last line: one more line
+        server._log_ignored_signals()  # nothing new: nothing written
+        os.set_blocking(r, False)
+        lines = [json.loads(x) for x in os.read(r, 65536).splitlines()]
+        assert [x["count"] for x in lines] == [12], lines
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def _sink(path: str):
     """A Unix socket endpoint that accepts and never reads (the LLM endpoint, stalled)."""
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
