@@ -14,11 +14,11 @@ a misspelt ``"rnu"`` would otherwise silently run with no latency at all.
 """
 from __future__ import annotations
 
-import asyncio
 import math
 import random
 
 from rolloutd.handlers.base import AgentHandler, JobContext
+from rolloutd.handlers.precise_sleep import precise_sleep
 
 
 class SyntheticFailure(RuntimeError):
@@ -99,8 +99,8 @@ class SyntheticHandler(AgentHandler):
         rng = self._rng(ctx, phase)
         delay = draw(ctx.instance.get(phase), rng)
         fail_p = float((ctx.instance.get("fail") or {}).get(phase, 0.0))
-        if delay > 0:
-            await asyncio.sleep(delay)
+        if delay > 0:  # the phase's nominal time, not up to 1 ms more (asyncio's ms timer)
+            await precise_sleep(delay)
         if fail_p > 0 and rng.random() < fail_p:
             raise SyntheticFailure(f"synthetic failure injected in {phase}")
         ctx.state[f"{phase}_s"] = delay
@@ -167,7 +167,7 @@ class SyntheticLLMHandler(SyntheticHandler):
             params = params.replace(max_tokens=int(ctx.instance.get("max_tokens", 4)))
             think = draw(ctx.instance.get("think"), rng)
             if think > 0 and i < calls - 1:
-                await asyncio.sleep(think)
+                await precise_sleep(think)
         traj["prompt_ids"] = prompt
         traj["response_ids"] = np.concatenate(response) if response else np.zeros(0, np.int32)
         traj["logprobs"] = np.concatenate(logprobs) if logprobs else np.zeros(0, np.float32)
