@@ -222,14 +222,14 @@ def send_now(sock, frames) -> bool:
 def send_nowait(sock, frames):
     """Send without blocking; zmq errors (Again, EHOSTUNREACH of a ROUTER_MANDATORY socket) raise.
     On the sync shadow, with what zmq.asyncio does around an immediate send: while sends wait as
-    Futures this one queues behind them (order), and a receive awaited on the same socket is
-    re-armed, since the send may have consumed the edge of its fd's notification."""
+    Futures this one may not overtake them (Again: the caller waits in line, as a Future), and a
+    receive awaited on the same socket is re-armed, since the send may have consumed the edge of
+    its fd's notification."""
     if not isinstance(sock, _ASYNC):
         sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         return
     if sock._send_futures:
-        sock.send_multipart(frames, zmq.NOBLOCK, copy=False).result()
-        return
+        raise zmq.Again(zmq.EAGAIN)
     sock._shadow_sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
     if sock._recv_futures:
         sock._schedule_remaining_events()

@@ -86,3 +86,35 @@ def test_a_future_waiting_on_one_of_its_sockets_still_wakes(tmp_path):
             s.close()
 
     asyncio.run(main())
+
+
+def test_send_now_behind_a_waiting_send_future_says_full_and_keeps_the_order():
+    """A phase daemon sends results with send_now and awaits a Future only when the pipe is full.
+    While that Future waits, a send_now must not overtake it (nor raise: it used to call
+    .result() on the pending Future, InvalidStateError); it says False and the caller waits in
+    line. Every message then arrives, in order."""
+    from rolloutd.bus.sockets import send_now
+
+    async def main():
+        s = Sockets(asyncio=True, linger_ms=0)
+        try:
+            rx = s.bind("PULL", "inproc://full", hwm=1)
+            tx = s.connect("PUSH", "inproc://full", hwm=1)
+            sent = 0
+            while send_now(tx, [b"%d" % sent]):  # fill both pipes
+                sent += 1
+            assert 1 <= sent < 100
+            waiting = asyncio.ensure_future(tx.send_multipart([b"%d" % sent]))
+            await asyncio.sleep(0.01)
+            assert not waiting.done()
+            assert send_now(tx, [b"%d" % (sent + 1)]) is False  # behind the Future: full, not an error
+            late = asyncio.ensure_future(tx.send_multipart([b"%d" % (sent + 1)]))
+            got = []
+            for _ in range(sent + 2):
+                got.append(int((await asyncio.wait_for(rx.recv_multipart(), 5))[0]))
+            await asyncio.wait_for(asyncio.gather(waiting, late), 5)
+            assert got == list(range(sent + 2)), got
+        finally:
+            s.close()
+
+    asyncio.run(main())
