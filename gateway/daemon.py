@@ -69,6 +69,9 @@ class Gateway(Daemon):
         self.next_job_id = 0
         self.last_event_at = time.monotonic()
         self.stream_silent = False
+        # When this loop last came back from a stall (a turn that started more than a heartbeat
+        # after the one before): silence is judged only from then (_silent_since).
+        self.woke_at = 0.0
         self.last_prune = time.time()
 
     # -- setup and recovery -------------------------------------------------------------
@@ -125,10 +128,15 @@ class Gateway(Daemon):
         waiter = InWaiter((self.front, self.results, *self.routers, self.watch, self.to_init.sock))
         on_reply = [lambda frames, i=i: self._on_router_reply(frames, i) for i in range(self.shards)]
         poll_ms = int(float(self.dcfg["poll_s"]) * 1000)
-        last_sweep = time.monotonic()
+        stall_s = float(self.dcfg["heartbeat_s"])
+        last_sweep = turn = time.monotonic()
         while not self.stopping:
             timeout = poll_ms if not self.waiters else max(0, min(poll_ms, int((min(w[0] for w in self.waiters) - time.monotonic()) * 1000) + 1))
             await waiter.wait(0 if self.cancels or self.submits or self.dispatch_more else timeout)
+            prev, turn = turn, time.monotonic()
+            if turn - prev > stall_s:  # we did not run for a heartbeat or more (turns are <= poll_s apart)
+                self.woke_at = turn
+                self.log.warning("gateway_stalled", gap_s=round(turn - prev, 2))
             # The slices of large requests get what is left of SLICE_S after this turn's receiving
             # (a decode of the largest request may have used it all: then one step each).
             slice_until = time.perf_counter() + SLICE_S
@@ -847,10 +855,11 @@ class Gateway(Daemon):
                 rec.last_seen = max(rec.last_seen, now)
         silent = []
         for who, hb in list(self.daemons.items()):
-            if wall - hb.get("ts", wall) > dead_s and not self._busy(who, wall):
+            quiet = min(wall - hb.get("ts", wall), now - self.woke_at)
+            if quiet > dead_s and not self._busy(who, wall):
                 self.daemons.pop(who)
                 self.hb_seen.pop(who, None)
-                self.log.warning("daemon_presumed_dead", daemon=who, silent_s=round(wall - hb.get("ts", wall), 1))
+                self.log.warning("daemon_presumed_dead", daemon=who, silent_s=round(quiet, 1))
                 silent.append(hb)
         if silent:
             self._holders_lost(silent, "went silent")
@@ -888,8 +897,9 @@ class Gateway(Daemon):
         lease = float(self.gcfg["lease_timeout_s"])
         hb_seen, unvouched = self.hb_seen, self.table.unvouched
         wall = time.time()
+        woke = self.woke_at  # nothing could be seen while we stalled: a lease runs from our wake-up at most
         for who, t in self.held.items():
-            if t.valid and now - hb_seen.get(who, 0.0) > lease and not self._busy(who, wall):  # no complete
+            if t.valid and now - max(hb_seen.get(who, 0.0), woke) > lease and not self._busy(who, wall):  # no complete
                 # heartbeat for a whole lease (a busy holder keeps its jobs until daemon_hung_s)
                 self._unvouch(f"{who}#{t.incarnation}", t.jobs.items(), hb_seen.get(who, 0.0))
         # A busy holder (its loop stalled) cannot list what it took just before the stall: a job
@@ -907,11 +917,11 @@ class Gateway(Daemon):
             t = self.held.get(who)
             if t is not None and t.valid and t.incarnation == inc and t.jobs.get(jid) == rec.attempt:
                 seen = hb_seen.get(who, 0.0)
-                if now - seen <= lease or self._busy(who, wall):
+                if now - max(seen, woke) <= lease or self._busy(who, wall):
                     unvouched.discard(jid)  # a current holder lists it: its heartbeats renew it
                     continue
                 rec.last_seen = max(rec.last_seen, seen)
-            if now - rec.last_seen > lease and rec.last_seen < busy_since:
+            if now - max(rec.last_seen, woke) > lease and rec.last_seen < busy_since:
                 self._redispatch(jid, rec.attempt, f"unseen in any heartbeat for {lease:.0f}s")
 
     def _expire_clients(self, wall: float):

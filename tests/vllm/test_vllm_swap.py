@@ -97,8 +97,9 @@ def test_continue_across_a_swap_with_vllms_real_abort(up_factory, vllm_server):
             running.append(metrics(v0)["num_requests_running"])
             time.sleep(0.1)
         results = list(c.gather(ids, timeout_s=240))
+        log = up.log()
     after = metrics(v0)
-    assert [r["status"] for r in results] == ["ok"] * JOBS, [r["error"] for r in results]
+    assert [r["status"] for r in results] == ["ok"] * JOBS, ([r["error"] for r in results], log[-8000:])
     recorded = 0
     for r in results:
         turns = r["turns"]
