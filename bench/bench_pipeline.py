@@ -176,8 +176,8 @@ def bench_overlap(args) -> dict:
             row["mono_slot_overhead_ms"] = (1e3 * (w / row["monolithic"] - sum(MEANS.values()))
                                             if dist == "constant" else None)
             # Split the slot overhead: what the phase itself ran over its nominal time (the synthetic
-            # handler's asyncio.sleep wakes late: epoll rounds its timeout up to whole ms) and the
-            # rest, the hand-off (result out, next job in), which is the orchestration's.
+            # handler's timerfd sleep wakes within the kernel's slack; a loop busy with other work
+            # runs it later) and the rest, the hand-off (result out, next job in), the orchestration's.
             spent = {p: median(r["spent"][p] for r in pipe) for p in PHASES if all(p in r["spent"] for r in pipe)}
             row["phase_ms"] = {p: 1e3 * v for p, v in spent.items()}
             row["of_measured_ideal"] = (median(r["rate"] / min(pools[p] / r["spent"][p] for p in PHASES) for r in pipe)
