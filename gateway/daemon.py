@@ -70,7 +70,7 @@ class Gateway(Daemon):
         self.last_event_at = time.monotonic()
         self.stream_silent = False
         # When this loop last came back from a stall (a turn that started more than a heartbeat
-        # after the one before): silence is judged only from then (_silent_since).
+        # after the one before): _sweep and _sweep_leases count silence only from then.
         self.woke_at = 0.0
         self.last_prune = time.time()
 

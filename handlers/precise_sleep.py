@@ -89,7 +89,6 @@ class _LoopTimer:
         self._arm(self.heap[0][0] if self.heap else None)
 
 
-
 _timers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopTimer]" = weakref.WeakKeyDictionary()
 
 
