@@ -54,8 +54,10 @@ PHASES = (("init", 32), ("run", 512), ("eval", 32))
 
 
 def held_per_node(run_pool: int) -> dict[str, int]:
+    from rolloutd.daemons.phase import default_prefetch
+
     pools = {"init": 32, "run": run_pool, "eval": 32}
-    return {p: n + max(1, n // 8) for p, n in pools.items()}  # pool + default prefetch (pool // 8)
+    return {p: n + default_prefetch(n) for p, n in pools.items()}
 
 
 # ---- the generators (child processes) --------------------------------------------------------

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: F401 - puts the checkout on sys.path
 
 from rolloutd.bus import events
+from rolloutd.daemons.phase import default_prefetch
 from rolloutd.daemons.supervisor import config_from_args
 from rolloutd.gateway.daemon import Gateway
 from rolloutd.gateway.jobs import JobRecord
@@ -47,7 +48,7 @@ def build(nodes: int, lease: float, seed: int) -> Gateway:
             t = gw.held[who] = events.HeldJobs("i1")
             t.valid, t.seq = True, 1
             gw.hb_seen[who] = now
-            for _ in range(pool + max(1, pool // 8)):
+            for _ in range(pool + default_prefetch(pool)):
                 jid += 1
                 rec = JobRecord(jid, "bench", {}, state="dispatched", holder=f"{who}#i1",
                                 last_seen=now - rnd.uniform(0.0, lease))

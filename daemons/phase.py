@@ -33,6 +33,14 @@ from rolloutd.handlers.base import JobContext, PhaseTimeout, Services
 from rolloutd.handlers.registry import UnknownHandler, get_handler
 
 NEXT = {"init": "run", "run": "eval", "eval": None}
+
+
+def default_prefetch(pool: int) -> int:
+    """``[phase] prefetch`` when unset: pool/8, at least 2. An upstream slot that finishes while
+    this phase is full keeps its job (backpressure), so the backlog is the buffer between two
+    phases: with one, a second finish within one phase time blocks a slot upstream, and
+    variable phase times lose 3-5% of a small pool (docs/BENCHMARKS.md, overlap)."""
+    return max(2, pool // 8)
 _timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 CANCEL_MEMORY = 100_000  # cancelled ids remembered, for jobs still in a pipe
 
@@ -47,7 +55,7 @@ class PhaseDaemon(Daemon):
         pf = int(cfg.section(self.phase).get("prefetch", -1))
         # Jobs accepted beyond the pool wait here for a slot: the next job is already on this side
         # when a slot frees, instead of one credit round trip (announce, send) later.
-        self.prefetch = max(1, self.pool // 8) if pf < 0 else pf
+        self.prefetch = default_prefetch(self.pool) if pf < 0 else pf
         self.backlog: collections.deque = collections.deque()  # Job messages accepted, not yet started
         self.inflight: dict[int, tuple[int, asyncio.Task]] = {}
         self.cancelled: dict[int, None] = {}
