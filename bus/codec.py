@@ -54,6 +54,13 @@ def _desc_packer() -> msgpack.Packer:
     return p
 
 
+# An empty 1-D array of each dtype, packed once: a job carries its trajectory's four (empty until
+# the run phase fills them) through every hop, and building each one's ext in a Python hook cost
+# ~1.6 us to encode and as much to decode (bench/bench_pipeline.py, overhead).
+_EMPTY_EXT = {dt: msgpack.ExtType(INLINE_EXT, msgpack.packb([dt, [0], b""], use_bin_type=True)) for dt in ALLOWED_DTYPES}
+_EMPTY_DTYPE = {ext.data: np.dtype(dt) for dt, ext in _EMPTY_EXT.items()}
+
+
 def encode(obj: dict, inline_max: int | None = INLINE_MAX_BYTES) -> list:
     """``inline_max``: arrays of at most this many bytes go inside the header (ext 2); None: every
     array in a frame of its own (ext 1 only, what a client that did not ask for ext 2 reads)."""
@@ -62,12 +69,16 @@ def encode(obj: dict, inline_max: int | None = INLINE_MAX_BYTES) -> list:
 
     def default(o: Any):
         if isinstance(o, np.ndarray):
-            if o.dtype.byteorder == ">":
-                o = o.astype(o.dtype.newbyteorder("<"))
-            o = np.ascontiguousarray(o)
             dt = o.dtype.str
             if dt not in ALLOWED_DTYPES:
-                raise TypeError(f"array dtype {dt} cannot be sent")
+                if o.dtype.byteorder == ">":
+                    o = o.astype(o.dtype.newbyteorder("<"))
+                    dt = o.dtype.str
+                if dt not in ALLOWED_DTYPES:
+                    raise TypeError(f"array dtype {dt} cannot be sent")
+            if inline >= 0 and not o.size and o.ndim == 1:
+                return _EMPTY_EXT[dt]
+            o = np.ascontiguousarray(o)
             if o.nbytes <= inline:
                 return msgpack.ExtType(INLINE_EXT, _desc_packer().pack([dt, list(o.shape), o.tobytes()]))
             buffers.append(o.data.cast("B") if o.nbytes else b"")  # byte-format view: len() is bytes
@@ -163,6 +174,10 @@ def decode(frames: Sequence, max_values: int | None = None) -> dict:
             count(())
         if code not in (ARRAY_EXT, INLINE_EXT):
             raise CodecError(f"unknown msgpack ext type {code}")
+        if code == INLINE_EXT:
+            empty = _EMPTY_DTYPE.get(data)
+            if empty is not None:
+                return np.empty(0, empty)
         try:
             desc = msgpack.unpackb(data)
             if code == ARRAY_EXT:

@@ -95,6 +95,25 @@ def test_small_arrays_travel_inside_the_header_large_ones_in_frames():
     assert codec.decode(codec.encode(out))["small"][0] == 7.0
 
 
+@pytest.mark.parametrize("dt", sorted(codec.ALLOWED_DTYPES))
+def test_an_empty_array_has_the_wire_bytes_of_any_other_and_decodes_to_its_own_array(dt):
+    """Empty 1-D arrays (a trajectory's, until the run phase fills them) take a packed-once path:
+    the same ext 2 bytes as every inline array, and a fresh writable array per decode."""
+    import msgpack
+
+    want = msgpack.packb({"a": msgpack.ExtType(codec.INLINE_EXT, msgpack.packb([dt, [0], b""], use_bin_type=True))},
+                         use_bin_type=True)
+    frames = codec.encode({"a": np.zeros(0, np.dtype(dt))})
+    assert frames == [want]
+    assert codec.encode({"a": np.zeros(0, np.dtype(dt))}, inline_max=None)[0] != want  # every array in a frame
+    big = np.dtype(dt).newbyteorder(">")
+    if big.str != dt:  # a big-endian empty array is sent as its little-endian twin
+        assert codec.encode({"a": np.zeros(0, big)}) == [want]
+    one, two = codec.decode(frames)["a"], codec.decode(frames)["a"]
+    assert one.dtype == np.dtype(dt) and one.shape == (0,) and one.flags.writeable and one is not two
+    assert codec.decode(codec.encode({"a": np.zeros((0, 2), np.dtype(dt))}))["a"].shape == (0, 2)
+
+
 @pytest.mark.parametrize("desc,why", [
     (["<i4", [3], b"\0" * 5], "needs 12"),
     (["|O", [1], b"\0" * 8], "not allowed"),
