@@ -140,3 +140,16 @@ def test_status_reports_daemons_and_counts(up):
     phase = {d["daemon"]: d for d in st["daemons"]}
     assert phase["run"]["pool"] > 0 and phase["run"]["counts"]["forwarded"] >= 5
     assert "synthetic" in st["handlers"]
+
+
+def test_a_failed_job_is_logged_with_its_ids(up):
+    """Operators find a failed job's line by its id: ``job_failed`` carries job, attempt, handler
+    (the per-job logger is bound only when a line is written)."""
+    with up.client() as c:
+        [jid] = c.submit([synthetic(0, fail={"run": 1.0})])
+        [r] = list(c.gather([jid], timeout_s=30))
+    assert r["status"] == "failed" and r["failed_phase"] == "run"
+    lines = wait_for(lambda: up.logged("job_failed"), timeout_s=10)
+    [line] = lines
+    assert (line["job_id"], line["attempt"], line["handler"]) == (jid, 1, "synthetic"), line
+    assert line["daemon"] == "run" and line["phase"] == "run" and line["status"] == "failed", line
