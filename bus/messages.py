@@ -108,8 +108,8 @@ class Message:
         d = {"v": PROTOCOL_VERSION, "kind": self.KIND}
         if hasattr(self, "req_id"):
             d["req_id"] = self.req_id
-        for f in dataclasses.fields(self):
-            d[f.name] = getattr(self, f.name)
+        for name, _check, _required in self._fields:  # dataclasses.fields() per call: ~1 us
+            d[name] = getattr(self, name)
         return d
 
 
