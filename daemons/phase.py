@@ -41,6 +41,8 @@ def default_prefetch(pool: int) -> int:
     phases: with one, a second finish within one phase time blocks a slot upstream, and
     variable phase times lose 3-5% of a small pool (docs/BENCHMARKS.md, overlap)."""
     return max(2, pool // 8)
+
+
 _timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 CANCEL_MEMORY = 100_000  # cancelled ids remembered, for jobs still in a pipe
 
