@@ -36,7 +36,7 @@ import zmq
 
 from rolloutd.bus import codec, events
 from rolloutd.bus.endpoints import Endpoints
-from rolloutd.daemons.phase import InitDaemon, RunDaemon
+from rolloutd.daemons.phase import InitDaemon, RunDaemon, default_prefetch
 
 POOLS = {"init": 32, "run": 512, "eval": 32}
 FULL_EVERY = 5  # daemon.full_listing_s: the run daemon lists all its jobs every 5 s
@@ -53,7 +53,7 @@ def bodies(i: int) -> dict:
     node, base = node_name(i), i * 10_000
     out = {}
     for d, pool in POOLS.items():
-        held = {base + j: 1 for j in range(pool + pool // 8)}
+        held = {base + j: 1 for j in range(pool + default_prefetch(pool))}
         common_f = {"daemon": d, "node": node, "pid": 4000 + i, "ts": time.time(), "incarnation": f"{i}-1",
                     "uptime_s": 100.0, "phase": d, "pool": pool, "inflight": pool, "counts": {"done": 1000}}
         if d != "run":

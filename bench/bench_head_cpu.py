@@ -50,7 +50,7 @@ from rolloutd.daemons import lease_rows
 from rolloutd.daemons.router_client import lease_member
 from rolloutd.daemons.supervisor import config_from_args
 
-HELD = {"init": 36, "run": 576, "eval": 36}  # pool + default prefetch (pool // 8)
+HELD = {"init": 36, "run": 576, "eval": 36}  # pool + default prefetch (daemons.phase.default_prefetch)
 COUNTS = {"done": 0, "failed": 0, "timeout": 0, "cancelled": 0, "forwarded": 0, "malformed": 0}
 cpu = time.thread_time
 
