@@ -18,6 +18,7 @@ import collections
 import inspect
 import os
 import time
+from collections.abc import Awaitable
 
 from rolloutd.bus import codec
 from rolloutd.bus.credit import CreditReceiver, CreditSender
@@ -222,8 +223,9 @@ class PhaseDaemon(Daemon):
                 ctx.fail(self.phase, e, "timeout" if isinstance(e, PhaseTimeout) else "failed")
             outcome = ctx.trajectory["status"]
         finally:
-            if type(self).after_phase is not PhaseDaemon.after_phase:  # the no-op base costs two loop turns
-                await _to_completion(self.after_phase(ctx))  # a late cancel must not skip the hand-off
+            cleanup = self.after_phase(ctx)
+            if cleanup is not None:  # a task for nothing to free cost the slot two loop turns
+                await _to_completion(cleanup)  # a late cancel must not skip the hand-off
             elapsed = time.monotonic() - t0
             job.timing[self.phase] = round(job.timing.get(self.phase, 0.0) + elapsed, 6)
             job.spent_s += elapsed
@@ -244,8 +246,10 @@ class PhaseDaemon(Daemon):
     async def before_phase(self, ctx: JobContext, handler) -> None:
         """Set up per-job services for the phase (the run daemon leases an LLM backend)."""
 
-    async def after_phase(self, ctx: JobContext) -> None:
-        """Free what ``before_phase`` set up, however the phase ended."""
+    def after_phase(self, ctx: JobContext) -> Awaitable | None:
+        """What frees what ``before_phase`` set up, however the phase ended: an awaitable run to
+        its end, or None when there is nothing to free."""
+        return None
 
     def _limit(self, job: Job) -> float | None:
         limits = []
@@ -614,10 +618,9 @@ class RunDaemon(PhaseDaemon):
                                                              is_stale=self._is_stale,
                                                              continue_stale=self.stale_policy == "continue")
 
-    async def after_phase(self, ctx):
+    def after_phase(self, ctx):
         session = self.sessions.pop(ctx.job_id, None)
-        if session is not None:
-            await session.close()
+        return session.close() if session is not None else None
 
     def heartbeat(self):
         hb = super().heartbeat()
