@@ -7,7 +7,8 @@ Instance fields (all optional)::
      "run":  {"dist": "lognormal", "mu": -3, "sigma": 1.0},
      "eval": {"dist": "uniform", "low": 0.0, "high": 0.002},
      "fail": {"init": 0.05, "run": 0.0, "eval": 0.0},   # probability of raising in the phase
-     "reward": 1.0, "seed": 7}
+     "reward": 1.0, "seed": 7,
+     "trace": true}   # each phase's start and end (time.monotonic) in eval_details.drawn
 
 Any other key is refused (the job fails in init with ``SyntheticInstanceError`` naming it):
 a misspelt ``"rnu"`` would otherwise silently run with no latency at all.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 from rolloutd.handlers.base import AgentHandler, JobContext
 from rolloutd.handlers.precise_sleep import precise_sleep
@@ -73,13 +75,15 @@ def _range(key: str, path: str) -> tuple[float, float]:
 
 class SyntheticHandler(AgentHandler):
     name = "synthetic"
-    instance_keys = frozenset({"init", "run", "eval", "fail", "reward", "seed"})
+    instance_keys = frozenset({"init", "run", "eval", "fail", "reward", "seed", "trace"})
 
     def _check_instance(self, ctx: JobContext):
         unknown = set(ctx.instance) - self.instance_keys
         if unknown:
             raise SyntheticInstanceError(f"{self.name}: unknown instance keys {sorted(unknown)}; "
                                          f"known: {sorted(self.instance_keys)}")
+        if not isinstance(ctx.instance.get("trace", False), bool):
+            raise SyntheticInstanceError(f"{self.name}: instance trace is {ctx.instance['trace']!r}; true or false")
         for key, val in ctx.instance.items():  # a NaN reward would reach the trainer; an inf latency hangs
             for path, v in ((key, val),) if not isinstance(val, dict) else ((f"{key}.{k}", x) for k, x in val.items()):
                 if isinstance(v, float) and not math.isfinite(v):
@@ -96,6 +100,7 @@ class SyntheticHandler(AgentHandler):
         return random.Random(f"{seed}:{ctx.job.instance_id}:{ctx.job.sample_index}:{phase}")
 
     async def _phase(self, ctx: JobContext, phase: str):
+        start = time.monotonic()
         rng = self._rng(ctx, phase)
         delay = draw(ctx.instance.get(phase), rng)
         fail_p = float((ctx.instance.get("fail") or {}).get(phase, 0.0))
@@ -104,6 +109,8 @@ class SyntheticHandler(AgentHandler):
         if fail_p > 0 and rng.random() < fail_p:
             raise SyntheticFailure(f"synthetic failure injected in {phase}")
         ctx.state[f"{phase}_s"] = delay
+        if ctx.instance.get("trace") is True:  # when the daemon ran the handler: the slot's idle gaps between jobs
+            ctx.state[f"{phase}_at"] = [start, time.monotonic()]
 
     async def init(self, ctx):
         self._check_instance(ctx)
