@@ -32,7 +32,11 @@ run, no production code changes) to show what it saves. A rollout's connection i
 for more than 3 s is reopened by its first measured call (the server closes idle ones at 5 s).
 ``parse`` = CPU per call translating the request (JSON body -> messages, in the endpoint thread),
 ``thread`` = all the endpoint-thread work per call (parse, history matching, rendering the new
-messages, parsing the reply). Example::
+messages, parsing the reply), ``gc`` = the garbage collector's CPU per call, built-in | endpoint
+(counted in both totals; a full collection landing in one side's window shows here). After the
+tokenizer is loaded the process freezes its heap (``gc.freeze``), as the run daemon does after its
+set-up: without it, a full collection walked every imported object (~0.24 s) and added up to
+~3.7 ms per call to whichever side's window it fell in. Example::
 
     python bench/bench_endpoint.py --rollouts 16 --turns 8 --repeats 3
     python bench/bench_endpoint.py --quick
@@ -44,12 +48,14 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import gc
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -325,6 +331,26 @@ def count_parse_cpu(s: EndpointSession) -> None:
         setattr(s, name, timed)
 
 
+class GcClock:
+    """CPU time spent in the garbage collector, every thread (``gc.callbacks``): each row shows
+    it per call, so a full collection landing in one side's measured window is seen, not guessed."""
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self._t0: dict[int, float] = {}
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict) -> None:
+        tid = threading.get_ident()
+        if phase == "start":
+            self._t0[tid] = time.thread_time()
+        elif tid in self._t0:
+            self.cpu_s += time.thread_time() - self._t0.pop(tid)
+
+
+GC = GcClock()
+
+
 class Gate:
     """Rollouts build their history, then wait here until every one has: the measured part."""
 
@@ -371,14 +397,14 @@ async def builtin_phase(url: str, tok, n: int, turns: int, warm: int = 0) -> dic
         gate = Gate(n)
         tasks = [asyncio.ensure_future(one(i, gate, warm)) for i in range(n)]
         await gate.ready.wait()
-        c0, t0 = time.process_time(), time.perf_counter()
+        c0, t0, g0 = time.process_time(), time.perf_counter(), GC.cpu_s
         gate.go.set()
         res = await asyncio.gather(*tasks)
-        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        cpu, wall, gc_s = time.process_time() - c0, time.perf_counter() - t0, GC.cpu_s - g0
     if any(len(r.turns) != warm + turns for r in res):
         raise RuntimeError(f"built-in loop: {[len(r.turns) for r in res]} turns, expected {warm + turns} each")
     calls = n * turns
-    return {"calls": calls, "cpu_ms_per_call": cpu / calls * 1e3, "wall_s": wall}
+    return {"calls": calls, "cpu_ms_per_call": cpu / calls * 1e3, "wall_s": wall, "gc_ms_per_call": gc_s / calls * 1e3}
 
 
 async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: str = "chat", stream: bool = False,
@@ -395,7 +421,7 @@ async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: st
             sessions.append(s)
             socks.append(sock)
         try:
-            async def drive(which: list[str], warm: int) -> tuple[list[int], float, float, float, float]:
+            async def drive(which: list[str], warm: int) -> tuple[list[int], float, float, float, float, float]:
                 env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
                 driver = DRIVER if shape == "chat" else SHAPE_DRIVER
                 args = {"shape": shape, "socks": which, "turns": turns, "warm": warm, "stream": stream,
@@ -411,16 +437,16 @@ async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: st
                         raise RuntimeError(f"agent driver did not start: {line!r}")
                     th0 = sum(s.metrics["endpoint_cpu_s"] for s in mine)
                     pa0 = sum(s.parse_cpu_s for s in mine)
-                    c0, t0 = time.process_time(), time.perf_counter()
+                    c0, t0, g0 = time.process_time(), time.perf_counter(), GC.cpu_s
                     p.stdin.write(b"go\n")
                     await p.stdin.drain()
                     line = await asyncio.wait_for(p.stdout.readline(), 600)
-                    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+                    cpu, wall, gc_s = time.process_time() - c0, time.perf_counter() - t0, GC.cpu_s - g0
                     if not line.startswith(b"DONE "):
                         raise RuntimeError(f"agent driver failed: {line!r}")
                     th = sum(s.metrics["endpoint_cpu_s"] for s in mine) - th0
                     pa = sum(s.parse_cpu_s for s in mine) - pa0
-                    return json.loads(line[5:]), cpu, wall, th, pa
+                    return json.loads(line[5:]), cpu, wall, th, pa, gc_s
                 finally:
                     if p.returncode is None:
                         p.kill()
@@ -428,7 +454,7 @@ async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: st
 
             with translation_cache(cache):
                 await drive(socks[:1], 0)
-                calls_per, cpu, wall, thread_s, parse_s = await drive(socks[1:], warm)
+                calls_per, cpu, wall, thread_s, parse_s, gc_s = await drive(socks[1:], warm)
         finally:
             for srv in servers:
                 await srv.stop()
@@ -444,6 +470,7 @@ async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: st
     reused = statistics.fmean(s.metrics["assistant_tokens_reused"] for s in sessions[1:])
     return {"calls": calls, "cpu_ms_per_call": cpu / calls * 1e3, "wall_s": wall, "reused_tokens": reused,
             "thread_ms_per_call": thread_s / calls * 1e3, "parse_ms_per_call": parse_s / calls * 1e3,
+            "gc_ms_per_call": gc_s / calls * 1e3,
             "last_bodies": list(sessions[1].last_bodies)}
 
 
@@ -512,6 +539,8 @@ def summarize(rows: list[dict]) -> dict:
                 "added_cpu_ms_per_call": med(r["added"] for r in rs),
                 "thread_ms_per_call": med(r["endpoint"]["thread_ms_per_call"] for r in rs),
                 "parse_ms_per_call": med(r["endpoint"]["parse_ms_per_call"] for r in rs),
+                "builtin_gc_ms_per_call": med(r["builtin"]["gc_ms_per_call"] for r in rs),
+                "endpoint_gc_ms_per_call": med(r["endpoint"]["gc_ms_per_call"] for r in rs),
                 "reused_tokens_per_rollout": rs[0]["endpoint"]["reused_tokens"], "repeats": len(rs)}
             for k, rs in out.items()}
 
@@ -554,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tok_dir, tok_desc = tokenizer_dir(args.tokenizer)
     tok = load_tokenizer(tok_dir)
+    gc.collect()
+    gc.freeze()  # as the run daemon does after its setup (bus/daemon.py): no full passes over imports
     procs = []
     proc, port = start_backend(tok_dir, args.turns)
     procs.append(proc)
@@ -571,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         b, e = r["builtin"], r["endpoint"]
         print(f"  repeat {r['repeat']} {r['key']:>32}: built-in {b['cpu_ms_per_call']:.3f} | endpoint "
               f"{e['cpu_ms_per_call']:.3f} | added {r['added']:.3f} ms CPU/call (thread {e['thread_ms_per_call']:.3f},"
-              f" parse {e['parse_ms_per_call']:.3f})", flush=True)
+              f" parse {e['parse_ms_per_call']:.3f}; gc {b['gc_ms_per_call']:.3f} | {e['gc_ms_per_call']:.3f})", flush=True)
 
     load0 = os.getloadavg()[0]
     parts: dict[str, dict] = {}  # the long-history request's translation in pieces, per shape
@@ -610,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
             ok = "(translation cache off, for comparison)"
         print(f"# {key:>32}: added {v['added_cpu_ms_per_call']:.3f} (built-in {v['builtin_cpu_ms_per_call']:.3f}, "
               f"endpoint {v['endpoint_cpu_ms_per_call']:.3f}; thread {v['thread_ms_per_call']:.3f}, "
-              f"parse {v['parse_ms_per_call']:.3f}) {ok}")
+              f"parse {v['parse_ms_per_call']:.3f}; gc {v['builtin_gc_ms_per_call']:.3f} | "
+              f"{v['endpoint_gc_ms_per_call']:.3f}) {ok}")
     for shape, v in parts.items():
         print(f"# {shape} request of {v['messages_in_body']} history items ({v['bytes']} bytes), one thread: json.loads "
               f"{v['json_loads_ms']:.3f} ms (the resent history reused: {v['resent_decode_ms']:.3f}), nesting walk {v['nesting_walk_full_ms']:.3f} (skipping the last body's "
