@@ -21,6 +21,9 @@ against a baseline measured in the same run. Plots go to docs/img/.
    balanced case); the pipeline matches it when the pools are proportional to the phase
    latencies. What the pipeline buys is that each phase's concurrency is capped by its own
    resource (sandbox builds, LLM sessions, CPU for tests) instead of all by one W.
+   Each single-bottleneck row also prints the hand-off measured: how long a bottleneck slot
+   sits between one job's handler and the next's (``slot_gaps``, from the synthetic
+   handler's ``trace`` spans), beside the one inferred from the rate.
 2. Orchestration overhead. Zero-latency synthetic jobs through all daemons (default pools):
    jobs/s end to end, per-job latency (client submit -> result) alone and at half load,
    and CPU per job of each daemon; beside a raw DEALER/ROUTER msgpack ping-pong and a raw
