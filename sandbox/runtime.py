@@ -16,6 +16,7 @@ tool server sees them).
 from __future__ import annotations
 
 import abc
+import contextlib
 import errno
 import json
 import os
@@ -380,15 +381,23 @@ class Runtime(abc.ABC):
             if used <= limit:
                 continue
             state.update(status=DISK_QUOTA_STATUS, disk_used_bytes=used, stopped_at=time.time())
-            self._write_state(d, state)
+            try:
+                self._write_state(d, state)
+            except FileNotFoundError:  # its holder destroyed it meanwhile: nothing left to stop
+                continue
             try:
                 self._kill(state)
             finally:
-                # Exact, not where the walk stopped: the processes are gone, nothing grows now.
-                used = held + sum(disk_usage(p) for p in measured)
-                state.update(disk_used_bytes=used)
-                self._write_state(d, state)
-                _empty_dir(d / "workspace")
+                # Exact, not where the walk stopped: the processes are gone, nothing grows now. The
+                # holder may destroy the sandbox as soon as they are (its tool call failed): then the
+                # figure stays the one measured before the kill, and the stop is reported all the same.
+                exact = held + sum(disk_usage(p) for p in measured)
+                if d.is_dir():
+                    used = exact
+                    state.update(disk_used_bytes=used)
+                    with contextlib.suppress(FileNotFoundError):
+                        self._write_state(d, state)
+                    _empty_dir(d / "workspace")
             info = {"job_id": state.get("job_id"), "sandbox_id": d.name, "disk_mb": state["disk_mb"],
                     "used_bytes": used}
             log.warning("sandbox_disk_quota_exceeded", runtime=self.name, **info)

@@ -5,6 +5,7 @@ neighbours are untouched (issue 17.1). Hard (root: a loop-mounted image per work
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from rolloutd.sandbox import (
@@ -91,6 +92,31 @@ def test_runtime_stops_the_sandbox_over_quota_and_spares_the_neighbour(bwrap_rt)
     assert rt.destroy(hog)  # the holder still destroys it as usual
 
 
+def test_a_sandbox_its_holder_destroys_right_after_the_kill_is_still_reported(bwrap_rt, monkeypatch):
+    """The run daemon sees the killed sandbox at once and destroys it while the init daemon's
+    check still updates its state and empties it: the stop must be reported all the same (the
+    log line and the ``sandbox.disk_quota_exceeded`` event come from this return value), and a
+    second sandbox over quota in the same pass must be stopped too."""
+    rt = bwrap_rt
+    hogs = [rt.create(f"{i}.1", SandboxSpec(limits=Limits(disk_mb=8))) for i in (4, 5)]
+    for h in hogs:
+        with ToolClient(h.tool_socket) as c:
+            c.call("bash", {"command": "for i in $(seq 12); do head -c 1048576 /dev/zero > f$i; done", "timeout": 20})
+    kill, destroying = rt._kill, []
+
+    def kill_then_holder_destroys(state):
+        kill(state)
+        if not destroying:  # destroy kills too: the plain kill there
+            destroying.append(state["sandbox_id"])
+            rt.destroy(next(h for h in hogs if h.sandbox_id == state["sandbox_id"]))
+            destroying.clear()
+
+    monkeypatch.setattr(rt, "_kill", kill_then_holder_destroys)
+    stopped = rt.enforce_disk_quotas()
+    assert sorted(i["sandbox_id"] for i in stopped) == sorted(h.sandbox_id for h in hogs), stopped
+    assert all(i["used_bytes"] > 8 * 1024 * 1024 for i in stopped), stopped  # measured before it vanished
+
+
 def test_a_plain_dead_sandbox_is_still_a_transport_error(bwrap_rt):
     h = bwrap_rt.create("3.1", SandboxSpec(limits=Limits(disk_mb=8)))
     bwrap_rt.destroy(h)
@@ -123,6 +149,11 @@ def test_agent_writing_until_stopped_is_scored_zero_neighbour_ok(up_factory, bwr
     assert "disk quota of 16 MB" in bad["eval_details"]["reason"]
     assert good["status"] == "ok", good
     assert good["eval_details"]["output"].strip() == "4000000"
+    # The init daemon logs it once the hog's workspace is emptied, after the kill the run daemon
+    # already saw: the result can come first (CI run of f0efd91 read the log before the line).
+    deadline = time.monotonic() + 15
+    while "sandbox_disk_quota_exceeded" not in up.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert "sandbox_disk_quota_exceeded" in up.log()
 
 
