@@ -82,8 +82,15 @@ def test_continue_across_a_swap_with_vllms_real_abort(up_factory, vllm_server):
         # each decode step gives each one token. (A fixed 0.5 s was not enough once in a loaded
         # CI run: one job's version-0 part was empty and its whole reply came from version 1.)
         start = metrics(v0)["generated"]
-        wait_for(lambda: metrics(v0)["generated"] - start >= JOBS * 64, timeout_s=120,
-                 what="tokens sampled on version 0")
+        try:
+            wait_for(lambda: metrics(v0)["generated"] - start >= JOBS * 64, timeout_s=120,
+                     what="tokens sampled on version 0")
+        except AssertionError as e:  # failed once in CI (2a00e1c): say what vLLM and the jobs were doing
+            m = metrics(v0)
+            raise AssertionError(f"{e}; generated {start} -> {m.get('generated')}, running "
+                                 f"{m.get('num_requests_running')}, waiting {m.get('num_requests_waiting')}; "
+                                 f"backends {c.list_backends()}; status {c.status()['totals']}; "
+                                 f"log tail {up.log()[-3000:]}") from None
         c.add_backend(v1, api="vllm", policy_version=1)
         # The aborts reached the engine: once every job continues on version 1, vLLM runs those
         # continuations and nothing else. An abort it missed would sample its version-0 call on
