@@ -32,14 +32,21 @@ run, no production code changes) to show what it saves. A rollout's connection i
 for more than 3 s is reopened by its first measured call (the server closes idle ones at 5 s).
 ``parse`` = CPU per call translating the request (JSON body -> messages, in the endpoint thread),
 ``thread`` = all the endpoint-thread work per call (parse, history matching, rendering the new
-messages, parsing the reply), ``gc`` = the garbage collector's CPU per call, built-in | endpoint
+messages, parsing the reply), ``loop`` = the event loop's thread CPU per call, built-in | endpoint
+(the endpoint's: uvicorn, h11, the hand-offs, the backend call and the reply's JSON; the built-in's
+also renders and tokenizes), ``gc`` = the garbage collector's CPU per call, built-in | endpoint
 (counted in both totals; a full collection landing in one side's window shows here). After the
 tokenizer is loaded the process freezes its heap (``gc.freeze``), as the run daemon does after its
 set-up: without it, a full collection walked every imported object (~0.24 s) and added up to
 ~3.7 ms per call to whichever side's window it fell in. Example::
 
     python bench/bench_endpoint.py --rollouts 16 --turns 8 --repeats 3
+    python bench/bench_endpoint.py --rollouts 0 --history 200 --repeats 3 --backend inline
     python bench/bench_endpoint.py --quick
+
+``--backend inline`` answers both sides from a function in this process with the scripted
+backend's own replies (:func:`inline_generate`): no HTTP client on either side, whose cost at 200
+messages (a ~20K-id prompt to JSON and back, the same on both sides) moved +-1 ms between runs.
 """
 
 from __future__ import annotations
@@ -60,10 +67,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_agent_loop import BASH_TOOL, OBSERVATION, ROOT, start_backend, tokenizer_dir
+from bench_agent_loop import BASH_TOOL, OBSERVATION, POLICY, ROOT, start_backend, tokenizer_dir
 from bench.common import stop_procs
 from rolloutd.llm.agent_loop import run_agent_loop
-from rolloutd.llm.client import LLMClient, SamplingParams, simple_generate
+import numpy as np
+
+from rolloutd.backends.policies import get_policy
+from rolloutd.llm.client import Generation, LLMClient, SamplingParams, simple_generate
 from rolloutd.llm.conversation import Conversation
 from rolloutd.endpoint.app import make_app
 from rolloutd.endpoint.bounds import EndpointLimits
@@ -365,7 +375,46 @@ class Gate:
         await self.go.wait()
 
 
-async def builtin_phase(url: str, tok, n: int, turns: int, warm: int = 0) -> dict:
+def inline_generate(tok, turns: int):
+    """The scripted backend's replies (its ``tool_then_answer`` policy, the same ids and end-of-turn
+    token) from a function in this process: no HTTP client on either side. At 200 messages the
+    client's share of a call (a ~20K-id prompt to JSON and back, ~3.5 ms, the same on both sides)
+    moved by +-1 ms between runs and drowned the difference this bench measures."""
+    policy = get_policy(POLICY.format(n=turns - 1))
+    vocab = tok.get_vocab()
+    eos = vocab["<|im_end|>"] if "<|im_end|>" in vocab else tok.eos_token_id
+    # without its ">": rendered, the ">" merges with the newline after it
+    marker = np.asarray(tok.encode("<tool_response", add_special_tokens=False), np.int64)
+    replies = {}
+    for text in (policy.call_text, policy.answer):
+        ids = list(tok.encode(text, add_special_tokens=False)) + ([eos] if eos is not None else [])
+        replies[text] = (np.asarray(ids, np.int32), np.full(len(ids), -0.5, np.float32))
+    checks = [8]  # the first calls also decode the prompt, to check the count from ids
+
+    def responses_seen(prompt) -> int:
+        """The policy's count of "<tool_response>" in the decoded prompt, from the ids (no decode)."""
+        a = np.asarray(prompt, np.int64)
+        k = len(marker)
+        hit = a[: len(a) - k + 1] == marker[0]
+        for j in range(1, k):
+            hit &= a[j: len(a) - k + 1 + j] == marker[j]
+        n = int(np.count_nonzero(hit))
+        if checks[0] > 0:
+            checks[0] -= 1
+            want = tok.decode(list(prompt), skip_special_tokens=False).count("<tool_response>")
+            if n != want:
+                raise RuntimeError(f"inline backend: {n} tool responses counted in the ids, {want} in the text")
+        return n
+
+    async def generate(prompt_ids, params: SamplingParams) -> tuple[Generation, str, int]:
+        await asyncio.sleep(0)  # one loop turn, as a reply arriving on a socket takes
+        ids, lps = replies[policy.call_text if responses_seen(prompt_ids) < policy.tool_turns else policy.answer]
+        return Generation(token_ids=ids, logprobs=lps, finish_reason="stop", prompt_tokens=len(prompt_ids)), "inline", 0
+
+    return generate
+
+
+async def builtin_phase(url: str, tok, n: int, turns: int, warm: int = 0, inline=None) -> dict:
     """``n`` rollouts of the built-in loop; the first ``warm`` turns of each (its history) untimed."""
     parser = get_parser("hermes")
     params = SamplingParams(max_tokens=512)
@@ -374,7 +423,7 @@ async def builtin_phase(url: str, tok, n: int, turns: int, warm: int = 0) -> dic
         return OBSERVATION
 
     async with LLMClient(url, timeout=120) as client:
-        gen = simple_generate(client, "scripted", 0)
+        gen = inline or simple_generate(client, "scripted", 0)
 
         async def one(i: int, gate, warm: int):
             msgs = [{"role": "system", "content": SYSTEM},
@@ -397,31 +446,33 @@ async def builtin_phase(url: str, tok, n: int, turns: int, warm: int = 0) -> dic
         gate = Gate(n)
         tasks = [asyncio.ensure_future(one(i, gate, warm)) for i in range(n)]
         await gate.ready.wait()
-        c0, t0, g0 = time.process_time(), time.perf_counter(), GC.cpu_s
+        c0, t0, g0, l0 = time.process_time(), time.perf_counter(), GC.cpu_s, time.thread_time()
         gate.go.set()
         res = await asyncio.gather(*tasks)
         cpu, wall, gc_s = time.process_time() - c0, time.perf_counter() - t0, GC.cpu_s - g0
+        loop_s = time.thread_time() - l0
     if any(len(r.turns) != warm + turns for r in res):
         raise RuntimeError(f"built-in loop: {[len(r.turns) for r in res]} turns, expected {warm + turns} each")
     calls = n * turns
-    return {"calls": calls, "cpu_ms_per_call": cpu / calls * 1e3, "wall_s": wall, "gc_ms_per_call": gc_s / calls * 1e3}
+    return {"calls": calls, "cpu_ms_per_call": cpu / calls * 1e3, "wall_s": wall, "gc_ms_per_call": gc_s / calls * 1e3,
+            "loop_ms_per_call": loop_s / calls * 1e3}
 
 
 async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: str = "chat", stream: bool = False,
-                         warm: int = 0, cache: bool = True) -> dict:
+                         warm: int = 0, cache: bool = True, inline=None) -> dict:
     """``n`` rollouts through ``n`` endpoint sessions, the agent speaking ``shape``; the first
     ``warm`` calls of each (its history) untimed."""
     async with LLMClient(url, timeout=120) as client:
         sessions, servers, socks = [], [], []
         for i in range(n + 1):  # session 0 warms up
-            s = EndpointSession(simple_generate(client, "scripted", 0), tok, limits=EndpointLimits(max_tokens=512))
+            s = EndpointSession(inline or simple_generate(client, "scripted", 0), tok, limits=EndpointLimits(max_tokens=512))
             count_parse_cpu(s)
             sock = str(tmp / f"ep{i}.sock")
             servers.append(await serve(make_app(s), uds=sock))
             sessions.append(s)
             socks.append(sock)
         try:
-            async def drive(which: list[str], warm: int) -> tuple[list[int], float, float, float, float, float]:
+            async def drive(which: list[str], warm: int) -> tuple[list[int], float, float, float, float, float, float]:
                 env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
                 driver = DRIVER if shape == "chat" else SHAPE_DRIVER
                 args = {"shape": shape, "socks": which, "turns": turns, "warm": warm, "stream": stream,
@@ -437,16 +488,17 @@ async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: st
                         raise RuntimeError(f"agent driver did not start: {line!r}")
                     th0 = sum(s.metrics["endpoint_cpu_s"] for s in mine)
                     pa0 = sum(s.parse_cpu_s for s in mine)
-                    c0, t0, g0 = time.process_time(), time.perf_counter(), GC.cpu_s
+                    c0, t0, g0, l0 = time.process_time(), time.perf_counter(), GC.cpu_s, time.thread_time()
                     p.stdin.write(b"go\n")
                     await p.stdin.drain()
                     line = await asyncio.wait_for(p.stdout.readline(), 600)
                     cpu, wall, gc_s = time.process_time() - c0, time.perf_counter() - t0, GC.cpu_s - g0
+                    loop_s = time.thread_time() - l0
                     if not line.startswith(b"DONE "):
                         raise RuntimeError(f"agent driver failed: {line!r}")
                     th = sum(s.metrics["endpoint_cpu_s"] for s in mine) - th0
                     pa = sum(s.parse_cpu_s for s in mine) - pa0
-                    return json.loads(line[5:]), cpu, wall, th, pa, gc_s
+                    return json.loads(line[5:]), cpu, wall, th, pa, gc_s, loop_s
                 finally:
                     if p.returncode is None:
                         p.kill()
@@ -454,7 +506,7 @@ async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: st
 
             with translation_cache(cache):
                 await drive(socks[:1], 0)
-                calls_per, cpu, wall, thread_s, parse_s, gc_s = await drive(socks[1:], warm)
+                calls_per, cpu, wall, thread_s, parse_s, gc_s, loop_s = await drive(socks[1:], warm)
         finally:
             for srv in servers:
                 await srv.stop()
@@ -470,7 +522,7 @@ async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: st
     reused = statistics.fmean(s.metrics["assistant_tokens_reused"] for s in sessions[1:])
     return {"calls": calls, "cpu_ms_per_call": cpu / calls * 1e3, "wall_s": wall, "reused_tokens": reused,
             "thread_ms_per_call": thread_s / calls * 1e3, "parse_ms_per_call": parse_s / calls * 1e3,
-            "gc_ms_per_call": gc_s / calls * 1e3,
+            "gc_ms_per_call": gc_s / calls * 1e3, "loop_ms_per_call": loop_s / calls * 1e3,
             "last_bodies": list(sessions[1].last_bodies)}
 
 
@@ -528,6 +580,26 @@ def breakdown(shape: str, prev: bytes, cur: bytes, tok, n: int = 15) -> dict:
             "prepare_cached_ms": ms(prepared(True)), "prepare_uncached_ms": ms(prepared(False))}
 
 
+async def handoff_cost(n: int = 3000) -> dict:
+    """CPU of one hand-off to an endpoint thread and back (``run_in_executor`` on the endpoint's
+    pool, a no-op), whole process and the loop's thread alone, against one loop turn (``sleep(0)``),
+    the baseline. Sequential, nothing else running: the least it costs."""
+    from rolloutd.endpoint.bounds import POOL
+
+    loop = asyncio.get_running_loop()
+    for _ in range(200):
+        await loop.run_in_executor(POOL, int)
+    c0, l0 = time.process_time(), time.thread_time()
+    for _ in range(n):
+        await loop.run_in_executor(POOL, int)
+    hop, hop_loop = (time.process_time() - c0) / n * 1e6, (time.thread_time() - l0) / n * 1e6
+    c0 = time.process_time()
+    for _ in range(n):
+        await asyncio.sleep(0)
+    turn = (time.process_time() - c0) / n * 1e6
+    return {"handoff_us": hop, "handoff_loop_thread_us": hop_loop, "loop_turn_us": turn, "ratio": hop / turn}
+
+
 def summarize(rows: list[dict]) -> dict:
     """Medians per (case, shape, mode, cache) over the repeats."""
     med = statistics.median
@@ -538,6 +610,8 @@ def summarize(rows: list[dict]) -> dict:
                 "endpoint_cpu_ms_per_call": med(r["endpoint"]["cpu_ms_per_call"] for r in rs),
                 "added_cpu_ms_per_call": med(r["added"] for r in rs),
                 "thread_ms_per_call": med(r["endpoint"]["thread_ms_per_call"] for r in rs),
+                "builtin_loop_ms_per_call": med(r["builtin"]["loop_ms_per_call"] for r in rs),
+                "endpoint_loop_ms_per_call": med(r["endpoint"]["loop_ms_per_call"] for r in rs),
                 "parse_ms_per_call": med(r["endpoint"]["parse_ms_per_call"] for r in rs),
                 "builtin_gc_ms_per_call": med(r["builtin"]["gc_ms_per_call"] for r in rs),
                 "endpoint_gc_ms_per_call": med(r["endpoint"]["gc_ms_per_call"] for r in rs),
@@ -563,6 +637,9 @@ def main(argv: list[str] | None = None) -> int:
                          "long-history case (0: skip it)")
     ap.add_argument("--history-rollouts", type=int, default=8)
     ap.add_argument("--history-calls", type=int, default=8, help="measured calls per rollout after the history")
+    ap.add_argument("--backend", choices=["http", "inline"], default="http",
+                    help="http: the scripted backend process over HTTP (LLMClient); inline: its replies from a "
+                         "function in this process, no HTTP client on either side (less noise: see inline_generate)")
     ap.add_argument("--no-uncached", action="store_true",
                     help="long-history case: skip the comparison run with the translation cache off")
     args = ap.parse_args(argv)
@@ -593,7 +670,9 @@ def main(argv: list[str] | None = None) -> int:
         proc, port = start_backend(tok_dir, warm + args.history_calls)
         procs.append(proc)
     hurl = f"http://127.0.0.1:{port}"
-    print(f"# tokenizer: {tok_desc}; backend: scripted (separate process, zero latency) at {url}")
+    print(f"# tokenizer: {tok_desc}; backend: " + ("scripted replies in this process (--backend inline)"
+                                                   if args.backend == "inline" else
+                                                   f"scripted (separate process, zero latency) at {url}"))
     print(f"# python {sys.version.split()[0]}, uvicorn {uvicorn.__version__}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f} at start")
     rows: list[dict] = []
@@ -601,7 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     def show(r: dict) -> None:
         b, e = r["builtin"], r["endpoint"]
         print(f"  repeat {r['repeat']} {r['key']:>32}: built-in {b['cpu_ms_per_call']:.3f} | endpoint "
-              f"{e['cpu_ms_per_call']:.3f} | added {r['added']:.3f} ms CPU/call (thread {e['thread_ms_per_call']:.3f},"
+              f"{e['cpu_ms_per_call']:.3f} | added {r['added']:.3f} ms CPU/call (loop {b['loop_ms_per_call']:.3f} | "
+              f"{e['loop_ms_per_call']:.3f}, thread {e['thread_ms_per_call']:.3f},"
               f" parse {e['parse_ms_per_call']:.3f}; gc {b['gc_ms_per_call']:.3f} | {e['gc_ms_per_call']:.3f})", flush=True)
 
     load0 = os.getloadavg()[0]
@@ -613,12 +693,14 @@ def main(argv: list[str] | None = None) -> int:
                 if warm:
                     cases.append((f"history{args.history}", hurl, args.history_rollouts, args.history_calls, warm))
                 for case, u, n, turns, w in cases:
+                    inline = inline_generate(tok, turns + w) if args.backend == "inline" else None
                     runs = [(shape, mode, True) for shape in shapes for mode in modes]
                     if w and not args.no_uncached:
                         runs += [(shape, "json", False) for shape in shapes]
                     for shape, mode, cache in runs:  # each right after the built-in run it is compared with
-                        b = asyncio.run(builtin_phase(u, tok, n, turns, w))
-                        e = asyncio.run(endpoint_phase(u, tok, n, turns, Path(d), shape, mode == "stream", w, cache))
+                        b = asyncio.run(builtin_phase(u, tok, n, turns, w, inline))
+                        e = asyncio.run(endpoint_phase(u, tok, n, turns, Path(d), shape, mode == "stream", w, cache,
+                                                       inline))
                         key = f"{case} {shape} {mode}" + ("" if cache else " uncached")
                         bodies = e.pop("last_bodies")
                         rows.append({"key": key, "case": case, "shape": shape, "mode": mode, "cache": cache,
@@ -629,10 +711,11 @@ def main(argv: list[str] | None = None) -> int:
                             parts[shape] = breakdown(shape, bodies[0], bodies[1], tok)
     finally:
         stop_procs(procs, wait_s=10)
-    summary = {"tokenizer": tok_desc, "rollouts": args.rollouts, "turns": args.turns, "repeats": args.repeats,
+    summary = {"tokenizer": tok_desc, "backend": args.backend, "rollouts": args.rollouts, "turns": args.turns, "repeats": args.repeats,
                "history": args.history, "history_rollouts": args.history_rollouts,
                "history_calls": args.history_calls, "load_average_start": load0,
-               "load_average_end": os.getloadavg()[0], "results": summarize(rows), "translation_breakdown": parts}
+               "load_average_end": os.getloadavg()[0], "results": summarize(rows), "translation_breakdown": parts,
+               "handoff": asyncio.run(handoff_cost(300 if args.quick else 3000))}
     print(json.dumps(summary, indent=2))
     print(f"# medians of {args.repeats}, ms CPU per call; target: added < 1 ms")
     for key, v in summary["results"].items():
@@ -640,9 +723,13 @@ def main(argv: list[str] | None = None) -> int:
         if key.endswith("uncached"):
             ok = "(translation cache off, for comparison)"
         print(f"# {key:>32}: added {v['added_cpu_ms_per_call']:.3f} (built-in {v['builtin_cpu_ms_per_call']:.3f}, "
-              f"endpoint {v['endpoint_cpu_ms_per_call']:.3f}; thread {v['thread_ms_per_call']:.3f}, "
+              f"endpoint {v['endpoint_cpu_ms_per_call']:.3f}; loop {v['builtin_loop_ms_per_call']:.3f} | "
+              f"{v['endpoint_loop_ms_per_call']:.3f}, thread {v['thread_ms_per_call']:.3f}, "
               f"parse {v['parse_ms_per_call']:.3f}; gc {v['builtin_gc_ms_per_call']:.3f} | "
               f"{v['endpoint_gc_ms_per_call']:.3f}) {ok}")
+    h = summary["handoff"]
+    print(f"# a hand-off to an endpoint thread and back: {h['handoff_us']:.1f} us CPU ({h['handoff_loop_thread_us']:.1f} "
+          f"on the loop's thread), {h['ratio']:.1f}x one loop turn ({h['loop_turn_us']:.1f} us)")
     for shape, v in parts.items():
         print(f"# {shape} request of {v['messages_in_body']} history items ({v['bytes']} bytes), one thread: json.loads "
               f"{v['json_loads_ms']:.3f} ms (the resent history reused: {v['resent_decode_ms']:.3f}), nesting walk {v['nesting_walk_full_ms']:.3f} (skipping the last body's "
