@@ -44,13 +44,16 @@ import zmq
 import zmq.asyncio
 
 from rolloutd.bus import codec, events
+from rolloutd.bus.config import DEFAULTS
 from rolloutd.bus.messages import Lease, LeaseBatch, Release
 from rolloutd.bus.sockets import Sockets, recv_now
 from rolloutd.daemons import lease_rows
+from rolloutd.daemons.phase import default_prefetch
 from rolloutd.daemons.router_client import lease_member
 from rolloutd.daemons.supervisor import config_from_args
 
-HELD = {"init": 36, "run": 576, "eval": 36}  # pool + default prefetch (daemons.phase.default_prefetch)
+# what each phase daemon holds by default: its pool plus its backlog
+HELD = {p: DEFAULTS[p]["pool"] + default_prefetch(DEFAULTS[p]["pool"]) for p in ("init", "run", "eval")}
 COUNTS = {"done": 0, "failed": 0, "timeout": 0, "cancelled": 0, "forwarded": 0, "malformed": 0}
 cpu = time.thread_time
 

@@ -86,9 +86,10 @@ def tasks_for(jobs, mode: str) -> list[dict]:
 
 def submit_and_time(client, tasks, chunk: int = 1000) -> tuple[list[float], float, dict, dict, dict]:
     """Submit everything at once (the gateway queues it), gather; returns completion times
-    relative to the first submit, the makespan, a status count and each phase's mean time as the
+    relative to the first submit, the makespan, a status count, each phase's mean time as the
     daemons measured it around the handler (``timing``: what the phase really took, sleep
-    overshoot included, hand-offs not)."""
+    overshoot included, hand-offs not) and each phase's handler spans ``[(start, end), ...]`` of
+    the jobs whose handler traced them (the synthetic handler's ``trace``; empty otherwise)."""
     t0 = time.perf_counter()
     ids = []
     for i in range(0, len(tasks), chunk):
