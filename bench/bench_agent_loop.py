@@ -55,7 +55,7 @@ import structlog  # noqa: E402
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up only
 
-from bench.common import stop_procs  # noqa: E402
+from bench.common import die_with_parent, stop_procs  # noqa: E402
 from rolloutd.llm.agent_loop import run_agent_loop  # noqa: E402
 from rolloutd.llm.client import LLMClient, SamplingParams, simple_generate  # noqa: E402
 from rolloutd.llm.conversation import Conversation  # noqa: E402
@@ -121,7 +121,8 @@ def start_backend(tok_dir: Path, turns: int) -> tuple[subprocess.Popen, int]:
         "--policy", POLICY.format(n=turns - 1), "--latency", "constant:0", "--max-model-len", "65536",
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=str(ROOT))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=str(ROOT),
+                            preexec_fn=die_with_parent)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
     deadline = time.monotonic() + 120

@@ -219,6 +219,18 @@ class Rolloutd:
 
 
 # ---- py-spy ------------------------------------------------------------------------------
+def die_with_parent() -> None:
+    """``preexec_fn`` for a benchmark's helper process (a backend, a server): it gets SIGTERM when
+    the benchmark dies, so a run killed part-way (SIGTERM or SIGKILL skip its ``finally``) leaves
+    nothing running (PR_SET_PDEATHSIG, as the supervisor's daemons have)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
 def stop_procs(procs, logs=(), wait_s: float = 15.0) -> None:
     """SIGTERM every process (a clean daemon stop), wait, kill what outlives ``wait_s``; close logs."""
     for p in procs:
