@@ -66,13 +66,13 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_agent_loop import BASH_TOOL, OBSERVATION, POLICY, ROOT, start_backend, tokenizer_dir
 from bench.common import stop_procs
-from rolloutd.llm.agent_loop import run_agent_loop
-import numpy as np
-
 from rolloutd.backends.policies import get_policy
+from rolloutd.llm.agent_loop import run_agent_loop
 from rolloutd.llm.client import Generation, LLMClient, SamplingParams, simple_generate
 from rolloutd.llm.conversation import Conversation
 from rolloutd.endpoint.app import make_app
@@ -465,7 +465,8 @@ async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: st
     async with LLMClient(url, timeout=120) as client:
         sessions, servers, socks = [], [], []
         for i in range(n + 1):  # session 0 warms up
-            s = EndpointSession(inline or simple_generate(client, "scripted", 0), tok, limits=EndpointLimits(max_tokens=512))
+            gen = inline or simple_generate(client, "scripted", 0)
+            s = EndpointSession(gen, tok, limits=EndpointLimits(max_tokens=512))
             count_parse_cpu(s)
             sock = str(tmp / f"ep{i}.sock")
             servers.append(await serve(make_app(s), uds=sock))
