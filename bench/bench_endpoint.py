@@ -389,18 +389,19 @@ def inline_generate(tok, turns: int):
     for text in (policy.call_text, policy.answer):
         ids = list(tok.encode(text, add_special_tokens=False)) + ([eos] if eos is not None else [])
         replies[text] = (np.asarray(ids, np.int32), np.full(len(ids), -0.5, np.float32))
-    checks = [8]  # the first calls also decode the prompt, to check the count from ids
+    checks = 8  # the first calls also decode the prompt, to check the count from ids
 
     def responses_seen(prompt) -> int:
         """The policy's count of "<tool_response>" in the decoded prompt, from the ids (no decode)."""
+        nonlocal checks
         a = np.asarray(prompt, np.int64)
         k = len(marker)
         hit = a[: len(a) - k + 1] == marker[0]
         for j in range(1, k):
             hit &= a[j: len(a) - k + 1 + j] == marker[j]
         n = int(np.count_nonzero(hit))
-        if checks[0] > 0:
-            checks[0] -= 1
+        if checks > 0:
+            checks -= 1
             want = tok.decode(list(prompt), skip_special_tokens=False).count("<tool_response>")
             if n != want:
                 raise RuntimeError(f"inline backend: {n} tool responses counted in the ids, {want} in the text")

@@ -218,11 +218,10 @@ class Rolloutd:
         self.stop()
 
 
-# ---- py-spy ------------------------------------------------------------------------------
 def die_with_parent() -> None:
     """``preexec_fn`` for a benchmark's helper process (a backend, a server): it gets SIGTERM when
     the benchmark dies, so a run killed part-way (SIGTERM or SIGKILL skip its ``finally``) leaves
-    nothing running (PR_SET_PDEATHSIG, as the supervisor's daemons have)."""
+    nothing running (PR_SET_PDEATHSIG, as `daemons.supervisor._child_setup` gives the daemons)."""
     import ctypes
 
     try:
@@ -231,6 +230,7 @@ def die_with_parent() -> None:
         pass
 
 
+# ---- py-spy ------------------------------------------------------------------------------
 def stop_procs(procs, logs=(), wait_s: float = 15.0) -> None:
     """SIGTERM every process (a clean daemon stop), wait, kill what outlives ``wait_s``; close logs."""
     for p in procs:
