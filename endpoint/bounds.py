@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import operator
 import re
 import threading
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any
 
 from ..llm.encode_worker import EncodeRefused
 from .resent import ResentBodies
-from .wire import EndpointError, Msg, bad
+from .wire import EndpointError, Msg, bad, same_prefix
 
 
 @dataclass(slots=True)
@@ -115,8 +116,8 @@ def nesting_ok(obj: Any, limit: int, prev: Any = None) -> bool:
         for k, v in obj.items():
             p = prev.get(k)
             if type(v) is list and type(p) is list:  # the list is at depth 2, its items at 3
-                n = len(p)
-                stack.extend((x, 3) for i, x in enumerate(v)
+                n, same = len(p), same_prefix(v, p)
+                stack.extend((x, 3) for i, x in enumerate(v[same:], same)
                              if type(x) in (dict, list) and not (i < n and (x is p[i] or x == p[i])))
             elif type(v) in (dict, list):
                 stack.append((v, 2))
@@ -152,13 +153,16 @@ def load_body(raw: bytes | dict, depth: int, resent: ResentBodies | None = None)
     return body
 
 
+_CONTENT = operator.attrgetter("content")
+
+
 def check_size(msgs: list[Msg], mbpt: int | None, max_context: int) -> None:
     """Refuse messages no tokenization of which fits the context window, before tokenizing them."""
     # A token is at most max_bytes_per_token bytes, a character at least one byte.
     if len(msgs) > max_context:
         raise bad(f"{len(msgs)} messages cannot fit this job's context window of {max_context} "
                   "tokens", "messages", "context_length_exceeded")
-    chars = sum(len(m.content) for m in msgs)
+    chars = sum(map(len, map(_CONTENT, msgs)))
     if mbpt is not None and chars > mbpt * max_context:
         raise bad(f"the messages hold {chars} characters; no tokenization of them fits this job's context "
                   f"window of {max_context} tokens", "messages", "context_length_exceeded")

@@ -193,6 +193,9 @@ async def serve(app, *, uds: str | None = None, host: str | None = None, port: i
     config = uvicorn.Config(app, uds=uds, host=host or "127.0.0.1", port=port, log_config=None, access_log=False,
                             lifespan="off", ws="none", timeout_graceful_shutdown=2, server_header=False,
                             date_header=False, http=_bounded_protocol(),
+                            # no proxy stands before a job's endpoint: an agent's X-Forwarded-* is not
+                            # believed, and no middleware layer runs per request
+                            proxy_headers=False,
                             h11_max_incomplete_event_size=bounds.max_header_bytes,
                             backlog=bounds.max_connections)  # the queue of a job at its cap; asyncio's accept batch
     config.rolloutd_bounds = bounds

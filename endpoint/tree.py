@@ -13,6 +13,8 @@ at a time. docs/HARNESS.md says what a trainer does with segments.
 
 from __future__ import annotations
 
+import bisect
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,7 @@ from ..llm.encode_worker import EncodeRefused
 from .wire import Msg, bad
 
 log = structlog.get_logger("rolloutd.llm")
+_CUT = operator.itemgetter(0)
 
 
 @dataclass(slots=True, eq=False)
@@ -59,7 +62,8 @@ class Gen:
 class Segment:
     """A self-consistent token sequence: a Conversation (chat) or one raw completion."""
 
-    __slots__ = ("busy", "closed", "conv", "cuts", "entries", "index", "last_call", "opened_call", "raw", "tools")
+    __slots__ = ("busy", "closed", "conv", "cuts", "entries", "index", "last_call", "matched", "opened_call", "raw",
+                 "tools")
 
     def __init__(self, index: int, conv: Conversation | None, tools: list | None, entries: list) -> None:
         self.index = index
@@ -72,6 +76,9 @@ class Segment:
         self.raw: dict | None = None  # /v1/completions: arrays and the one turn
         # where a fork may start: (entries, conv turns) just after each reply sampled in it (append-only)
         self.cuts: list[tuple[int, int]] = []
+        # (msgs, n): entries[:n] matched msgs[:n] (entries only grow, so they still do): a request
+        # resending those very messages (the history cache's objects) is compared from n on
+        self.matched: tuple[list[Msg], int] | None = None
 
     @property
     def n_turns(self) -> int:
@@ -132,10 +139,24 @@ class ConversationTree:
                 continue
             if k == n and not seg.conv.awaiting_generation:
                 continue  # nothing new to add: a repeated request (its own retry) opens a new segment
-            # `e is m`: a message the request's parse reused from the last request's (chat) is this entry
-            if all((e.matches(m) if type(e) is Gen else (e is m or e.key == m.key)) for e, m in zip(entries, msgs)):
+            if self._prefix_of(seg, msgs):
                 best = seg
         return best
+
+    @staticmethod
+    def _prefix_of(seg: Segment, msgs: list[Msg]) -> bool:
+        """``seg``'s entries are a prefix of ``msgs`` (our replies compared as values)."""
+        entries, start = seg.entries, 0
+        if seg.matched is not None:
+            done, j = seg.matched
+            if msgs[:j] == done[:j]:  # C speed: the same objects (or equal messages) as a matched request's
+                start = j
+        # `e is m`: a message the request's parse reused from the last request's (chat) is this entry
+        if all((e.matches(m) if type(e) is Gen else (e is m or e.key == m.key))
+               for e, m in zip(entries[start:], msgs[start:])):
+            seg.matched = (msgs, len(entries))
+            return True
+        return False
 
     def place(self, msgs: list[Msg], tools: list | None) -> Segment:
         """The conversation this request continues (its new messages appended), or a new one;
@@ -263,7 +284,8 @@ class ConversationTree:
             if seg.conv is None or not cuts or tools != seg.tools:
                 continue
             floor = best[1] if best is not None else beat
-            top = max(c for c, _ in cuts if c < n) if any(c < n for c, _ in cuts) else 0
+            i = bisect.bisect_left(cuts, n, key=_CUT)  # cuts ascend (add_reply): the last one before message n
+            top = cuts[i - 1][0] if i else 0
             if top <= floor:
                 continue
             same = 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,6 +190,31 @@ class Sampling:
 
 
 
+def same_prefix(a: list, b: list) -> int:
+    """How many leading items of ``a`` equal (or are) ``b``'s at the same positions. Agents resend
+    their whole history every call: when the shorter list is all the other's (the usual call, the
+    very objects where the history cache reused them), one C-level list comparison answers, not a
+    Python step per item (~0.3 us each at 200 messages, in each of a request's passes)."""
+    n = min(len(a), len(b))
+    if not n or a[:n] == b[:n]:
+        return n
+    k = 0
+    while a[k] is b[k] or a[k] == b[k]:  # stops: the slices differ at some k < n
+        k += 1
+    return k
+
+
+def same_objects(a: list, b: list) -> int:
+    """How many leading items of ``a`` are ``b``'s very objects (``same_prefix`` by identity)."""
+    n = min(len(a), len(b))
+    if all(map(operator.is_, a[:n], b[:n])):
+        return n
+    k = 0
+    while a[k] is b[k]:
+        k += 1
+    return k
+
+
 def memo_items(items: list, fn: Any, cache: dict | None) -> list:
     """``[fn(item, i) for i, item in enumerate(items)]``, where an item equal to the one at the same
     position of the previous call with this ``cache`` reuses that call's result: agents resend their
@@ -197,7 +223,10 @@ def memo_items(items: list, fn: Any, cache: dict | None) -> list:
     conversation source (None: no reuse); it is updated only when every item translated."""
     prev, prev_out = (cache.get("items"), cache.get("out")) if cache is not None else (None, None)
     n_prev = len(prev) if prev is not None else 0
-    out = [prev_out[i] if i < n_prev and (it is prev[i] or it == prev[i]) else fn(it, i) for i, it in enumerate(items)]
+    k = same_prefix(items, prev) if n_prev else 0
+    out = prev_out[:k] if k else []
+    out += [prev_out[i] if i < n_prev and (it is prev[i] or it == prev[i]) else fn(it, i)
+            for i, it in enumerate(items[k:], k)]
     if cache is not None:
         cache["items"], cache["out"] = items, out
     return out
@@ -214,9 +243,7 @@ def assembled_before(pieces: list, cache: dict | None) -> tuple[int, list, list]
     if prev is None:
         return 0, [], []
     p_pieces, marks, p_msgs, _ = prev
-    n, k = min(len(p_pieces), len(pieces)), 0
-    while k < n and pieces[k] is p_pieces[k]:
-        k += 1
+    k = same_objects(pieces, p_pieces)
     j = bisect.bisect_right(marks, (k, math.inf))  # the last clean point at or before item k
     if not j:
         return 0, [], []

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..wire import Msg, Reply, Sampling, _dumps, bad, call_arguments, canon_args, number, text_of, tools_given
+from ..wire import (Msg, Reply, Sampling, _dumps, bad, call_arguments, canon_args, number, same_prefix, text_of,
+                    tools_given)
 
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
@@ -22,10 +23,11 @@ def parse_messages(raw: Any, prev: tuple[list, list[Msg]] | None = None) -> list
     agent resends its whole history on every call; dict equality is C-speed)."""
     if not isinstance(raw, list) or not raw:
         raise bad("'messages' must be a non-empty list", "messages")
-    out: list[Msg] = []
-    prev_raw, prev_msgs = prev if prev is not None else ((), ())
+    prev_raw, prev_msgs = prev if prev is not None else ([], [])
     n_prev = len(prev_raw)
-    for i, m in enumerate(raw):
+    k = same_prefix(raw, prev_raw)  # the resent history, at C speed
+    out: list[Msg] = prev_msgs[:k]
+    for i, m in enumerate(raw[k:], k):
         if i < n_prev and (m is prev_raw[i] or m == prev_raw[i]):
             out.append(prev_msgs[i])
             continue
