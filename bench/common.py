@@ -218,18 +218,6 @@ class Rolloutd:
         self.stop()
 
 
-def die_with_parent() -> None:
-    """``preexec_fn`` for a benchmark's helper process (a backend, a server): it gets SIGTERM when
-    the benchmark dies, so a run killed part-way (SIGTERM or SIGKILL skip its ``finally``) leaves
-    nothing running (PR_SET_PDEATHSIG, as `daemons.supervisor._child_setup` gives the daemons)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 # ---- py-spy ------------------------------------------------------------------------------
 def stop_procs(procs, logs=(), wait_s: float = 15.0) -> None:
     """SIGTERM every process (a clean daemon stop), wait, kill what outlives ``wait_s``; close logs."""

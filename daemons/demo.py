@@ -40,6 +40,8 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from rolloutd.daemons.children import die_with_parent
+
 DOMAINS = ("math", "code", "swe")
 # Opt-in (--domains ...,harness): mini-swe-agent from PyPI on swe tasks, through the harness handler.
 HARNESS = "harness"
@@ -172,21 +174,12 @@ class Children:
                     console.print(f"[red]could not stop {name}: {e}[/]")
 
 
-def _die_with_parent():
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def start_up(run_dir: Path, sets: list[str], log_path: Path, env: dict) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rolloutd.daemons.cli", "up", "--runtime-dir", str(run_dir)]
     for s in sets:
         cmd += ["--set", s]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True, preexec_fn=_die_with_parent)
+                            env=env, start_new_session=True, preexec_fn=die_with_parent)
 
 
 def wait_up(proc: subprocess.Popen, gateway: str, log_path: Path, timeout_s: float = 60.0):
@@ -207,7 +200,7 @@ def wait_up(proc: subprocess.Popen, gateway: str, log_path: Path, timeout_s: flo
 def start_hf(model_dir: Path, log_path: Path, env: dict, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "rolloutd.daemons.cli", "serve-hf", str(model_dir), "--port", "0", "--max-batch-size", "16"]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=open(log_path, "ab"),
-                            env=env, start_new_session=True, preexec_fn=_die_with_parent, text=True)
+                            env=env, start_new_session=True, preexec_fn=die_with_parent, text=True)
     port: list[int] = []
 
     def reader():

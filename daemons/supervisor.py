@@ -12,7 +12,6 @@ and stopped together where the router would be (docs/SCALING.md, "Router shards"
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -22,10 +21,10 @@ import time
 from rolloutd.bus import logs
 from rolloutd.bus.config import Config, dump_toml
 from rolloutd.bus.endpoints import router_ipc_paths, router_name, router_shard
+from rolloutd.daemons.children import die_with_parent
 
 START_ORDER = ["events", "router", "gateway", "eval", "run", "init"]
 STOP_ORDER = ["init", "run", "eval", "gateway", "router", "events"]
-PR_SET_PDEATHSIG = 1
 
 
 def _child_setup():  # runs in the child between fork and exec
@@ -33,10 +32,7 @@ def _child_setup():  # runs in the child between fork and exec
     # the group reaches only the supervisor, which stops the children in order. Signalled all at
     # once, the events daemon went first and every other daemon's stop notice reached nobody.
     os.setpgid(0, 0)
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+    die_with_parent()
 
 
 def with_shards(names: list[str], shards: int) -> list[str]:

@@ -43,7 +43,6 @@ starts only, through a throw-away ``*.dist-info`` on PYTHONPATH, and says so.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import random
@@ -64,6 +63,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from rolloutd.daemons.children import die_with_parent  # noqa: E402
+
 LOGPROB_TOL = 1e-3
 
 
@@ -72,15 +73,6 @@ def log(msg: str):
 
 
 # -- child processes ------------------------------------------------------------------------
-def _die_with_parent():  # runs in the child between fork and exec: no imports here
-    try:
-        _libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the child dies with this script
-    except (OSError, AttributeError):
-        pass
-
-
-_libc = ctypes.CDLL("libc.so.6", use_errno=True)
-
 
 class Child:
     """A subprocess we own: started with PDEATHSIG, stopped with SIGTERM then SIGKILL."""
@@ -90,7 +82,7 @@ class Child:
         self.log_path = log_path
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if capture else self._log, stderr=self._log,
-                                     stdin=subprocess.DEVNULL, env=env, cwd=REPO, preexec_fn=_die_with_parent)
+                                     stdin=subprocess.DEVNULL, env=env, cwd=REPO, preexec_fn=die_with_parent)
 
     def read_line(self, prefix: str, timeout_s: float) -> str:
         """The first stdout line that starts with ``prefix`` (e.g. serve-hf's ``READY <port>``)."""

@@ -95,14 +95,9 @@ def grade_answer(gold: str, response: str, use_timeouts: bool = True) -> tuple[f
 
 def _warm() -> None:
     """Worker start-up: die with the eval daemon, and import math-verify once."""
-    import signal
+    from ..daemons.children import die_with_parent
 
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    die_with_parent()
     import math_verify  # noqa: F401  (sympy + the LaTeX parser: seconds, once per worker)
 
 
