@@ -55,8 +55,7 @@ import structlog  # noqa: E402
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up only
 
-from bench.common import stop_procs  # noqa: E402
-from rolloutd.daemons.children import die_with_parent  # noqa: E402
+from bench.common import die_with_parent, stop_procs  # noqa: E402
 from rolloutd.llm.agent_loop import run_agent_loop  # noqa: E402
 from rolloutd.llm.client import LLMClient, SamplingParams, simple_generate  # noqa: E402
 from rolloutd.llm.conversation import Conversation  # noqa: E402

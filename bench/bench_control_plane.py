@@ -371,7 +371,8 @@ class Head:
             for k, v in self.sets.items():
                 cmd += ["--set", f"{k}={v}"]
             self.procs[name] = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                                stdout=self._log(name), stderr=subprocess.STDOUT)
+                                                stdout=self._log(name), stderr=subprocess.STDOUT,
+                                                preexec_fn=common.die_with_parent)
         try:
             self.wait_for({"gateway", "router"})
         except BaseException:
@@ -550,7 +551,7 @@ def run_size(a, nodes: int, backend, protocol: str = "changes", lease_protocol: 
                  "--job-s", str(a.job_s), "--protocol", protocol, "--listing", a.listing, "--lease-protocol", lease_protocol,
                  "--lease-rows", a.lease_rows, "--hb-topics", a.hb_topics,
                  "--duration", str(a.seconds + a.warmup + 30)],
-                env=env, stdout=subprocess.PIPE, text=True))
+                env=env, stdout=subprocess.PIPE, text=True, preexec_fn=common.die_with_parent))
         t_pop = time.monotonic()
         left = want
         while left > 0:  # submits of 4096-job tasks, 64 tasks a request

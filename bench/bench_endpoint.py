@@ -70,7 +70,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_agent_loop import BASH_TOOL, OBSERVATION, POLICY, ROOT, start_backend, tokenizer_dir
-from bench.common import stop_procs
+from bench.common import die_with_parent, stop_procs
 from rolloutd.backends.policies import get_policy
 from rolloutd.llm.agent_loop import run_agent_loop
 from rolloutd.llm.client import Generation, LLMClient, SamplingParams, simple_generate
@@ -480,7 +480,7 @@ async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: st
                 args = {"shape": shape, "socks": which, "turns": turns, "warm": warm, "stream": stream,
                         "obs": OBSERVATION, "tools": [BASH_TOOL], "system": SYSTEM}
                 p = await asyncio.create_subprocess_exec(sys.executable, "-c", driver, stdin=subprocess.PIPE,
-                                                         stdout=subprocess.PIPE, env=env)
+                                                         stdout=subprocess.PIPE, env=env, preexec_fn=die_with_parent)
                 mine = [sessions[socks.index(w)] for w in which]
                 try:
                     p.stdin.write((json.dumps(args) + "\n").encode())

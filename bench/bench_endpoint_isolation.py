@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_agent_loop import ROOT, tokenizer_dir  # noqa: E402
-from common import cpu_seconds, loadavg, median, percentile, pyspy_report, pyspy_start, revision  # noqa: E402
+from common import cpu_seconds, die_with_parent, loadavg, median, percentile, pyspy_report, pyspy_start, revision  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from tests.harness.isolation_agents import ATTACKER  # noqa: E402
@@ -139,7 +139,8 @@ def neighbour(sock: str, stop: threading.Event, out: list):
 def start_server(tok_dir, backend: str, d: Path, n: int, max_context: int, env: dict):
     d.mkdir(parents=True, exist_ok=True)
     srv = subprocess.Popen([sys.executable, "-c", SERVER, str(tok_dir), backend, str(d), str(n), str(max_context)],
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=str(d))
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=str(d),
+                           preexec_fn=die_with_parent)
     sq = lines_of(srv)  # cwd: not the checkout, whose rolloutd/ would come before PYTHONPATH
     print(f"# {d.name}: {wait_line(sq, 'READY', srv).split()[1]}")
     stats: list[tuple[float, dict]] = []
@@ -176,7 +177,7 @@ def run_phase(a, d: Path, n: int, phase: str, stats: list, env: dict, prof: Path
     if phase != "quiet":
         atk = subprocess.Popen([sys.executable, "-c", RELAYED_ATTACKER, str(d / f"job{n - 1}.sock"), phase],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=dict(env, ATTACK_FILE=str(d.parent / "attack.py")))
+                               env=dict(env, ATTACK_FILE=str(d.parent / "attack.py")), preexec_fn=die_with_parent)
     if prof is not None:
         spy = pyspy_start({f"{d.name}-{phase}": a.server_pid[d.name]}, a.phase_s - 0.5, prof)
     time.sleep(a.phase_s)
@@ -235,7 +236,8 @@ def main() -> int:
     try:
         be = subprocess.Popen([sys.executable, "-m", "rolloutd.backends.scripted", "--port", "0", "--tokenizer",
                                str(tok_dir), "--policy", "echo", "--latency", "constant:0"],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                              preexec_fn=die_with_parent)
         procs.append(be)
         port = int(wait_line(lines_of(be), "READY", be).split()[1])
         n = a.neighbours + 1

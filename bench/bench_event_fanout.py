@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: F401 - puts the checkout on sys.path
+import common  # puts the checkout on sys.path
 
 import zmq
 
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     ep = Endpoints.local(rd / "run")
     log = open(rd / "events.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "rolloutd.daemons.cli", "events", "--runtime-dir", str(rd / "run")],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=common.REPO)
+                            stdout=log, stderr=subprocess.STDOUT, cwd=common.REPO, preexec_fn=common.die_with_parent)
     ctx = zmq.Context()
     counters = {}
     try:

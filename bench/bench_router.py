@@ -728,7 +728,7 @@ def _outside_load(url: str, model: str, n: int):
             f"        httpx.post({url + '/v1/completions'!r}, content={body!r}, "
             "headers={'content-type': 'application/json'}, timeout=600)\n"
             f"[threading.Thread(target=one).start() for _ in range({n})]\n")
-    return subprocess.Popen([sys.executable, "-c", code])
+    return subprocess.Popen([sys.executable, "-c", code], preexec_fn=common.die_with_parent)
 
 
 def _server_load(url: str) -> tuple[float, float]:

@@ -84,11 +84,12 @@ class Stack:
         self.log = open(self.tmp / "daemons.log", "w")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "rolloutd.daemons.cli"]
         self.procs = {"events": subprocess.Popen(cmd + ["events"] + sets, stdout=self.log, stderr=subprocess.STDOUT,
-                                                 cwd=common.REPO, stdin=subprocess.DEVNULL)}
+                                                 cwd=common.REPO, stdin=subprocess.DEVNULL,
+                                                 preexec_fn=common.die_with_parent)}
         for i in range(k):
             self.procs[f"router{i}"] = subprocess.Popen(cmd + ["router", "--shard", str(i)] + sets, stdout=self.log,
                                                         stderr=subprocess.STDOUT, cwd=common.REPO,
-                                                        stdin=subprocess.DEVNULL)
+                                                        stdin=subprocess.DEVNULL, preexec_fn=common.die_with_parent)
 
     def stop(self):
         for p in self.procs.values():

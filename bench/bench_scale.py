@@ -64,7 +64,8 @@ class Node:
         for d in ("eval", "run", "init"):  # the launcher's order
             self.procs[d] = subprocess.Popen([sys.executable, "-m", "rolloutd.daemons.cli", d, *args], cwd=cwd,
                                              env=env, stdin=subprocess.DEVNULL,
-                                             stdout=self._log(d), stderr=subprocess.STDOUT)
+                                             stdout=self._log(d), stderr=subprocess.STDOUT,
+                                             preexec_fn=common.die_with_parent)
 
     def _log(self, daemon: str):
         f = open(self.runtime / f"{daemon}.log", "w")  # noqa: SIM115 - the daemon's stdout until stop()

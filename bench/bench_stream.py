@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import loadavg, machine, median, revision  # noqa: E402
+from common import die_with_parent, loadavg, machine, median, revision  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def start_backend(tok_dir: Path, per_token: float, max_tokens: int) -> tuple[sub
     proc = subprocess.Popen([sys.executable, "-m", "rolloutd", "scripted-backend", "--port", "0", "--tokenizer",
                              str(tok_dir), "--policy", f"constant:text={text}",
                              "--latency", f"constant:0.002,{per_token}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if select.select([proc.stdout], [], [], 1)[0]:

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import stop_procs  # noqa: E402
+from bench.common import die_with_parent, stop_procs  # noqa: E402
 from tests.llm.uvicorn_server import quiet_config, serve_printing_port, wait_ready  # noqa: E402
 
 PROMPT_IDS = 512
@@ -92,7 +92,7 @@ def serve(http: str) -> int:
 
 def start_server(http: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, __file__, "--serve", http], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, cwd=str(ROOT))
+                            stderr=subprocess.DEVNULL, cwd=str(ROOT), preexec_fn=die_with_parent)
     port = wait_ready(proc)
     if port is None:
         stop_server(proc)

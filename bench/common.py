@@ -22,6 +22,9 @@ IMG_DIR = Path(os.environ.get("ROLLOUTD_BENCH_IMG_DIR") or REPO / "docs" / "img"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+# every helper a benchmark starts gets it (preexec_fn): a run killed part-way leaves nothing running
+from rolloutd.daemons.children import die_with_parent  # noqa: E402
+
 DAEMONS = ("events", "router", "gateway", "init", "run", "eval")
 
 
@@ -157,7 +160,8 @@ class Rolloutd:
             cmd += ["--set", f"{k}={v}"]
         env, cwd = source_env(self.root)
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                     stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
+                                     stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
+                                     preexec_fn=die_with_parent)
         try:
             wait_ready(self.gateway, timeout_s)
         except Exception:
@@ -257,7 +261,8 @@ def pyspy_start(pids: dict[str, int], seconds: float, out_dir: Path, rate: int =
         out = out_dir / f"{name}.txt"
         procs.append((name, out, subprocess.Popen(
             [exe, "record", "--pid", str(pid), "-d", str(int(seconds)), "-r", str(rate), "-f", "raw",
-             "-o", str(out), "--nonblocking", "--gil"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+             "-o", str(out), "--nonblocking", "--gil"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent)))
     return procs
 
 

@@ -68,7 +68,10 @@ def serve_forward(addr_in: str, addr_out: str, hwm: int = 1):
 
 
 def _spawn(*args) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    from rolloutd.daemons.children import die_with_parent  # the parent's side only: the helpers stay raw
+
+    p = subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         preexec_fn=die_with_parent)
     line = p.stdout.readline()
     if line.strip() != "ready":
         p.kill()
