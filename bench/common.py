@@ -17,8 +17,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# bench-smoke points this elsewhere: quick runs must not overwrite the documented plots
-IMG_DIR = Path(os.environ.get("ROLLOUTD_BENCH_IMG_DIR") or REPO / "docs" / "img")
+# Quick (smoke) runs must not overwrite the documented plots: without ROLLOUTD_BENCH_IMG_DIR
+# (bench-smoke sets one), a --quick run's plots go to a scratch folder removed at exit. A
+# --quick run by hand had overwritten docs/img/pipeline_*.png (e38d17b).
+_IMG = os.environ.get("ROLLOUTD_BENCH_IMG_DIR")
+if not _IMG and "--quick" in sys.argv:
+    _IMG = tempfile.mkdtemp(prefix="rb-img-", dir="/tmp")
+    atexit.register(shutil.rmtree, _IMG, True)
+IMG_DIR = Path(_IMG or REPO / "docs" / "img")
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
