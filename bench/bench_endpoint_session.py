@@ -78,7 +78,7 @@ async def main():
         msgs += [{"role": "tool", "tool_call_id": tc["id"], "content": a["obs"]} for tc in m["tool_calls"]]
     t = s.trajectory()
     if t["metrics"]["segments"] != 1 or t["metrics"]["assistant_tokens_reencoded"]:
-        raise RuntimeError(f"the replay left one conversation: {t['metrics']}")
+        raise RuntimeError(f"the replay did not stay one conversation, none re-encoded: {t['metrics']}")
     return {"thread_us": statistics.median(thread) * 1e6, "process_us": statistics.median(proc) * 1e6,
             "messages": len(msgs) - 2}
 
