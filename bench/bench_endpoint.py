@@ -33,12 +33,13 @@ for more than 3 s is reopened by its first measured call (the server closes idle
 ``parse`` = CPU per call translating the request (JSON body -> messages, in the endpoint thread),
 ``thread`` = all the endpoint-thread work per call (parse, history matching, rendering the new
 messages, parsing the reply), ``loop`` = the event loop's thread CPU per call, built-in | endpoint
-(the endpoint's: uvicorn, h11, the hand-offs, the backend call and the reply's JSON; the built-in's
-also renders and tokenizes), ``gc`` = the garbage collector's CPU per call, built-in | endpoint
-(counted in both totals; a full collection landing in one side's window shows here). After the
-tokenizer is loaded the process freezes its heap (``gc.freeze``), as the run daemon does after its
-set-up: without it, a full collection walked every imported object (~0.24 s) and added up to
-~3.7 ms per call to whichever side's window it fell in. Example::
+(the endpoint's: uvicorn and its HTTP parser, the hand-offs, the backend call and the reply's
+JSON; the built-in's also renders and tokenizes), ``gc`` = the garbage collector's CPU per call,
+built-in | endpoint (counted in both totals; a full collection landing in one side's window
+shows here). After the tokenizer is loaded the process freezes its heap (``gc.freeze``), as
+the run daemon does after its set-up: without it, a full collection walked every imported
+object (~0.24 s) and added up to ~3.7 ms per call to whichever side's window it fell in.
+Example::
 
     python bench/bench_endpoint.py --rollouts 16 --turns 8 --repeats 3
     python bench/bench_endpoint.py --rollouts 0 --history 200 --repeats 3 --backend inline

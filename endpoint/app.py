@@ -240,7 +240,9 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY):
             session.metrics["requests"] += 1
         held = 0
         try:
-            if scope.get("http_version") not in ("1.0", "1.1"):  # h11 parses any HTTP/x.y
+            # A request's first line is checked by the server (endpoint/server.py); a pipelined one's
+            # is not, and llhttp takes HTTP/0.9 and 2.0: answered here, in order.
+            if scope.get("http_version") not in ("1.0", "1.1"):
                 raise EndpointError(505, f"HTTP/{scope.get('http_version')} is not supported: HTTP/1.1 or 1.0",
                                     code="http_version_not_supported")
             if len(scope.get("headers", ())) > b.max_headers:

@@ -40,7 +40,7 @@ class EndpointBounds:
     The body bound itself is per session (:meth:`EndpointSession.max_body`): it derives from
     the job's context window and the tokenizer's longest token."""
 
-    max_header_bytes: int = 64 * 1024  # request line + headers (h11's max incomplete event size): 400
+    max_header_bytes: int = 64 * 1024  # request target + header fields (endpoint/server.py): 431
     max_headers: int = 100  # header fields: 431
     request_timeout_s: float = 30.0  # a request (headers and body) not complete this long after its first byte: 408
     send_timeout_s: float = 60.0  # a reply (head and body) the client does not take in this long: the connection is closed

@@ -63,14 +63,14 @@ class EndpointServer:
 
 _protocol_class = None
 
-# A request line as h11 parses it (method SP target SP HTTP/x.y); anything else as the first line
-# of a request (HTTP/0.9 "GET /path", garbage) is answered 400 at once rather than waiting for
-# a blank line that may never come (h11 parses the request line only with the whole header block).
-_REQUEST_LINE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+ [\x21-\x7e]+ HTTP/[0-9]\.[0-9]\r?")
+# A request line (method SP target SP HTTP/x.y); anything else as the first line of a request
+# (HTTP/0.9 "GET /path", TLS, garbage) is answered 400 as soon as that line is in, and a version
+# other than 1.0 or 1.1 505, rather than llhttp's plain-text 400 or a wait for more bytes.
+_REQUEST_LINE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+ [\x21-\x7e]+ HTTP/([0-9]\.[0-9])\r?")
 
 
 def _raw_refusal(transport, status: int, reason: str, err: EndpointError) -> None:
-    """Answer ``err`` and close, without h11 or the app: the cheap path for refusals at the
+    """Answer ``err`` and close, without the parser or the app: the cheap path for refusals at the
     connection level (connection cap, request deadline, a request line that is not HTTP/1.x)."""
     body = err.body()
     transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
@@ -105,18 +105,27 @@ class _AcceptPause:
 
 
 def _bounded_protocol():
-    """uvicorn's h11 protocol with the bounds uvicorn lacks: a per-server connection cap and a
-    deadline for a whole request. h11 (not httptools) because it already refuses what
-    httptools lets through: a request line plus headers over ``h11_max_incomplete_event_size``
-    (httptools took a 2 MiB header line) and HTTP/0.9 or unknown versions (400)."""
+    """uvicorn's httptools protocol with the bounds uvicorn lacks: a per-server connection cap,
+    a deadline for a whole request, a bound on the request line and headers, and HTTP/1.0 or
+    1.1 only, refused at the request line. httptools (llhttp) rather than h11: it parsed a
+    71 KB request in 6 us where h11 took 86, and wrote the reply without h11's ~60 us
+    (docs/BENCHMARKS.md); the bounds h11 had built in are here instead (docs/HARNESS.md)."""
     global _protocol_class
     if _protocol_class is not None:
         return _protocol_class
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class BoundedH11Protocol(H11Protocol):
+    class _Refused(Exception):
+        """Raised from a parser callback after a refusal was written: stops llhttp mid-feed."""
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
         _timer = None
+        _idle = True  # between requests: the next byte starts one (its deadline, its line check)
+        _head = b""  # the start of the current request until its first line is checked; None once it is
+        _in_head = False  # llhttp is inside a request line or header block
+        _head_fields = 0  # bytes of that head's target and fields, as llhttp hands them over
+        _head_chunks = 0  # bytes of the chunks that ended inside that head (bounds a header never finished)
+        _completed = False  # a request ended during the current feed
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -133,6 +142,11 @@ def _bounded_protocol():
         def _arm(self) -> None:
             self._timer = self.loop.call_later(self.config.rolloutd_bounds.request_timeout_s, self._too_slow)
 
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
         def _too_slow(self) -> None:
             self._timer = None
             if self.transport.is_closing():
@@ -143,42 +157,92 @@ def _bounded_protocol():
                          f"{self.config.rolloutd_bounds.request_timeout_s:g} s", code="request_timeout"))
             self.transport.close()
 
-        _head = b""  # the start of the current request until its first line is checked; None once it is
+        def _refuse(self, status: int, reason: str, err: EndpointError) -> None:
+            self._disarm()
+            _raw_refusal(self.transport, status, reason, err)
+
+        def _check_line(self, data: bytes) -> bool:
+            """The request's first line, once it is in: HTTP/1.0 or 1.1, or refused (False)."""
+            limit = self.config.rolloutd_bounds.max_header_bytes
+            head = self._head + data
+            end = head.find(b"\n", 0, limit)
+            if end < 0:  # past the bound the head's own bound refuses it
+                self._head = head if len(head) < limit else None
+                return True
+            self._head = None
+            m = _REQUEST_LINE.fullmatch(head, 0, end)
+            if m is None:
+                self._refuse(400, "Bad Request", EndpointError(
+                    400, "the request line is not 'METHOD target HTTP/x.y' (HTTP/0.9 is not served)",
+                    code="bad_request_line"))
+                return False
+            if m.group(1) not in (b"1.0", b"1.1"):
+                self._refuse(505, "HTTP Version Not Supported", EndpointError(
+                    505, f"HTTP/{m.group(1).decode()} is not supported: HTTP/1.1 or 1.0",
+                    code="http_version_not_supported"))
+                return False
+            return True
 
         def data_received(self, data: bytes) -> None:
-            if self._timer is None and self.conn.their_state is h11.IDLE:
+            if self._idle and self._timer is None:
                 self._arm()  # the first byte of the next request on a kept-alive connection
                 self._head = b""
-            if self._head is not None and self.conn.their_state is h11.IDLE:
-                head = self._head + data
-                end = head.find(b"\n", 0, self.config.rolloutd_bounds.max_header_bytes)
-                if end >= 0:
-                    self._head = None
-                    if not _REQUEST_LINE.fullmatch(head, 0, end):
-                        if self._timer is not None:
-                            self._timer.cancel()
-                            self._timer = None
-                        _raw_refusal(self.transport, 400, "Bad Request", EndpointError(
-                            400, "the request line is not 'METHOD target HTTP/x.y' (HTTP/0.9 is not served)",
-                            code="bad_request_line"))
-                        return
-                else:  # past the header bound h11 refuses it (400) without us
-                    self._head = head if len(head) < self.config.rolloutd_bounds.max_header_bytes else None
-            super().data_received(data)
-            if self._timer is not None and self.conn.their_state is not h11.IDLE \
-                    and self.conn.their_state is not h11.SEND_BODY:
-                self._timer.cancel()  # the whole request is in
-                self._timer = None
+            if self._head is not None and not self._check_line(data):
+                return
+            self._completed = False
+            super().data_received(data)  # a refusal from a callback raises out of llhttp: uvicorn's 400 is skipped
+            if self._in_head and not self.transport.is_closing():
+                # A head not complete at the end of this chunk: count the chunk (not the one a request
+                # ended in: part of it was that request's). Bounds what llhttp buffers of a header line.
+                if not self._completed:
+                    self._head_chunks += len(data)
+                if self._head_chunks > self.config.rolloutd_bounds.max_header_bytes:
+                    self._too_large()
+
+        def _too_large(self) -> None:
+            b = self.config.rolloutd_bounds
+            self._refuse(431, "Request Header Fields Too Large", EndpointError(
+                431, f"request line and headers over {b.max_header_bytes} bytes",
+                code="request_header_fields_too_large"))
+
+        def send_400_response(self, msg: str) -> None:
+            if not self.transport.is_closing():  # not after a refusal of ours
+                self._disarm()
+                super().send_400_response(msg)
+
+        def on_message_begin(self) -> None:
+            self._idle, self._in_head, self._head_fields, self._head_chunks = False, True, 0, 0
+            if self._timer is None:  # one pipelined behind a request that ended in the same chunk
+                self._arm()
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._head_fields += len(url)
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._head_fields += len(name) + len(value) + 4
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            if self._head_fields > self.config.rolloutd_bounds.max_header_bytes:
+                self._too_large()
+                raise _Refused
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._idle, self._completed = True, True
+            self._disarm()  # the whole request is in
+            super().on_message_complete()
 
         def connection_lost(self, exc) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            self._disarm()
             super().connection_lost(exc)
             if len(self.connections) < self.config.rolloutd_bounds.max_connections:
                 self.config.rolloutd_accept.resume()
 
-    _protocol_class = BoundedH11Protocol
+    _protocol_class = BoundedHttpToolsProtocol
     return _protocol_class
 
 
@@ -196,7 +260,6 @@ async def serve(app, *, uds: str | None = None, host: str | None = None, port: i
                             # no proxy stands before a job's endpoint: an agent's X-Forwarded-* is not
                             # believed, and no middleware layer runs per request
                             proxy_headers=False,
-                            h11_max_incomplete_event_size=bounds.max_header_bytes,
                             backlog=bounds.max_connections)  # the queue of a job at its cap; asyncio's accept batch
     config.rolloutd_bounds = bounds
     config.rolloutd_accept = _AcceptPause(None, None)  # replaced once listening

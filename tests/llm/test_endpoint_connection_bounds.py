@@ -1,8 +1,8 @@
 """Connection-level bounds of the job endpoint server (``openai_endpoint.serve``; issue 31).
 
-The real uvicorn/h11 server on a Unix socket in the test's loop, raw sockets as clients (in a
-thread). A minimal ASGI app: what is tested is the server's own refusals, before any app runs.
-Wall time ~2 s.
+The real uvicorn server (httptools, rolloutd's bounded protocol) on a Unix socket in the test's
+loop, raw sockets as clients (in a thread). A minimal ASGI app: what is tested is the server's
+own refusals, before any app runs. Wall time ~2 s.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def connect(path: str) -> socket.socket:
 
 def test_a_request_line_that_is_not_http1_gets_400_at_once(arun, tmp_path):
     """HTTP/0.9 ("GET /path") and garbage get 400 as soon as their first line is in, not 408
-    after the request deadline (h11 alone waits for a blank line that never comes)."""
+    after the request deadline (a parser alone waits for a blank line that never comes)."""
     path = str(tmp_path / "s.sock")
 
     def clients() -> dict:
