@@ -159,8 +159,7 @@ def run_one(root: Path, args: dict, request: bytes) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", type=Path, default=None,
-                    help="the baseline tree (e.g. a git worktree of an older commit); default: this tree only")
+    common.add_baseline_arg(ap)
     ap.add_argument("--history", type=int, default=200, help="messages in the request body (even, >= 2)")
     ap.add_argument("--requests", type=int, default=400, help="measured requests per run")
     ap.add_argument("--repeats", type=int, default=6, help="runs per tree and reply kind, alternated")
@@ -173,14 +172,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--history: an even number >= 2")
     request = chat_request(a.history)
     here = common.REPO
-    trees = [("this", here)] + ([("baseline", a.root.resolve())] if a.root else [])
+    trees = common.ab_trees(a.root)
     print(f"# request {len(request):,} bytes ({a.history} messages), {a.requests} measured per run; "
           f"{common.machine()}, load {common.loadavg()} at start; this tree at {common.revision(here)}")
     runs: dict[str, dict[str, list[float]]] = {}
     for kind in ("json", "stream"):
         args = {"warmup": 50, "requests": a.requests, "stream": kind == "stream"}
         for rep in range(a.repeats):
-            order = trees if rep % 2 else trees[::-1]
+            order = common.in_turn(trees, rep)
             for name, root in order:
                 us = run_one(root, args, request)
                 runs.setdefault(kind, {}).setdefault(name, []).append(us)

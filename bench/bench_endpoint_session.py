@@ -99,8 +99,7 @@ def run_one(root: Path, args: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", type=Path, default=None,
-                    help="the baseline tree (e.g. a git worktree of an older commit); default: this tree only")
+    common.add_baseline_arg(ap)
     ap.add_argument("--history", type=int, default=200, help="messages before the measured calls (even, >= 4)")
     ap.add_argument("--calls", type=int, default=40, help="measured calls per run")
     ap.add_argument("--repeats", type=int, default=4, help="runs per tree, alternated")
@@ -116,12 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     args = {"tokenizer": str(tok_dir), "history": a.history, "calls": a.calls, "tools": [BASH_TOOL],
             "obs": OBSERVATION, "max_context": 131072}
     here = common.REPO
-    trees = [("this", here)] + ([("baseline", a.root.resolve())] if a.root else [])
+    trees = common.ab_trees(a.root)
     print(f"# tokenizer: {tok_desc}; {a.history} messages of history, {a.calls} measured calls per run; "
           f"{common.machine()}, load {common.loadavg()} at start; this tree at {common.revision(here)}")
     runs: dict[str, list[dict]] = {name: [] for name, _ in trees}
     for rep in range(a.repeats):
-        order = trees if rep % 2 else trees[::-1]  # baseline first in even repeats: b, t, t, b, b, t ...
+        order = common.in_turn(trees, rep)
         for name, root in order:
             r = run_one(root, args)
             runs[name].append(r)

@@ -144,6 +144,24 @@ def source_env(root: Path | str) -> tuple[dict, str]:
 _SHIMS: dict[Path, Path] = {}
 
 
+def add_baseline_arg(ap) -> None:
+    """``--root TREE``: the baseline of a same-run A/B (each run a process importing its tree
+    through ``source_env``)."""
+    ap.add_argument("--root", type=Path, default=None,
+                    help="the baseline tree (e.g. a git worktree of an older commit); default: this tree only")
+
+
+def ab_trees(root: Path | None) -> list[tuple[str, Path]]:
+    """[("this", this checkout)] plus ("baseline", ``root``) when given."""
+    return [("this", REPO)] + ([("baseline", Path(root).resolve())] if root else [])
+
+
+def in_turn(trees: list, rep: int) -> list:
+    """The trees in the order of repeat ``rep``: baseline first in even repeats (b, t, t, b, ...),
+    so neither side always runs on a warmer or colder machine."""
+    return trees if rep % 2 else trees[::-1]
+
+
 class Rolloutd:
     """``rolloutd up`` in a private runtime directory, from the source tree ``root``
     (default: this repository; pass a scratch copy to A/B a patch)."""
