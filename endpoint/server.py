@@ -229,6 +229,14 @@ def _bounded_protocol():
             if self._head_fields > self.config.rolloutd_bounds.max_header_bytes:
                 self._too_large()
                 raise _Refused
+            if self.parser.should_upgrade() and any(
+                    k == b"transfer-encoding" or (k == b"content-length" and v.strip(b" 0")) for k, v in self.headers):
+                # llhttp hands the bytes after an Upgrade request's head to the new protocol, so its
+                # body would reach the app empty: refused rather than served without it
+                self._refuse(400, "Bad Request", EndpointError(
+                    400, "a request body with an Upgrade header is not read: send it without 'Upgrade'",
+                    code="upgrade_with_body"))
+                raise _Refused
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:

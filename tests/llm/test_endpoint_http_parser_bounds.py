@@ -213,3 +213,31 @@ def test_keep_alive_and_pipelined_requests_are_served_and_each_has_its_deadline(
         assert [r[0] for r in replies] == ["HTTP/1.1 408 Request Timeout"], (name, out)
         assert replies[0][1]["error"]["code"] == "request_timeout", (name, out)
         assert deadline - 0.2 < took < deadline + 5, (name, out)
+
+
+def test_an_upgrade_request_with_a_body_is_refused_not_served_empty(arun, tmp_path):
+    """llhttp hands what follows an Upgrade request's head to the new protocol: a POST with
+    ``Upgrade: h2c`` (curl --http2 on http://) and a body would reach the app with no body. It
+    gets 400 instead; a GET with the same header is served as plain HTTP/1.1."""
+
+    def clients(path: str) -> dict:
+        out = {}
+        for name, raw in (("get", b"GET /g HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                                  b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n"),
+                          ("post", b"POST /p HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n"
+                                   b"Content-Type: application/json\r\nContent-Length: 7\r\n\r\n{\"a\":1}"),
+                          ("chunked", b"POST /p HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: foo\r\n"
+                                      b"Transfer-Encoding: chunked\r\n\r\n7\r\n{\"a\":1}\r\n0\r\n\r\n")):
+            s = connect(path)
+            try:
+                s.sendall(raw)
+                out[name] = read_replies(s, 1, 5)
+            finally:
+                s.close()
+        return out
+
+    out = run_clients(arun, tmp_path, clients)
+    assert out["get"][0][0] == "HTTP/1.1 200 OK" and out["get"][0][1]["path"] == "/g", out
+    for name in ("post", "chunked"):
+        assert [r[0] for r in out[name]] == ["HTTP/1.1 400 Bad Request"], (name, out)
+        assert out[name][0][1]["error"]["code"] == "upgrade_with_body", (name, out)
