@@ -62,11 +62,24 @@ def read_replies(s: socket.socket, n: int, timeout_s: float) -> list[tuple[str, 
     return out
 
 
-def run_clients(arun, tmp_path, clients, **bounds) -> dict:
+def send_each(path: str, raws: dict[str, bytes], n: int) -> dict:
+    """Each of ``raws`` on a connection of its own: up to ``n`` replies to it (5 s quiet ends them)."""
+    out = {}
+    for name, raw in raws.items():
+        s = connect(path)
+        try:
+            s.sendall(raw)
+            out[name] = read_replies(s, n, 5)
+        finally:
+            s.close()
+    return out
+
+
+def run_clients(arun, tmp_path, clients, app=echo_app, **bounds) -> dict:
     path = str(tmp_path / "s.sock")
 
     async def main():
-        srv = await serve(echo_app, uds=path, bounds=EndpointBounds(**bounds))
+        srv = await serve(app, uds=path, bounds=EndpointBounds(**bounds))
         try:
             return await asyncio.to_thread(clients, path)
         finally:
@@ -125,31 +138,12 @@ def test_versions_other_than_http1_are_answered_505(qwen_tokenizer, arun, tmp_pa
     async def no_backend(ids, params):
         raise AssertionError("no LLM call is made")
 
-    def clients(path: str) -> dict:
-        out = {}
-        for name, raw in (("v7", b"GET /v1/health HTTP/7.0\r\nHost: x\r\n\r\n"),
-                          ("v2", b"GET /v1/health HTTP/2.0\r\nHost: x\r\n\r\n"),
-                          ("v10", b"GET /v1/health HTTP/1.0\r\n\r\n"),
-                          ("pipelined", b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n"
-                                        b"GET /v1/health HTTP/2.0\r\nHost: x\r\n\r\n")):
-            s = connect(path)
-            try:
-                s.sendall(raw)
-                out[name] = read_replies(s, 2, 5)
-            finally:
-                s.close()
-        return out
-
-    path = str(tmp_path / "s.sock")
-
-    async def main():
-        srv = await serve(make_app(EndpointSession(no_backend, qwen_tokenizer)), uds=path)
-        try:
-            return await asyncio.to_thread(clients, path)
-        finally:
-            await srv.stop()
-
-    out = arun(main(), timeout=120)
+    raws = {"v7": b"GET /v1/health HTTP/7.0\r\nHost: x\r\n\r\n",
+            "v2": b"GET /v1/health HTTP/2.0\r\nHost: x\r\n\r\n",
+            "v10": b"GET /v1/health HTTP/1.0\r\n\r\n",
+            "pipelined": b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/health HTTP/2.0\r\nHost: x\r\n\r\n"}
+    out = run_clients(arun, tmp_path, lambda path: send_each(path, raws, 2),
+                      app=make_app(EndpointSession(no_backend, qwen_tokenizer)))
     assert [r[0] for r in out["v7"]] == ["HTTP/1.1 505 HTTP Version Not Supported"], out
     assert out["v7"][0][1]["error"]["code"] == "http_version_not_supported", out
     assert [r[0] for r in out["v2"]] == ["HTTP/1.1 505 HTTP Version Not Supported"], out
@@ -220,23 +214,13 @@ def test_an_upgrade_request_with_a_body_is_refused_not_served_empty(arun, tmp_pa
     ``Upgrade: h2c`` (curl --http2 on http://) and a body would reach the app with no body. It
     gets 400 instead; a GET with the same header is served as plain HTTP/1.1."""
 
-    def clients(path: str) -> dict:
-        out = {}
-        for name, raw in (("get", b"GET /g HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
-                                  b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n"),
-                          ("post", b"POST /p HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n"
-                                   b"Content-Type: application/json\r\nContent-Length: 7\r\n\r\n{\"a\":1}"),
-                          ("chunked", b"POST /p HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: foo\r\n"
-                                      b"Transfer-Encoding: chunked\r\n\r\n7\r\n{\"a\":1}\r\n0\r\n\r\n")):
-            s = connect(path)
-            try:
-                s.sendall(raw)
-                out[name] = read_replies(s, 1, 5)
-            finally:
-                s.close()
-        return out
-
-    out = run_clients(arun, tmp_path, clients)
+    raws = {"get": b"GET /g HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                   b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n",
+            "post": b"POST /p HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 7\r\n\r\n{\"a\":1}",
+            "chunked": b"POST /p HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: foo\r\n"
+                       b"Transfer-Encoding: chunked\r\n\r\n7\r\n{\"a\":1}\r\n0\r\n\r\n"}
+    out = run_clients(arun, tmp_path, lambda path: send_each(path, raws, 1))
     assert out["get"][0][0] == "HTTP/1.1 200 OK" and out["get"][0][1]["path"] == "/g", out
     for name in ("post", "chunked"):
         assert [r[0] for r in out[name]] == ["HTTP/1.1 400 Bad Request"], (name, out)
