@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,7 +73,6 @@ async def app(scope, receive, send):
 
 async def main():
     srv = await serve(app, uds=a["uds"])
-    print("READY", flush=True)
     await asyncio.wait_for(done.wait(), 600)
     await srv.stop()
     return (marks["t1"] - marks["t0"]) / a["requests"] * 1e6
@@ -133,15 +133,19 @@ def run_one(root: Path, args: dict, request: bytes) -> float:
         p = subprocess.Popen([sys.executable, "-c", _SERVER, json.dumps(args)], env=env, cwd=cwd, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=common.die_with_parent)
         try:
-            for line in p.stdout:  # the server's own log lines come first
-                if line.strip() == "READY":
-                    break
-            else:
-                p.kill()
-                raise RuntimeError(f"the server in {root} did not start: {p.communicate()[1][-2000:]}")
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(60)
-                s.connect(args["uds"])
+                deadline = time.monotonic() + 60
+                while True:  # until the server listens
+                    try:
+                        s.connect(args["uds"])
+                        break
+                    except (FileNotFoundError, ConnectionRefusedError):
+                        if p.poll() is not None or time.monotonic() > deadline:
+                            p.kill()
+                            raise RuntimeError(f"the server in {root} did not start: "
+                                               f"{p.communicate()[1][-2000:]}") from None
+                        time.sleep(0.05)
                 buf = bytearray()
                 for _ in range(args["warmup"] + args["requests"]):
                     s.sendall(request)
@@ -151,10 +155,7 @@ def run_one(root: Path, args: dict, request: bytes) -> float:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
-    if p.returncode or line is None:
-        raise RuntimeError(f"the server in {root} failed (rc {p.returncode}): {err[-2000:]}")
-    return json.loads(line[7:])["us_per_request"]
+    return common.child_result(out, p.returncode, err, f"the server in {root}")["us_per_request"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,10 +91,7 @@ def run_one(root: Path, args: dict) -> dict:
     env, cwd = common.source_env(root)
     p = subprocess.run([sys.executable, "-c", _ONE, json.dumps(args)], env=env, cwd=cwd, capture_output=True,
                        text=True, timeout=900, preexec_fn=common.die_with_parent)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if p.returncode or line is None:
-        raise RuntimeError(f"the replay in {root} failed (rc {p.returncode}): {p.stderr[-2000:]}")
-    return json.loads(line[7:])
+    return common.child_result(p.stdout, p.returncode, p.stderr, f"the replay in {root}")
 
 
 def main(argv: list[str] | None = None) -> int:

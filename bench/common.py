@@ -6,6 +6,7 @@ Everything a benchmark starts is stopped by pid; nothing here kills by name.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import signal
@@ -144,6 +145,15 @@ def source_env(root: Path | str) -> tuple[dict, str]:
 _SHIMS: dict[Path, Path] = {}
 
 
+def child_result(out: str, rc: int | None, err: str, what: str) -> dict:
+    """The ``RESULT {json}`` line a measured child process printed, or an error naming ``what``
+    failed (its exit code and the end of its stderr)."""
+    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+    if rc or line is None:
+        raise RuntimeError(f"{what} failed (rc {rc}): {err[-2000:]}")
+    return json.loads(line[7:])
+
+
 def add_baseline_arg(ap) -> None:
     """``--root TREE``: the baseline of a same-run A/B (each run a process importing its tree
     through ``source_env``)."""
@@ -156,10 +166,10 @@ def ab_trees(root: Path | None) -> list[tuple[str, Path]]:
     return [("this", REPO)] + ([("baseline", Path(root).resolve())] if root else [])
 
 
-def in_turn(trees: list, rep: int) -> list:
-    """The trees in the order of repeat ``rep``: baseline first in even repeats (b, t, t, b, ...),
-    so neither side always runs on a warmer or colder machine."""
-    return trees if rep % 2 else trees[::-1]
+def in_turn(items: list, rep: int) -> list:
+    """``items`` in the order of repeat ``rep``: reversed in even repeats (with ``ab_trees``: the
+    baseline first, b t t b b t ...), so no side always runs on a warmer or colder machine."""
+    return items if rep % 2 else items[::-1]
 
 
 class Rolloutd:
