@@ -46,7 +46,7 @@ print("LAT " + json.dumps(lat))
 '''
 
 ATTACKER = r'''
-import json, os, socket, sys, time
+import json, os, re, socket, sys, time
 from urllib.parse import urlparse
 base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
 u = urlparse(base)
@@ -78,6 +78,20 @@ def answer(s, limit=60):
     except OSError as e:
         return "closed"
     return buf.split(b"\r\n", 1)[0].decode("latin-1")
+
+def whole_reply(s, limit=10):
+    """The whole reply, up to the server's close (latin-1; empty if none came)."""
+    s.settimeout(limit)
+    buf = b""
+    try:
+        while True:
+            d = s.recv(65536)
+            if not d:
+                break
+            buf += d
+    except OSError:
+        pass
+    return buf.decode("latin-1")
 
 def send_body(body, limit=120):
     s = conn()
@@ -187,7 +201,7 @@ elif mode == "conns":
     for s in held:
         s.close()
 elif mode == "slow":
-    # slowloris headers, a body that never completes, HTTP/0.9, a 2 MiB header line
+    # slowloris headers, a body that never completes, HTTP/0.9, a 2 MiB header line, HTTP/7.0, Upgrade + body
     t0 = time.monotonic()
     a = conn(); a.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
     b = conn(); b.sendall(head(b"/v1/chat/completions", 10 ** 9) + b'{"model"')
@@ -198,8 +212,15 @@ elif mode == "slow":
     except OSError:
         pass
     e = conn(); e.sendall(b"GET /v1/models HTTP/7.0\r\nHost: x\r\n\r\n")
-    for name, s in (("headers", a), ("body", b), ("http09", c), ("bigheader", d), ("version", e)):
-        st = answer(s, 90)
+    # a body behind an Upgrade head (llhttp would hand it to the new protocol, the app get it empty)
+    f = conn(); f.sendall(head(b"/v1/chat/completions", 7, b"Connection: Upgrade\r\nUpgrade: h2c\r\n") + b'{"a":1}')
+    for name, s in (("headers", a), ("body", b), ("http09", c), ("bigheader", d), ("version", e), ("upgrade", f)):
+        if name == "upgrade":  # which refusal: an empty body would be refused too, as bad JSON
+            whole = whole_reply(s, 90)
+            code = re.search(r'"code":\s*"(\w+)"', whole)
+            st = (whole.split("\r\n", 1)[0] or "closed") + " code=" + (code.group(1) if code else "?")
+        else:
+            st = answer(s, 90)
         print("ANSWER", name, st, round(time.monotonic() - t0, 1))
         if st != "timeout":
             refused.append(name + " " + st)

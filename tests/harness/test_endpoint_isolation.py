@@ -4,8 +4,8 @@ Real daemons (``rolloutd up``), real bwrap sandboxes, the tiny model's real toke
 scripted vLLM-API backend. Neighbour jobs (stdlib agents making small multi-turn calls) run on
 the same run daemon while attacker jobs abuse their own endpoints: 8 MB and 60 MB bodies, 200k
 nested ``[``, a connection flood, slowloris headers and bodies, HTTP/0.9 and unknown versions,
-a 2 MiB header line, responses never read. The neighbours must finish ok in their first
-attempt, nobody may be presumed dead or re-dispatched, each attacker ends alone with the
+a 2 MiB header line, an Upgrade head with a body, responses never read. The neighbours must
+finish ok in their first attempt, nobody may be presumed dead or re-dispatched, each attacker ends alone with the
 refusal it got (failed; graded when its calls were answered: RELIABILITY.md, "No abstention"),
 and the run daemon's peak RSS stays within the documented bound.
 
@@ -138,6 +138,9 @@ def test_no_attack_on_one_endpoint_fails_or_slows_the_neighbours(iso_up):
     for what, answer in (("headers", "408"), ("body", "413"), ("http09", "400"), ("bigheader", "400|431"),
                          ("version", "505")):
         assert re.search(rf"ANSWER {what} (HTTP/1.1 ({answer})|closed)", tails["atk-slow"]), tails["atk-slow"]
+    # an Upgrade head with a body is refused, not served with its body dropped (docs/HARNESS.md)
+    assert re.search(r"ANSWER upgrade HTTP/1.1 400 Bad Request code=upgrade_with_body",
+                     tails["atk-slow"]), tails["atk-slow"]
     growth = peak_rss_mb(iso_up.daemon_pid("run")) - rss0
     print(f"run daemon peak RSS growth {growth:.0f} MB")
     assert growth < RSS_BOUND_MB, growth
