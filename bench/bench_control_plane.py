@@ -1,7 +1,7 @@
 """Control-plane load (issue 16): heartbeats and lease traffic of 100, 1,000 and 5,000 nodes
 against a real events proxy, router and gateway, with a real client measuring submit and poll.
 
-    python bench/bench_control_plane.py --quick          # 100 nodes, change listings, 4 s windows (~40 s: CI's smoke run)
+    python bench/bench_control_plane.py --quick          # 100 nodes, change listings, 4 s windows, three and one heartbeat messages per node (~40 s: CI's smoke run)
     python bench/bench_control_plane.py                  # 100, 1,000, 5,000 nodes, both listing formats, 20 s windows
     python bench/bench_control_plane.py --nodes 1000 --seconds 30 --json out.json --root /patched/copy
 
@@ -18,7 +18,9 @@ run and eval daemon with the exact wire formats:
 * every simulated daemon publishes ``daemon.heartbeat`` once per ``heartbeat_s`` on the events
   stream with the fields a phase daemon sends (``jobs`` = its held [id, attempt] pairs; the run
   daemon's full listings come with a ``run.leases`` event: [lease_id, backend_id, job_id, version]
-  per held slot, which the router adopts and renews), spread over the second;
+  per held slot, which the router adopts and renews), spread over the second; with ``--per-node
+  one`` each node sends one message instead, the run body carrying its init and eval bodies
+  (docs/EVENTS.md, ``carried``; docs/SCALING.md section 15: what one heartbeat per node saves);
 * lease traffic: ``lease`` + ``release`` requests to the router at ``nodes x run_pool / job_s``
   per second (one lease per job, held for the job's run phase), against one registered scripted
   backend, so the router publishes its ``backend.load`` event per lease and release;
@@ -131,11 +133,21 @@ def generator(a):
     seq_base = 1 << 31  # always packed as uint32, so it can be patched in place
     seq_mark = b"\xce" + struct.pack(">I", seq_base + 0x0ABCDE)
 
+    def stamped(body):
+        return dict(body, ts=1234567.0, jobs_seq=seq_base + 0x0ABCDE)
+
     def packed(body):
-        raw = codec.pack(dict(body, ts=1234567.0, jobs_seq=seq_base + 0x0ABCDE))
-        i, j = raw.index(ts_mark) + 1, raw.index(seq_mark) + 1
-        assert i < j
-        return (raw[:i], raw[i + 8:j], raw[j + 4:])
+        """The packed body cut around each ts and jobs_seq (one pair per body: a node's message
+        carries three), to be joined with the publish's values: ts, seq, ts, seq, ..."""
+        raw = codec.pack(body)
+        parts, at = [], 0
+        for _ in range(raw.count(ts_mark)):
+            i = raw.index(ts_mark, at) + 1
+            j = raw.index(seq_mark, i) + 1
+            parts += [raw[at:i], raw[i + 8:j]]
+            at = j + 4
+        assert parts and raw.count(seq_mark) == len(parts) // 2
+        return tuple(parts + [raw[at:]])
 
     # Listings as the phase daemons send them (packed above events.PACK_MIN pairs), or as lists
     # (--listing list: the format before issue 29).
@@ -145,6 +157,7 @@ def generator(a):
     churn = max(1, round(a.run_pool / a.job_s * a.hb_s))  # jobs entering and leaving run per heartbeat
     for n in range(lo, hi):
         node = f"sim{n:05d}"
+        bodies = {}  # --per-node one: this node's three bodies, full and as changes
         for phase, pool in (("init", 32), ("run", a.run_pool), ("eval", 32)):
             jobs = [list(next(ids, None) or (next(fake), 1)) for _ in range(held[phase])]
             inc = f"{100000 + n}-{int(time.time() * 1000)}"
@@ -160,10 +173,18 @@ def generator(a):
                                                             for i, j in enumerate(jobs[:pool])])})
             change = None
             if a.protocol == "changes" and len(jobs) > 128:
-                change = packed(dict(body, jobs_added=enc({next(fake): 1 for _ in range(churn)}),
-                                     jobs_removed=enc({next(fake): 1 for _ in range(churn)})))
-            sims.append((packed(full), change, lease_ev, events.heartbeat_topic(phase, node).encode()
-                         if a.hb_topics == "sender" else b"daemon.heartbeat"))
+                change = stamped(dict(body, jobs_added=enc({next(fake): 1 for _ in range(churn)}),
+                                      jobs_removed=enc({next(fake): 1 for _ in range(churn)})))
+            topic = events.heartbeat_topic(phase, node).encode() if a.hb_topics == "sender" else b"daemon.heartbeat"
+            if a.per_node == "one":
+                bodies[phase] = (stamped(full), change, lease_ev, topic)
+                continue
+            sims.append((packed(stamped(full)), None if change is None else packed(change), lease_ev, topic))
+        if a.per_node == "one":  # the run daemon's heartbeat carries its node's init and eval ones (docs/EVENTS.md)
+            carried = [bodies["init"][0], bodies["eval"][0]]  # <= 128 jobs: full listings every beat
+            run_full, run_change, lease_ev, topic = bodies["run"]
+            sims.append((packed(dict(run_full, carried=carried)),
+                         None if run_change is None else packed(dict(run_change, carried=carried)), lease_ev, topic))
     full_every = max(1, round(5.0 / a.hb_s))
     per_round = sum((len(b"".join(f)) + len(ls or b"")) * (1 if c is None else 1 / full_every)
                     + (0 if c is None else len(b"".join(c)) * (1 - 1 / full_every)) + 12 for f, c, ls, _ in sims)
@@ -240,11 +261,16 @@ def generator(a):
         for i in range(sl * per_slice, min(len(sims), (sl + 1) * per_slice)):
             full, change, lease_ev, hb_topic = sims[i]
             whole = change is None or rnd % full_every == i % full_every
-            p0, p1, p2 = full if whole else change
+            parts = full if whole else change
+            if len(parts) == 3:
+                p0, p1, p2 = parts
+                msg = p0 + ts + p1 + seq + p2
+            else:  # a node's message: a ts and a seq per body
+                msg = b"".join(part + (ts if k % 2 == 0 else seq) for k, part in enumerate(parts[:-1])) + parts[-1]
             try:
                 if whole and lease_ev is not None:
                     pub.send_multipart([b"run.leases", lease_ev], zmq.NOBLOCK)
-                pub.send_multipart([hb_topic, p0 + ts + p1 + seq + p2], zmq.NOBLOCK)
+                pub.send_multipart([hb_topic, msg], zmq.NOBLOCK)
                 published += 1
             except zmq.Again:
                 pass
@@ -511,7 +537,8 @@ def wait_adopted(client, want: int, timeout_s: float) -> float | None:
     return None
 
 
-def run_size(a, nodes: int, backend, protocol: str = "changes", lease_protocol: str = "batch") -> dict:
+def run_size(a, nodes: int, backend, protocol: str = "changes", lease_protocol: str = "batch",
+             per_node: str = "three") -> dict:
     from rolloutd.gateway.client import GatewayTimeout, RolloutClient
 
     head = Head(Path(a.root), free_port_block(), {"daemon.heartbeat_s": a.hb_s,
@@ -549,7 +576,7 @@ def run_size(a, nodes: int, backend, protocol: str = "changes", lease_protocol: 
                  "--ready-file", str(readies[-1]), "--go-file", str(go), "--populated-file", str(populated),
                  "--backend-id", backend_id, "--hb-s", str(a.hb_s),
                  "--job-s", str(a.job_s), "--protocol", protocol, "--listing", a.listing, "--lease-protocol", lease_protocol,
-                 "--lease-rows", a.lease_rows, "--hb-topics", a.hb_topics,
+                 "--lease-rows", a.lease_rows, "--hb-topics", a.hb_topics, "--per-node", per_node,
                  "--duration", str(a.seconds + a.warmup + 30)],
                 env=env, stdout=subprocess.PIPE, text=True, preexec_fn=common.die_with_parent))
         t_pop = time.monotonic()
@@ -634,7 +661,7 @@ def run_size(a, nodes: int, backend, protocol: str = "changes", lease_protocol: 
         if nodes and len(reports) < len(gens):
             verdict["short"] = True
             verdict["short_reasons"].append(f"{len(gens) - len(reports)} of {len(gens)} generator reports missing")
-        out = {"nodes": nodes, "protocol": protocol, "lease_protocol": lease_protocol, "lease_rows": a.lease_rows, "hb_topics": a.hb_topics,
+        out = {"nodes": nodes, "protocol": protocol, "lease_protocol": lease_protocol, "lease_rows": a.lease_rows, "hb_topics": a.hb_topics, "per_node": per_node,
                "populated": sum(i["populated"] for i in infos), "held": sum(i["wanted"] for i in infos),
                "hb_mb_per_s": sum(i["bytes_per_s"] for i in infos) / 1e6, "populate_s": round(populate_s, 1), "adopt_s": adopt_s,
                "generators": len(gens),
@@ -680,6 +707,10 @@ def main():
     ap.add_argument("--hb-topics", default="sender", choices=("sender", "plain"),
                     help="heartbeat topic frames: sender (daemon.heartbeat/<daemon>@<node>/, current daemons) or "
                          "plain (daemon.heartbeat: before; a --root tree older than sender topics reads only plain)")
+    ap.add_argument("--per-node", default=None,
+                    help="heartbeat messages per node, comma list: three (each daemon its own, current daemons), one "
+                         "(the run daemon's carrying its node's init and eval heartbeats, docs/EVENTS.md `carried`); "
+                         "default three, quick three,one")
     ap.add_argument("--probe-timeout", type=float, default=5.0, help="a probe unanswered this long counts as lost")
     ap.add_argument("--populate-max", type=int, default=700_000)
     ap.add_argument("--populate-timeout", type=float, default=240.0)
@@ -706,15 +737,19 @@ def main():
     sizes = [int(x) for x in (a.nodes or ("100" if a.quick else "100,1000,5000")).split(",")]
     a.seconds = a.seconds or (4.0 if a.quick else 20.0)
     a.protocol = a.protocol or ("changes" if a.quick else "changes,full")
+    a.per_node = a.per_node or ("three,one" if a.quick else "three")
+    if set(a.per_node.split(",")) - {"three", "one"}:
+        ap.error(f"--per-node takes three and/or one, not {a.per_node!r}")
     from rolloutd.backends.scripted import ScriptedBackend
 
     print(f"control plane: sizes {sizes}, {a.seconds:.0f} s windows, heartbeat {a.hb_s} s, {a.listing} listings, run pool {a.run_pool}, "
           f"tree {common.revision(a.root)}, {common.machine()}, load {common.loadavg()}", flush=True)
     rows = []
     with ScriptedBackend() as backend:
-        for n, proto, lp in [(0, "changes", "batch")] + [(n, p, lp) for n in sizes for p in a.protocol.split(",")
-                                                          for lp in a.lease_protocol.split(",")]:
-            r = run_size(a, n, backend, proto, lp)
+        for n, proto, lp, pn in [(0, "changes", "batch", "three")] + [
+                (n, p, lp, pn) for n in sizes for p in a.protocol.split(",") for lp in a.lease_protocol.split(",")
+                for pn in a.per_node.split(",")]:
+            r = run_size(a, n, backend, proto, lp, pn)
             rows.append(r)
             c = r["cpu"]
             g = r.get("generator", {})
@@ -724,6 +759,8 @@ def main():
             hb, ops = g.get("hb_per_s") or 0, (g.get("leases_per_s") or 0) + (g.get("releases_per_s") or 0)
             r["per_op_us"] = {
                 "gateway_per_hb": (c.get("gateway", 0) - idle.get("gateway", 0)) * 1e6 / hb if hb else None,
+                # per node-second: the same unit for --per-node three and one (a message per daemon or per node)
+                "gateway_per_node_s": (c.get("gateway", 0) - idle.get("gateway", 0)) * 1e6 * a.hb_s / n if n else None,
                 "router_per_lease_op": (c.get("router", 0) - idle.get("router", 0)) * 1e6 / ops if ops else None}
             heard = r["gateway_heard"]
             # Per operation *offered*: a daemon that is behind handled fewer, so its figure is then too low.
@@ -731,7 +768,7 @@ def main():
                            "router": bool(n) and (g.get("granted_per_s") or 0) < SHORT * (g.get("leases_per_s") or 0)}
             per_op = "".join(f" {k} {v:.0f} us" + (" (behind: per op offered, not handled)" if r["behind"][k.split("_")[0]] else "")
                              for k, v in r["per_op_us"].items() if v is not None)
-            print(f"  {n:>5} nodes, {proto:>7} listings, {lp} leases ({r['held']:,} held jobs, {r['populated']:,} in the gateway, "
+            print(f"  {n:>5} nodes, {proto:>7} listings, {lp} leases, {pn} heartbeat message(s) per node ({r['held']:,} held jobs, {r['populated']:,} in the gateway, "
                   f"{r['hb_mb_per_s']:.1f} MB/s of heartbeats): gateway {c.get('gateway', 0):.1%} "
                   f"router {c.get('router', 0):.1%} events {c.get('events', 0):.1%} of a core | "
                   f"submit p50/p99 {r['submit_ms']['p50']:.1f}/{r['submit_ms']['p99']:.1f} ms, "

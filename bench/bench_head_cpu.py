@@ -1,8 +1,9 @@
 """CPU per heartbeat and per lease operation of the head's gateway and router (issue 29 item 3).
 
     python bench/bench_head_cpu.py --quick          # 200 nodes of state, 3 rounds (~30 s)
-    python bench/bench_head_cpu.py                  # 1,000 nodes of state (648,000+ jobs), 5 rounds
+    python bench/bench_head_cpu.py                  # 1,000 nodes of state (648,000+ jobs), 5 rounds, every variant
     python bench/bench_head_cpu.py --listing both   # list and packed listings side by side (same run)
+    python bench/bench_head_cpu.py --listing node   # three heartbeats per node vs one carrying all three
 
 ``bench_control_plane.py`` measures the head end to end, but on two cores shared with its own
 load generator and other people's tests the head gets what CPU is left, so its figures move with
@@ -73,12 +74,12 @@ def _pub_sockets() -> Sockets:
 class Cluster:
     """The listings of ``nodes`` simulated nodes and the gateway state that matches them."""
 
-    def __init__(self, nodes: int, job_s: float, packed: bool):
+    def __init__(self, nodes: int, job_s: float, packed: bool, per_node: bool = False):
         from rolloutd.gateway.daemon import Gateway
         from rolloutd.gateway.jobs import JobRecord
 
         self.gw = Gateway(_sets(["gateway.lease_timeout_s=3600"]))
-        self.packed = packed
+        self.packed, self.per_node = packed, per_node
         self.churn = max(1, round(512 / job_s))
         self.sockets = _pub_sockets()
         self.gw.events = events.Publisher(self.sockets, "gateway", "head")  # a PUB nobody reads: real packing cost
@@ -105,8 +106,11 @@ class Cluster:
         return [[j, 1] for j in ids]
 
     def frames(self, rnd: int, active: int) -> list[tuple[str, list]]:
-        """One second of heartbeats of the first ``active`` nodes: (kind, [topic, body])."""
+        """One second of heartbeats of the first ``active`` nodes: (kind, [topic, body]). With
+        ``per_node``, one message per node: the run daemon's body carrying the init and eval
+        daemons' bodies of its node (``carried``), as one heartbeat per node would send them."""
         out = []
+        node_bodies = []
         for h in self.holders[:3 * active]:
             who, base, held, reserve, seq = h
             seq += 1
@@ -122,7 +126,14 @@ class Cluster:
                 h[3] = reserve[self.churn:] + gone
                 body["jobs_added"], body["jobs_removed"] = self._pairs(new), self._pairs(gone)
                 kind = f"run changes (+{len(new)} -{len(gone)})"
-            out.append((kind, [b"daemon.heartbeat", codec.pack(body)]))
+            if not self.per_node:
+                out.append((kind, [b"daemon.heartbeat", codec.pack(body)]))
+                continue
+            node_bodies.append((kind, body))
+            if len(node_bodies) == 3:  # init, run, eval of one node (HELD's order)
+                (_, init), (run_kind, run), (_, ev) = node_bodies
+                node_bodies = []
+                out.append((f"node: {run_kind} + init, eval", [b"daemon.heartbeat", codec.pack(dict(run, carried=[init, ev]))]))
         return out
 
     def close(self):
@@ -149,10 +160,11 @@ async def _receive(sub, n: int, recv_us: list) -> list:
 
 
 def measure_gateway(nodes: int, active: int, rounds: int, job_s: float, listings: tuple) -> dict:
-    """Per listing encoding, one gateway with the same state; their rounds alternate (list round 1,
-    packed round 1, list round 2, ...) so a change in the machine's load lands on both alike."""
+    """Per variant (``list``, ``packed`` listings; ``node``: packed, one message per node), one
+    gateway with the same state; their rounds alternate (list round 1, packed round 1, list round
+    2, ...) so a change in the machine's load lands on all alike."""
     t0 = time.monotonic()
-    cls = {enc: Cluster(nodes, job_s, enc == "packed") for enc in listings}
+    cls = {enc: Cluster(nodes, job_s, enc != "list", enc == "node") for enc in listings}
     built = time.monotonic() - t0
     ctx, actx = zmq.Context(), zmq.asyncio.Context()  # the gateway's sockets are zmq.asyncio ones
     pub, sub = ctx.socket(zmq.PUB), actx.socket(zmq.SUB)
@@ -190,7 +202,7 @@ def measure_gateway(nodes: int, active: int, rounds: int, job_s: float, listings
             sweep_us = (cpu() - c0) * 1e6
             kinds = {k: {"median_us": common.median(v), "n": len(v), "bytes": sizes[enc, k]} for k, v in per_kind[enc].items()}
             per_node_s = sum(v["median_us"] * v["n"] for v in kinds.values()) / (active * rounds)
-            per_node_s += common.median(recv_us[enc]) * 3
+            per_node_s += common.median(recv_us[enc]) * (1 if cl.per_node else 3)
             out[enc] = {"built_s": round(built, 1), "kinds": kinds, "recv_us": common.median(recv_us[enc]),
                         "per_node_s_us": per_node_s, "sweep_ms": sweep_us / 1e3,
                         "malformed": cl.gw.malformed.get("events", 0)}
@@ -378,7 +390,9 @@ def main():
     ap.add_argument("--job-s", type=float, default=30.0, help="run-phase length (sets the churn and lease rate)")
     ap.add_argument("--backends", type=int, default=8)
     ap.add_argument("--ops", type=int, default=None, help="lease+release pairs timed (default 5000; quick 2000)")
-    ap.add_argument("--listing", default="list", choices=("list", "packed", "both"))
+    ap.add_argument("--listing", default="all", choices=("all", "list", "packed", "both", "node"),
+                    help="node: packed listings as three messages per node and as one (the run daemon's "
+                         "heartbeat carrying its node's init and eval bodies); all (default): list, packed and node, same run")
     ap.add_argument("--only", default="all", choices=("all", "gateway", "router"))
     a = ap.parse_args()
     nodes = a.nodes or (200 if a.quick else 1000)
@@ -389,14 +403,18 @@ def main():
           f"{rounds} rounds, job_s {a.job_s:.0f}, tree {common.revision(common.REPO)}, {common.machine()}, "
           f"load {common.loadavg()}", flush=True)
     lease_rate = 512 / a.job_s  # lease + release per node per second
-    gws = {} if a.only == "router" else measure_gateway(nodes, active, rounds, a.job_s, ("list", "packed") if a.listing == "both" else (a.listing,))
+    gws = {} if a.only == "router" else measure_gateway(nodes, active, rounds, a.job_s, {"all": ("list", "packed", "node"), "both": ("list", "packed"),
+                                                                          "node": ("packed", "node")}.get(a.listing, (a.listing,)))
     for listing, g in gws.items():
-        print(f"  gateway, {listing} listings (state built in {g['built_s']} s, {g['malformed']} malformed):")
+        print(f"  gateway, {'packed listings, one message per node' if listing == 'node' else listing + ' listings'} (state built in {g['built_s']} s, {g['malformed']} malformed):")
         for k, v in sorted(g["kinds"].items()):
-            print(f"    {k:<28} {v['median_us']:8.1f} us per heartbeat (median of {v['n']}, {v['bytes']:,} bytes)")
-        print(f"    recv_now (per heartbeat)     {g['recv_us']:8.1f} us")
+            print(f"    {k:<28} {v['median_us']:8.1f} us per message (median of {v['n']}, {v['bytes']:,} bytes)")
+        print(f"    recv_now (per message)       {g['recv_us']:8.1f} us")
         print(f"    per node-second: {g['per_node_s_us']:.0f} us -> {g['per_node_s_us'] * 1000 / 1e6:.1%} of a core at "
               f"1,000 nodes | lease sweep {g['sweep_ms']:.2f} ms | load {common.loadavg()}", flush=True)
+    if "node" in gws:
+        print(f"  one message per node / three: {gws['node']['per_node_s_us'] / gws['packed']['per_node_s_us']:.2f}x "
+              "per node-second (handlers and recv_now; the loop turn around each message not included)")
     if a.only != "router":
         from rolloutd.gateway.daemon import Gateway
 

@@ -99,6 +99,13 @@ def parse(frames) -> tuple[str, dict] | None:
         body = codec.unpack(frames[1].bytes if hasattr(frames[1], "bytes") else frames[1])
     except (UnicodeDecodeError, codec.CodecError):
         return None
+    body = checked_body(body)
+    return None if body is None else (topic, body)
+
+
+def checked_body(body) -> dict | None:
+    """An event's decoded body, checked as ``parse`` checks it (its sender named; listings whole
+    pairs, packed ones unpacked; changes only with their ``jobs_seq``), or None."""
     if not isinstance(body, dict) or not all(isinstance(body.get(k), str) for k in ("daemon", "node")):
         return None
     for key in ("jobs", "jobs_added", "jobs_removed"):
@@ -117,7 +124,7 @@ def parse(frames) -> tuple[str, dict] | None:
         return None
     if ("jobs_added" in body or "jobs_removed" in body) and (seq is None or "jobs" in body):
         return None  # changes mean nothing without their place in the sequence, or beside a full listing
-    return topic, body
+    return body
 
 
 def _pairs(listing) -> list:

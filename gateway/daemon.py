@@ -646,64 +646,10 @@ class Gateway(Daemon):
         topic, body = event
         who = f"{body.get('daemon')}@{body.get('node')}"
         if topic == "daemon.heartbeat":
-            prev = self.daemons.get(who)
-            if prev is not None and prev.get("incarnation") != body.get("incarnation"):
-                self._holder_lost(prev, "restarted")
-            self.daemons[who] = body
-            now = time.monotonic()
-            holder = f"{who}#{body.get('incarnation')}"
-            listed = ()
-            if events.HeldJobs.lists(body):
-                t = self.held.get(who)
-                if t is None or t.incarnation != body.get("incarnation"):
-                    t = self.held[who] = events.HeldJobs(body.get("incarnation"))
-                was_valid, before = t.valid, t.jobs
-                listed = t.apply(body)
-                if listed is None:  # a heartbeat was lost: nothing is known until the next full listing
-                    listed = ()
-                    if was_valid:
-                        self.log.info("heartbeat_gap", daemon=who, jobs_seq=t.seq, got_jobs_seq=body.get("jobs_seq"))
-                        self._unvouch(holder, t.jobs.items(), self.hb_seen.get(who, 0.0))
-                    self._ask_relist(who, t, now)
-                else:
-                    self.hb_seen[who] = now  # a complete report: _check_suspects counts it
-                    # What this holder stopped listing was handed on (or finished): its lease restarts here.
-                    if "jobs" not in body:
-                        self._unvouch(holder, body.get("jobs_removed", ()), now)
-                    else:
-                        t.full_at = now
-                        # What it listed before it vouches for already (the lease sweep re-vouches one
-                        # it unvouched for a late heartbeat): only new pairs are renewed here, and
-                        # usually there are none (its changes since the last full listing add up to
-                        # this one). By key: items() set operations build a tuple per job.
-                        jobs = t.jobs
-                        if was_valid and before == jobs:
-                            listed = ()
-                        elif was_valid:
-                            self._unvouch(holder, [(j, a) for j, a in before.items() if jobs.get(j) != a], now)
-                            listed = [(j, a) for j, a in jobs.items() if before.get(j) != a]
-            else:
-                self.hb_seen[who] = now
-            shard = router_shard(body.get("daemon")) if isinstance(body.get("daemon"), str) else None
-            if shard is not None and shard < self.shards:
-                # A heartbeat published before the router answered a backend change can arrive after
-                # the answer: within one heartbeat period of an answer, the answer is the fresher view.
-                if now - self.backends_from_reply[shard] > float(self.dcfg["heartbeat_s"]):
-                    self._set_backends(shard, body.get("backends", []))
-                self._reconcile_backends(shard)
-            unvouched = self.table.unvouched
-            for jid, attempt in listed:
-                rec = self.table.jobs.get(jid)
-                if rec is not None and rec.attempt == attempt and rec.state == "dispatched":
-                    rec.last_seen = now
-                    rec.holder = holder
-                    unvouched.discard(jid)  # this holder's heartbeats renew it from now on
-            # The body stays (self.daemons) until the next one; its listing is in self.held already.
-            # Kept, its pairs filled the young generation: the collector's count of new objects nets
-            # out against the old bodies freed, so ~220,000 of them piled up at 1,000 nodes and a
-            # pass over them cost 25-45 ms once a second (docs/SCALING.md, section 8).
-            for key in LISTING_KEYS:
-                body.pop(key, None)
+            carried = body.pop("carried", None)
+            self._on_heartbeat(who, body)
+            if carried is not None:
+                self._on_carried(body, carried)
         elif topic in ("daemon.died", "daemon.stopped"):
             t = self.held.get(who)
             if t is not None:
@@ -726,6 +672,83 @@ class Gateway(Daemon):
         elif topic == "daemon.abandoned":
             for jid, attempt in body.get("jobs", ()):
                 self._redispatch(jid, attempt, f"abandoned by {who} at its drain deadline")
+
+    def _on_heartbeat(self, who: str, body: dict):
+        """One daemon's heartbeat (``who`` = "name@node"): its liveness, its listing's leases, a
+        router shard's backends."""
+        prev = self.daemons.get(who)
+        if prev is not None and prev.get("incarnation") != body.get("incarnation"):
+            self._holder_lost(prev, "restarted")
+        self.daemons[who] = body
+        now = time.monotonic()
+        holder = f"{who}#{body.get('incarnation')}"
+        listed = ()
+        if events.HeldJobs.lists(body):
+            t = self.held.get(who)
+            if t is None or t.incarnation != body.get("incarnation"):
+                t = self.held[who] = events.HeldJobs(body.get("incarnation"))
+            was_valid, before = t.valid, t.jobs
+            listed = t.apply(body)
+            if listed is None:  # a heartbeat was lost: nothing is known until the next full listing
+                listed = ()
+                if was_valid:
+                    self.log.info("heartbeat_gap", daemon=who, jobs_seq=t.seq, got_jobs_seq=body.get("jobs_seq"))
+                    self._unvouch(holder, t.jobs.items(), self.hb_seen.get(who, 0.0))
+                self._ask_relist(who, t, now)
+            else:
+                self.hb_seen[who] = now  # a complete report: _check_suspects counts it
+                # What this holder stopped listing was handed on (or finished): its lease restarts here.
+                if "jobs" not in body:
+                    self._unvouch(holder, body.get("jobs_removed", ()), now)
+                else:
+                    t.full_at = now
+                    # What it listed before it vouches for already (the lease sweep re-vouches one
+                    # it unvouched for a late heartbeat): only new pairs are renewed here, and
+                    # usually there are none (its changes since the last full listing add up to
+                    # this one). By key: items() set operations build a tuple per job.
+                    jobs = t.jobs
+                    if was_valid and before == jobs:
+                        listed = ()
+                    elif was_valid:
+                        self._unvouch(holder, [(j, a) for j, a in before.items() if jobs.get(j) != a], now)
+                        listed = [(j, a) for j, a in jobs.items() if before.get(j) != a]
+        else:
+            self.hb_seen[who] = now
+        shard = router_shard(body.get("daemon")) if isinstance(body.get("daemon"), str) else None
+        if shard is not None and shard < self.shards:
+            # A heartbeat published before the router answered a backend change can arrive after
+            # the answer: within one heartbeat period of an answer, the answer is the fresher view.
+            if now - self.backends_from_reply[shard] > float(self.dcfg["heartbeat_s"]):
+                self._set_backends(shard, body.get("backends", []))
+            self._reconcile_backends(shard)
+        unvouched = self.table.unvouched
+        for jid, attempt in listed:
+            rec = self.table.jobs.get(jid)
+            if rec is not None and rec.attempt == attempt and rec.state == "dispatched":
+                rec.last_seen = now
+                rec.holder = holder
+                unvouched.discard(jid)  # this holder's heartbeats renew it from now on
+        # The body stays (self.daemons) until the next one; its listing is in self.held already.
+        # Kept, its pairs filled the young generation: the collector's count of new objects nets
+        # out against the old bodies freed, so ~220,000 of them piled up at 1,000 nodes and a
+        # pass over them cost 25-45 ms once a second (docs/SCALING.md, section 8).
+        for key in LISTING_KEYS:
+            body.pop(key, None)
+
+    def _on_carried(self, carrier: dict, carried):
+        """Heartbeats another daemon of the carrier's node handed it to send along (``carried``,
+        docs/EVENTS.md: one message per node instead of one per daemon). Each is read as that
+        daemon's own heartbeat, checked as a body on the stream is, and only from the carrier's
+        own node, not in its own name and not a router's: a daemon vouches for no job held
+        elsewhere, and the backends are what the router itself says."""
+        node, name = carrier.get("node"), carrier.get("daemon")
+        for b in carried if isinstance(carried, list) else (None,):
+            b = events.checked_body(b)
+            if b is None or b["node"] != node or b["daemon"] == name or router_shard(b["daemon"]) is not None:
+                self.malformed["events"] += 1
+                self.log.warning("malformed_carried_heartbeat_dropped", carrier=f"{name}@{node}")
+                continue
+            self._on_heartbeat(f"{b['daemon']}@{node}", b)
 
     def _ask_relist(self, who: str, t: events.HeldJobs, now: float):
         """After a gap, ask the holder for a full listing now (``control.relist``) when its periodic

@@ -67,3 +67,46 @@ def test_the_gateway_keeps_a_heartbeat_without_its_listing():
     assert body["pool"] == 64 and body["jobs_seq"] == 2
     assert not {"jobs", "jobs_added", "jobs_removed"} & set(body)
     assert gw.held["run@n1"].jobs == HELD | {7: 1}
+
+
+def test_heartbeats_carried_by_their_nodes_run_daemon_count_as_their_own():
+    """One message per node (docs/EVENTS.md, ``carried``): the run daemon's heartbeat carries its
+    node's init and eval heartbeats; the gateway reads each as that daemon's own, its listing
+    renewing that daemon's jobs, and keeps none of them in the carrier's body."""
+    gw = Gateway(config_from_args(None, None, ["logging.level=warning"]))
+    init_jobs = dict(list(HELD.items())[:20])
+    for j, a in init_jobs.items():
+        gw.table.add(JobRecord(j, "c", {}, attempt=a, state="dispatched", holder=None, last_seen=0.0))
+    init = {"daemon": "init", "node": "n1", "incarnation": "i2", "ts": 1.0, "jobs": events.pack_listing(init_jobs),
+            "jobs_seq": 1}
+    ev = {"daemon": "eval", "node": "n1", "incarnation": "i3", "ts": 1.0, "jobs": [[5, 1]], "jobs_seq": 1}
+    gw._on_event(hb(jobs=[], jobs_seq=1, carried=[init, ev]))
+    assert gw.malformed["events"] == 0
+    assert {"run@n1", "init@n1", "eval@n1"} <= set(gw.daemons) and "carried" not in gw.daemons["run@n1"]
+    assert gw.held["init@n1"].jobs == init_jobs and gw.held["eval@n1"].jobs == {5: 1}
+    assert all(gw.table.jobs[j].holder == "init@n1#i2" and gw.table.jobs[j].last_seen > 0 for j in init_jobs)
+    # the next one carries init's changes: applied in its own sequence
+    gone = dict(list(init_jobs.items())[:5])
+    init2 = dict(init, jobs_seq=2, jobs_added=[], jobs_removed=events.pack_listing(gone))
+    del init2["jobs"]
+    gw._on_event(hb(jobs=[], jobs_seq=2, carried=[init2]))
+    assert gw.held["init@n1"].jobs == {j: a for j, a in init_jobs.items() if j not in gone}
+    assert gw.table.unvouched == set(gone)
+
+
+def test_a_carried_heartbeat_from_elsewhere_is_dropped():
+    """A daemon vouches only for its own node's daemons, never in its own name or a router's, and
+    each carried body is checked as one on the stream; the good ones beside a bad one still count."""
+    gw = Gateway(config_from_args(None, None, ["logging.level=warning"]))
+    good = {"daemon": "eval", "node": "n1", "incarnation": "i3", "ts": 1.0, "jobs": [[5, 1]], "jobs_seq": 1}
+    bad = [dict(good, node="n2"),                     # another node's
+           dict(good, daemon="run"),                  # the carrier's own name
+           dict(good, daemon="router", backends=[]),  # a router's: the backends are the router's to say
+           dict(good, daemon="init", jobs=b"\x01"),   # not whole pairs
+           dict(good, daemon="init", jobs_added=[[1, 1]], jobs_seq=None),  # changes without their place
+           "not a body"]
+    gw._on_event(hb(jobs=[], jobs_seq=1, carried=bad + [good]))
+    assert gw.malformed["events"] == len(bad)
+    assert set(gw.daemons) == {"run@n1", "eval@n1"} and gw.held["eval@n1"].jobs == {5: 1}
+    gw._on_event(hb(jobs=[], jobs_seq=2, carried={"init": good}))  # not a list
+    assert gw.malformed["events"] == len(bad) + 1
