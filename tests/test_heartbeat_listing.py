@@ -120,14 +120,17 @@ class Head:
         self.seq = {}
         self.seen: list[tuple[str, dict]] = []
 
+    def body(self, daemon: str, inc: str = "i1", **listing) -> dict:
+        """The next heartbeat body of ``daemon``@sim (its ``jobs_seq`` counted)."""
+        self.seq[daemon] = self.seq.get(daemon, 0) + 1
+        return {"daemon": daemon, "node": "sim", "pid": 1, "incarnation": inc, "ts": time.time(),
+                "phase": daemon, "pool": 4, "inflight": 0, "counts": {}, "jobs_seq": self.seq[daemon], **listing}
+
     def beat(self, daemon: str, inc: str = "i1", skip: bool = False, **listing):
         """One heartbeat of ``daemon``@sim (``skip``: count it but never send it: a dropped one)."""
-        self.seq[daemon] = self.seq.get(daemon, 0) + 1
-        if skip:
-            return
-        body = {"daemon": daemon, "node": "sim", "pid": 1, "incarnation": inc, "ts": time.time(),
-                "phase": daemon, "pool": 4, "inflight": 0, "counts": {}, "jobs_seq": self.seq[daemon], **listing}
-        self.pub.send_multipart([b"daemon.heartbeat", codec.pack(body)])
+        body = self.body(daemon, inc, **listing)
+        if not skip:
+            self.pub.send_multipart([b"daemon.heartbeat", codec.pack(body)])
 
     def pump(self, seconds: float, beats: dict):
         """Heartbeats every 0.25 s for ``seconds``: ``beats`` maps a daemon to its listing kwargs
@@ -351,3 +354,21 @@ def test_a_phase_daemon_answers_a_relist_request_with_a_full_listing(up_factory)
         assert "jobs" not in next_run_hb()  # and back to changes
         assert len(up.logged("full_listing_requested")) == 1
         c.cancel(ids)
+
+
+def test_a_holder_heard_only_through_its_nodes_run_daemon_keeps_its_jobs(head):
+    """One message per node (docs/EVENTS.md, "Carried heartbeats"): init@sim never publishes; the
+    run daemon's heartbeats carry init's, and they alone keep init's job for two leases (3 s) and
+    init in the gateway's status. When they stop carrying it, the job comes back by its lease.
+    Real events, router and gateway daemons; checked by not calling ``_on_carried``: re-dispatched
+    within the first 6 s."""
+    h = head("gateway.lease_timeout_s=3")
+    with RolloutClient(h.gateway) as c:
+        c.submit([synthetic(0)])
+        [job] = h.take_jobs(1)
+        h.pump(6.0, {"run": lambda: {"jobs": [], "carried": [h.body("init", jobs=[job])]}})
+        assert h.redispatched() == [], h.redispatched()
+        assert {"run", "init"} <= {d["daemon"] for d in c.status()["daemons"]}
+        h.pump(5.0, {"run": {"jobs": []}})  # init's heartbeats no longer arrive
+        r = h.one_redispatch()
+        assert r["job_id"] == job[0] and "unseen in any heartbeat" in r["cause"], r
