@@ -44,8 +44,18 @@ demo-vllm: $(STAMP) vllm-venv
 
 TEST_ENV = ROLLOUTD_TEST_AGENT_VENV=$(AGENT_VENV) ROLLOUTD_TEST_VLLM_VENV=$(VLLM_VENV)
 
+# The suite in two sessions. Everything but tests/vllm on two pytest-xdist workers (most tests
+# wait on daemons, sandboxes and timers; tests/conftest.py says how the work is split), then
+# tests/vllm alone: its one real vLLM keeps both cores busy, so it gains nothing from a neighbour.
+# The first failing session's exit code is the result (5, no tests, included).
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP) agent-venv vllm-venv
-	$(TEST_ENV) $(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+	a=0; b=0; \
+	$(TEST_ENV) $(BIN)/python -m pytest -q tests --ignore=tests/vllm -n $(PYTEST_WORKERS) --dist loadscope \
+	  --no-loadscope-reorder $(PYTEST_ARGS) || a=$$?; \
+	$(TEST_ENV) $(BIN)/python -m pytest -q tests/vllm $(PYTEST_ARGS) || b=$$?; \
+	exit $$(( a ? a : b ))
 
 # The suite in a random order (pytest-random-order; modules and the tests inside them shuffled):
 # no test may depend on another's leftovers. The seed is printed; rerun one with RANDOM_SEED=N.
@@ -56,12 +66,13 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"
 	set -e; for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b; done
 
-# Every benchmark's --quick mode, so none of them rots (CI runs this after the tests).
+# Every benchmark's --quick mode, so none of them rots (CI runs this after the tests); two at a
+# time, each one's output printed whole (bench/smoke.py).
+BENCH_JOBS ?= 2
+
 bench-smoke: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"
-	set -e; img=$$(mktemp -d); for b in bench/bench_*.py; do echo "== $$b --quick"; t0=$$(date +%s); \
-	  ROLLOUTD_BENCH_IMG_DIR=$$img $(BIN)/python $$b --quick; echo "== $$b --quick took $$(( $$(date +%s) - t0 )) s"; \
-	  done; rm -rf $$img
+	$(BIN)/python bench/smoke.py --jobs $(BENCH_JOBS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -78,6 +78,44 @@ def pytest_configure(config):
     os.environ["ROLLOUTD_SWE_CACHE"] = str(_SESSION_DIR / "swe_tasks")
 
 
+# `make test` runs the suite (tests/vllm apart: Makefile) on two pytest-xdist workers. A work unit
+# is a test module, or a whole directory whose session fixtures are expensive (a Slurm cluster and
+# a shared `rolloutd up`, a chromium, one real vLLM): never two of those. Units go out in collection
+# order, these directories and the slowest modules first (the last unit to start decides when the
+# run ends).
+WHOLE_DIRS = ("vllm", "ops", "viewer")
+FIRST = ("tests/ops", "tests/viewer", "tests/install/test_packaging.py", "tests/harness/test_presets.py",
+         "tests/trainer/test_trainer_grpo_example.py", "tests/harness/test_presets_compaction.py")
+
+
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test: ``tests/<dir>`` for WHOLE_DIRS, else its module's path."""
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    return "/".join(parts[:2]) if len(parts) > 2 and parts[1] in WHOLE_DIRS else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` with :func:`work_unit` as its scope (xdist's own xdist_group marker
+    does not group under pytest 9.2: it rewrites ``item._nodeid``, which no longer is the id)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByWorkUnit(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # an xdist worker; a plain or shuffled run keeps its order
+        rank = {unit: i for i, unit in enumerate(FIRST)}
+        items.sort(key=lambda item: rank.get(work_unit(item.nodeid), len(rank)))  # stable within a unit
+
+
 def pytest_unconfigure(config):
     if _SESSION_DIR is not None and not os.environ.get("ROLLOUTD_TEST_KEEP"):
         remove_tree(_SESSION_DIR)
