@@ -551,7 +551,7 @@ class HarnessHandler(AgentHandler):
                                   limits=self.endpoint_limits(ctx, h), api_key=api_key)
         sock = os.path.join(os.path.dirname(sb["tool_socket"]), LLM_SOCKET)
         inside_sock = sock if sb.get("runtime") == "local" else "/run/rolloutd/" + LLM_SOCKET
-        app = record_requests(make_app(session), self.config.get("record_requests"), ctx.job.job_id)
+        app = record_requests(make_app(session), self.config.get("record_requests"), ctx.job.job_id, ctx.attempt)
         server = await serve(app, uds=sock)
         client = ctx.tools()
         outcome = "cancelled"

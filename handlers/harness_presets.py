@@ -251,9 +251,10 @@ def agent_script_binds() -> list[tuple[str, str, bool]]:
     return [(agent_scripts_dir(), AGENT_DIR, True)]
 
 
-def record_requests(app, directory: str | None, job_id: str):
-    """The endpoint's ASGI app, with every request (method, path, API shape, query, status, body)
-    appended to ``directory/<job_id>.jsonl`` when ``[handlers.harness] record_requests`` names a
+def record_requests(app, directory: str | None, job_id: str, attempt: int = 1):
+    """The endpoint's ASGI app, with every request (method, path, API shape, query, status, body,
+    and the job's attempt: a re-dispatched job's runs share the file) appended to
+    ``directory/<job_id>.jsonl`` when ``[handlers.harness] record_requests`` names a
     directory: what the harness really sent, refused requests included (a 401 on a harness's side
     traffic), for tests that check each prompt against the chat template's rendering of that
     request (and for debugging a preset). Off (the app itself) by default."""
@@ -292,7 +293,8 @@ def record_requests(app, directory: str | None, job_id: str):
         finally:
             row = {"method": scope.get("method"), "path": scope.get("path"), "shape": api_shape(scope.get("path", "")),
                    "query": scope.get("query_string", b"").decode("latin-1"),
-                   "status": status.get("code"), "body": b"".join(chunks).decode("utf-8", "replace")}
+                   "status": status.get("code"), "body": b"".join(chunks).decode("utf-8", "replace"),
+                   "attempt": attempt}
             with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
 

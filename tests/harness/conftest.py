@@ -107,6 +107,15 @@ def long_prompt_backend(tok_dir: str, policy):
         b.stop()
 
 
+def recorded_rows(record_dir: str, r: dict) -> list[dict]:
+    """The requests ``record_requests`` wrote for the run that made result ``r``: a job re-dispatched
+    under load ran (and recorded) more than once, its earlier runs under earlier attempts."""
+    import json
+
+    rows = [json.loads(line) for line in Path(record_dir, f"{r['job_id']}.jsonl").read_text().splitlines()]
+    return [x for x in rows if x["attempt"] == r["attempts"]]
+
+
 def harness_sets(tok_dir: str, sandbox_root: str, venv: str, **extra) -> list[str]:
     import json
 

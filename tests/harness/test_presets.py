@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.backends.policies import Policy
-from tests.harness.conftest import harness_deployment, long_prompt_backend
+from tests.harness.conftest import harness_deployment, long_prompt_backend, recorded_rows
 from tests.harness.test_harness_live import gather, swe_ids, well_formed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -200,10 +200,9 @@ def check_fidelity(r: dict, tok, emitted: dict, record_dir: str) -> None:
             assert resp[s:e] in emitted[prompt], "a sampled turn differs from what the backend emitted"
             prompts.append(prompt)
     assert len(prompts) == r["metrics"]["llm_calls"]
-    rows = [json.loads(line) for line in Path(record_dir, f"{r['job_id']}.jsonl").read_text().splitlines()]
-    rows = [x for x in rows if x["status"] == 200 and x["method"] == "POST" and any(g in x["path"] for g in GENERATING)
+    rows = [x for x in recorded_rows(record_dir, r) if x["status"] == 200 and x["method"] == "POST" and any(g in x["path"] for g in GENERATING)
             and "count" not in x["path"]]
-    assert len(rows) == len(prompts), (len(rows), len(prompts), [x["path"] for x in rows])
+    assert len(rows) == len(prompts), (len(rows), len(prompts), r["attempts"], [x["path"] for x in rows])
     seen = sorted(_nfc(tok.decode(list(p), skip_special_tokens=False)) for p in prompts)
     want = []
     for x in rows:

@@ -17,14 +17,12 @@ splice (3997a24^) Codex, Claude Code and OpenCode re-encoded 39, 34 and 9 tokens
 and Gemini CLI and Qwen Code did not compact at all (the keys tried were not theirs)."""
 from __future__ import annotations
 
-import json
 import threading
-from pathlib import Path
 
 import pytest
 
 from rolloutd.backends.policies import Policy, PolicyReply
-from tests.harness.conftest import harness_deployment, long_prompt_backend
+from tests.harness.conftest import harness_deployment, long_prompt_backend, recorded_rows
 from tests.harness.test_harness_live import gather, well_formed
 from tests.harness.test_presets import check_fidelity
 
@@ -115,7 +113,7 @@ def test_the_preset_compacts_with_its_own_setting_and_nothing_is_reencoded(prese
     assert r["status"] == "ok", (r["error"], agent.get("output_tail", "")[-3000:])
     assert agent["exit_code"] == 0, agent.get("output_tail", "")[-3000:]
     well_formed(r)
-    rows = [json.loads(x) for x in Path(record_dir, f"{r['job_id']}.jsonl").read_text().splitlines()]
+    rows = recorded_rows(record_dir, r)
     asked = [x for x in rows if x["status"] == 200 and any(k in x["body"] for k in SUMMARY_MARKERS)]
     assert asked, f"{preset} never sent its compaction request"
     tok = backend.policy.tok

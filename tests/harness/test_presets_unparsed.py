@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.backends.policies import Policy, PolicyReply
-from tests.harness.conftest import harness_deployment, long_prompt_backend
+from tests.harness.conftest import harness_deployment, long_prompt_backend, recorded_rows
 from tests.harness.test_harness_live import gather
 from tests.harness.test_presets import GENERATING, record_dir  # noqa: F401 - a module-scoped fixture
 
@@ -88,8 +88,7 @@ def results(module_up_factory, tok_dir, sandbox_root, agent_venv, backend, recor
 
 
 def requests_of(r: dict, record_dir: str) -> list[dict]:
-    rows = [json.loads(line) for line in Path(record_dir, f"{r['job_id']}.jsonl").read_text().splitlines()]
-    return [x for x in rows if x["method"] == "POST" and any(g in x["path"] for g in GENERATING)
+    return [x for x in recorded_rows(record_dir, r) if x["method"] == "POST" and any(g in x["path"] for g in GENERATING)
             and "count" not in x["path"]]
 
 

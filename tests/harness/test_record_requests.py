@@ -26,7 +26,7 @@ def test_refused_requests_are_recorded_and_logged_with_path_and_shape(tmp_path):
 
     async def main():
         session = EndpointSession(generate, None, api_key="the-key")
-        server = await serve(record_requests(make_app(session), str(tmp_path), "job1"), host="127.0.0.1", port=0)
+        server = await serve(record_requests(make_app(session), str(tmp_path), "job1", 2), host="127.0.0.1", port=0)
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as http:
                 r1 = await http.post("/v1/messages", headers={"x-api-key": "wrong"},
@@ -46,6 +46,7 @@ def test_refused_requests_are_recorded_and_logged_with_path_and_shape(tmp_path):
         ("POST", "/v1/messages", "anthropic", 401), ("GET", "/v1/models", "other", 401),
         ("POST", "/v1beta/models/m:countTokens", "gemini", 401)]
     assert json.loads(rows[0]["body"])["model"] == "claude-haiku" and rows[2]["query"] == "key=wrong"
+    assert [x["attempt"] for x in rows] == [2, 2, 2]  # a re-dispatched job's runs share the file
     refused = [e for e in logs if e["event"] == "endpoint_call_refused"]
     assert [(e["path"], e["shape"], e["method"], e["code"]) for e in refused] == [
         ("/v1/messages", "anthropic", "POST", "invalid_api_key"), ("/v1/models", "other", "GET", "invalid_api_key"),
