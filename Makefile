@@ -44,8 +44,8 @@ demo-vllm: $(STAMP) vllm-venv
 
 TEST_ENV = ROLLOUTD_TEST_AGENT_VENV=$(AGENT_VENV) ROLLOUTD_TEST_VLLM_VENV=$(VLLM_VENV)
 
-# The suite in two sessions. Everything but tests/vllm on two pytest-xdist workers (most tests
-# wait on daemons, sandboxes and timers; tests/conftest.py says how the work is split), then
+# The suite in two sessions. Everything but tests/vllm on two pytest-xdist workers (~1.3x: the
+# suite is mostly CPU-bound on 2 cores; tests/conftest.py says how the work is split), then
 # tests/vllm alone: its one real vLLM keeps both cores busy, so it gains nothing from a neighbour.
 # The first failing session's exit code is the result (5, no tests, included).
 PYTEST_WORKERS ?= 2

@@ -1,8 +1,8 @@
 """Smoke-run every benchmark's ``--quick`` mode so none of them rots (``make bench-smoke``, CI).
 
 Figures printed here are not results: a smoke run only proves each benchmark still runs to its
-end. So they run ``--jobs`` at a time (most of a quick run is process start-up and waiting), each
-one's output printed whole when it ends, with its time. Exit 1 when any failed, naming them.
+end. So they run ``--jobs`` at a time (29 quick runs: 650 s one at a time, ~400 s two at a time
+in CI), each one's output printed whole when it ends, with its time. Exit 1 when any failed, naming them.
 
     python bench/smoke.py [--jobs 2] [bench/bench_x.py ...]
 """
