@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,13 +33,16 @@ def ordered(paths: list[Path]) -> list[Path]:
 
 def run_one(path: Path, env: dict) -> tuple[Path, int, float, str]:
     t0 = time.monotonic()
+    # Its own session: on a timeout the whole group goes, daemons the bench started included.
+    p = subprocess.Popen([sys.executable, str(path), "--quick"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
     try:
-        r = subprocess.run([sys.executable, str(path), "--quick"], env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, errors="replace", timeout=TIMEOUT_S)
-        rc, out = r.returncode, r.stdout
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
-        rc, out = -1, out + f"\n(timed out after {TIMEOUT_S} s)\n"
+        out, _ = p.communicate(timeout=TIMEOUT_S)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        rc, out = -1, (out or "") + f"\n(timed out after {TIMEOUT_S} s)\n"
     return path, rc, time.monotonic() - t0, out
 
 
