@@ -22,8 +22,10 @@ def test_every_sleeper_wakes_after_its_deadline_in_deadline_order(monkeypatch):
     order: list[int] = []
     starts: dict = {}  # task -> the clock reading precise_sleep took its deadline from
 
-    class _Clock:  # records, per task, the reading the deadline was built on (a loaded machine
-        @staticmethod  # may start the 200 sleepers ms apart, so delays alone do not order them)
+    # Records, per task, the reading its deadline was built on: a loaded machine may start the
+    # 200 sleepers ms apart, so their delays alone neither order them nor date their deadlines.
+    class _Clock:
+        @staticmethod
         def monotonic() -> float:
             now = time.monotonic()
             task = asyncio.current_task()
@@ -34,10 +36,10 @@ def test_every_sleeper_wakes_after_its_deadline_in_deadline_order(monkeypatch):
     monkeypatch.setattr(ps, "time", _Clock)
 
     async def one(i: int, delay: float) -> tuple[float, float]:
-        t0 = time.monotonic()
         await ps.precise_sleep(delay)
         order.append(i)
-        return time.monotonic() - t0 - delay, starts[asyncio.current_task()] + delay
+        deadline = starts[asyncio.current_task()] + delay
+        return time.monotonic() - deadline, deadline
 
     async def main():
         rng = random.Random(3)
