@@ -24,6 +24,7 @@ child process), waits until ``/v1/models`` answers, and ``stop()`` ends the whol
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
 import shutil
@@ -171,6 +172,7 @@ class VLLMServer:
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="rd-vllm-", suffix=".log")[1])
         self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
+        self.scratch: Path | None = None  # the server's TMPDIR while it runs (start())
         self.version: str | None = None
 
     def command(self) -> list[str]:
@@ -188,6 +190,11 @@ class VLLMServer:
         env = {k: v for k, v in os.environ.items()
                if k.startswith("ROLLOUTD_TEST_") or not k.startswith(("ROLLOUTD_", "VIRTUAL_ENV", "PYTHONPATH"))}
         env.update(BASE_ENV)
+        # vLLM names its ipc sockets and dist-init files after the temp dir and never removes
+        # them: give it a dir of its own that stop() removes (the compile cache stays shared)
+        self.scratch = Path(tempfile.mkdtemp(prefix="rd-vllm-tmp-"))
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"torchinductor_{_user()}"))
+        env["TMPDIR"] = str(self.scratch)
         env.update(self.env)
         with open(self.log_path, "ab") as out:
             # its own session: stop() ends the server and its engine-core child as one group
@@ -253,6 +260,8 @@ class VLLMServer:
                 break
         else:
             raise RuntimeError(f"vLLM's process group {pgid} outlived SIGKILL")
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
         log.info("vllm_server_stopped", pid=pgid, returncode=self.proc.returncode)
 
     def __enter__(self) -> "VLLMServer":
@@ -265,6 +274,14 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _user() -> str:
+    """The user name torch puts in its default compile-cache dir."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid_{os.getuid()}"
 
 
 def _group_gone(proc: subprocess.Popen, timeout_s: float) -> bool:

@@ -37,7 +37,6 @@ import queue
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import tracemalloc
@@ -55,7 +54,7 @@ import structlog  # noqa: E402
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up only
 
-from bench.common import die_with_parent, stop_procs  # noqa: E402
+from bench.common import die_with_parent, short_tmpdir, stop_procs  # noqa: E402
 from rolloutd.llm.agent_loop import run_agent_loop  # noqa: E402
 from rolloutd.llm.client import LLMClient, SamplingParams, simple_generate  # noqa: E402
 from rolloutd.llm.conversation import Conversation  # noqa: E402
@@ -110,7 +109,7 @@ def tokenizer_dir(kind: str) -> tuple[Path, str]:
                 raise
     from rolloutd.backends.tiny_model import make_tiny_model
 
-    d = Path(tempfile.mkdtemp(prefix="bench-tok-"))
+    d = short_tmpdir("bench-tok-")
     make_tiny_model(d, tokenizer_only=True)
     return d, "tiny ChatML BPE (rolloutd.backends.tiny_model)"
 

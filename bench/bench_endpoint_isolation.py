@@ -27,14 +27,13 @@ import queue
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_agent_loop import ROOT, tokenizer_dir  # noqa: E402
-from common import cpu_seconds, die_with_parent, loadavg, median, percentile, pyspy_report, pyspy_start, revision  # noqa: E402
+from common import cpu_seconds, die_with_parent, loadavg, median, percentile, pyspy_report, pyspy_start, revision, short_tmpdir  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from tests.harness.isolation_agents import ATTACKER  # noqa: E402
@@ -226,7 +225,7 @@ def main() -> int:
     if a.quick:
         a.phase_s, a.repeats = 3.0, 1
     tok_dir, tok_name = tokenizer_dir(a.tokenizer)
-    d = Path(tempfile.mkdtemp(prefix="bei-", dir="/tmp"))
+    d = short_tmpdir("bei-")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = []
     variants: dict[str, tuple[Path, list]] = {}

@@ -69,6 +69,7 @@ import collections
 import json
 import math
 import os
+import shutil
 import sys
 import threading
 import time
@@ -789,7 +790,7 @@ def main_vllm(args) -> int:
 
     reps = args.reps or (1 if args.quick else 3)
     servers = []
-    outside = None
+    outside = d = None
     rds, clients, samplers = {}, {}, {}
     t_start = time.monotonic()
     try:
@@ -803,7 +804,7 @@ def main_vllm(args) -> int:
             make_tiny_model(d / "m", seed=0, variant="vllm")
             venv = os.environ.get("ROLLOUTD_VLLM_VENV") or default_venv()
             flags = ["--max-num-seqs", str(VLLM_SEQS), "--enable-server-load-tracking"]
-            servers = [VLLMServer(venv, d / "m", args=flags).start() for _ in range(2)]
+            servers = [VLLMServer(venv, d / "m", args=flags, log_path=d / f"vllm-{i}.log").start() for i in range(2)]
             for srv in servers:
                 srv.wait_ready()
             urls = [srv.url for srv in servers]
@@ -841,6 +842,8 @@ def main_vllm(args) -> int:
             outside.wait(30)
         for srv in servers:
             srv.stop()
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
     print("\n| policy | share of calls on A (busy) | job run time (median) | makespan | B: router leases | "
           "B: vLLM running+waiting | B: /load | B: leases > requests |")
     print("|---|---|---|---|---|---|---|---|")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +46,7 @@ def _recv_future(sock):  # bus.sockets.recv_now before
 
 async def measure(n: int, repeats: int) -> dict:
     ctx = zmq.asyncio.Context()
-    d = tempfile.mkdtemp(prefix="bench-sockets-")
+    d = common.short_tmpdir("bench-sockets-")
     push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     for s in (push, pull):
         s.setsockopt(zmq.LINGER, 0)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import die_with_parent, loadavg, machine, median, revision  # noqa: E402
+from common import die_with_parent, loadavg, machine, median, revision, short_tmpdir  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -79,11 +79,10 @@ def main(argv=None) -> int:
         args.tokens, args.inflight, args.calls, args.repeats = "256", 32, 2, 1
     sizes = [int(x) for x in args.tokens.split(",")]
 
-    import tempfile
 
     from rolloutd.backends.tiny_model import build_tiny_tokenizer
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-stream-"))
+    tmp = short_tmpdir("bench-stream-")
     build_tiny_tokenizer().save_pretrained(str(tmp))
     proc, url = start_backend(tmp, args.per_token_s, max(sizes))
     rows = {}

@@ -22,11 +22,10 @@ import os
 import random
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, machine, median, revision
+from common import REPO, machine, median, revision, short_tmpdir
 
 sys.path.insert(0, str(REPO))
 
@@ -84,7 +83,7 @@ def main(argv=None) -> int:
     from rolloutd.backends.tiny_model import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
-    work = Path(tempfile.mkdtemp(prefix="rb-view-"))
+    work = short_tmpdir("rb-view-")
     src = work / "results.jsonl"
     make_results(src, n, tok)
     print(f"# bench_view: {n} trajectories ({src.stat().st_size / 1e6:.1f} MB JSONL), {reps} repeat(s); "

@@ -174,7 +174,7 @@ def main(argv=None) -> int:
                 return 0
             d = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
             make_tiny_model(d / "m", seed=0, variant="vllm")
-            srv = VLLMServer(venv, d / "m", args=["--enable-scale-out"]).start()
+            srv = VLLMServer(venv, d / "m", args=["--enable-scale-out"], log_path=d / "vllm.log").start()
             srv.wait_ready()
             url, pid = srv.url, srv.proc.pid
         else:

@@ -113,8 +113,11 @@ class CpuMeter:
 
 # ---- a private rolloutd up ---------------------------------------------------------------
 def short_tmpdir(prefix: str = "rb-") -> Path:
-    # ipc paths must fit in sockaddr_un (108 bytes)
-    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    """A fresh dir under /tmp (ipc paths must fit in sockaddr_un's 108 bytes), removed at exit
+    if the bench did not remove it first."""
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    atexit.register(shutil.rmtree, d, True)
+    return d
 
 
 def _children_of(pid: int) -> list[int]:

@@ -26,11 +26,15 @@ REPO = Path(__file__).resolve().parent.parent
 # the machine running the tests and must not reach the deployments the tests start.
 TEST_CONTROL = ("ROLLOUTD_TEST_", "ROLLOUTD_REQUIRE_")
 _SESSION_DIR: Path | None = None
+_SHORT_DIRS: list[Path] = []  # every short_tmpdir of this process, removed when the session ends
 
 
 def short_tmpdir(prefix: str = "rd-") -> Path:
+    """A fresh dir under /tmp, removed at the end of the session if its test did not remove it."""
     # ipc paths must fit in sockaddr_un (108 bytes); pytest's tmp_path can be longer.
-    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    _SHORT_DIRS.append(d)
+    return d
 
 
 def traversable_tmpdir(prefix: str) -> Path:
@@ -117,8 +121,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_unconfigure(config):
-    if _SESSION_DIR is not None and not os.environ.get("ROLLOUTD_TEST_KEEP"):
-        remove_tree(_SESSION_DIR)
+    if os.environ.get("ROLLOUTD_TEST_KEEP"):
+        return
+    for d in [*_SHORT_DIRS, *([_SESSION_DIR] if _SESSION_DIR is not None else [])]:
+        if d.exists():
+            remove_tree(d)
 
 
 @pytest.fixture(autouse=True)
