@@ -24,7 +24,6 @@ child process), waits until ``/v1/models`` answers, and ``stop()`` ends the whol
 from __future__ import annotations
 
 import argparse
-import getpass
 import json
 import os
 import shutil
@@ -191,9 +190,9 @@ class VLLMServer:
                if k.startswith("ROLLOUTD_TEST_") or not k.startswith(("ROLLOUTD_", "VIRTUAL_ENV", "PYTHONPATH"))}
         env.update(BASE_ENV)
         # vLLM names its ipc sockets and dist-init files after the temp dir and never removes
-        # them: give it a dir of its own that stop() removes (the compile cache stays shared)
+        # them: give it a dir of its own that stop() removes (its compile cache is under
+        # VLLM_CACHE_ROOT, not the temp dir)
         self.scratch = Path(tempfile.mkdtemp(prefix="rd-vllm-tmp-"))
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"torchinductor_{_user()}"))
         env["TMPDIR"] = str(self.scratch)
         env.update(self.env)
         with open(self.log_path, "ab") as out:
@@ -274,14 +273,6 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _user() -> str:
-    """The user name torch puts in its default compile-cache dir."""
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return f"uid_{os.getuid()}"
 
 
 def _group_gone(proc: subprocess.Popen, timeout_s: float) -> bool:

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
+
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")  # vLLM's ipc socket names
 
 
 def test_vllm_serves_the_tiny_model_through_the_client(vllm_server):
@@ -67,3 +70,16 @@ def test_ignore_eos_samples_past_eos_to_max_tokens(vllm_server):
     for p, g in zip(plain, ignoring):
         assert g.finish_reason == "length" and len(g.token_ids) == n
         assert list(g.token_ids[:len(p.token_ids)]) == list(p.token_ids)  # same seed: same ids up to the EOS
+
+
+def test_the_servers_scratch_files_live_in_its_own_tmpdir(vllm_server):
+    """vLLM names its ipc sockets and dist-init files after the temp dir and never removes them:
+    the server's TMPDIR is a dir of its own (removed by stop()), so nothing of it lands in /tmp."""
+    import tempfile
+    from pathlib import Path
+
+    scratch = vllm_server.server.scratch
+    assert scratch is not None and scratch.parent == Path(tempfile.gettempdir())
+    made = [p.name for p in scratch.iterdir() if p.name.startswith("vllm_dist_") or UUID.fullmatch(p.name)]
+    assert made, sorted(p.name for p in scratch.iterdir())  # vLLM made them there
+    assert not [n for n in made if (scratch.parent / n).exists()]
