@@ -39,10 +39,14 @@ built-in | endpoint (counted in both totals; a full collection landing in one si
 shows here). After the tokenizer is loaded the process freezes its heap (``gc.freeze``), as
 the run daemon does after its set-up: without it, a full collection walked every imported
 object (~0.24 s) and added up to ~3.7 ms per call to whichever side's window it fell in.
+``--tools N``: every request of both sides declares bash and N-1 harness-sized tools (~1.5 KB of
+JSON each, never called): a coding harness resends its whole tool list (10-40 KB) on every call,
+which the endpoint reads each time and the built-in loop rendered once.
 Example::
 
     python bench/bench_endpoint.py --rollouts 16 --turns 8 --repeats 3
     python bench/bench_endpoint.py --rollouts 0 --history 200 --repeats 3 --backend inline
+    python bench/bench_endpoint.py --rollouts 0 --history 200 --repeats 3 --backend inline --tools 17
     python bench/bench_endpoint.py --quick
 
 ``--backend inline`` answers both sides from a function in this process with the scripted
@@ -84,6 +88,18 @@ from rolloutd.llm.tokenizer_utils import load_tokenizer
 from rolloutd.llm.toolparse import get_parser
 
 SYSTEM = "You are a software engineering agent working in a sandbox."
+TOOLS = [BASH_TOOL]  # --tools N: bash and N-1 of harness_tool's
+
+
+def harness_tool(i: int) -> dict:
+    """A tool as coding harnesses declare theirs (~1.5 KB of JSON each: a long description, a few
+    typed parameters); sent with every request, never called by the scripted policy."""
+    words = "read edit search list the file path lines pattern replace tool when use only absolute".split()
+    desc = " ".join(words[(i * 7 + j) % len(words)] for j in range(180))
+    props = {f"arg{j}": {"type": ["string", "integer", "boolean"][j % 3], "description": f"what {j} means for tool {i}"}
+             for j in range(5)}
+    return {"type": "function", "function": {"name": f"tool_{i}", "description": desc,
+                                             "parameters": {"type": "object", "properties": props, "required": ["arg0"]}}}
 SHAPES = ("chat", "anthropic", "responses", "gemini")
 MODES = ("json", "stream")
 
@@ -191,7 +207,7 @@ import httpx
 a = json.loads(sys.stdin.readline())
 shape, socks, turns, warm, stream, obs, tools, system = (a[k] for k in ("shape", "socks", "turns", "warm", "stream",
                                                                         "obs", "tools", "system"))
-fn = tools[0]["function"]
+fns = [t["function"] for t in tools]
 
 
 def first(i):
@@ -246,7 +262,7 @@ async def one(i, sock):
     try:
         if shape == "anthropic":
             msgs = [{"role": "user", "content": first(i)}]
-            tl = [{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}]
+            tl = [{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]} for fn in fns]
             while n < warm + turns:
                 await gate(n)
                 r = await post(c, "/v1/messages", {"model": "m", "system": system, "messages": msgs, "tools": tl,
@@ -261,7 +277,7 @@ async def one(i, sock):
         elif shape == "responses":
             items = [{"role": "user", "content": first(i)}]
             tl = [{"type": "function", "name": fn["name"], "description": fn["description"],
-                   "parameters": fn["parameters"]}]
+                   "parameters": fn["parameters"]} for fn in fns]
             while n < warm + turns:
                 await gate(n)
                 r = await post(c, "/v1/responses", {"model": "m", "instructions": system, "input": items, "tools": tl,
@@ -275,7 +291,7 @@ async def one(i, sock):
         elif shape == "gemini":
             contents = [{"role": "user", "parts": [{"text": first(i)}]}]
             tl = [{"functionDeclarations": [{"name": fn["name"], "description": fn["description"],
-                                             "parameters": fn["parameters"]}]}]
+                                             "parameters": fn["parameters"]} for fn in fns]}]
             while n < warm + turns:
                 await gate(n)
                 r = await post(c, "/v1beta/models/m:generateContent",
@@ -432,9 +448,9 @@ async def builtin_phase(url: str, tok, n: int, turns: int, warm: int = 0, inline
                     {"role": "user", "content": f"Task {i}: the test suite fails; find the bug and fix it."}]
             if not warm:  # the opening render is measured, as the endpoint's first request makes it
                 await gate()
-                return await run_agent_loop(gen, Conversation(tok, msgs, [BASH_TOOL], 32768), parser, execute, params,
+                return await run_agent_loop(gen, Conversation(tok, msgs, TOOLS, 32768), parser, execute, params,
                                             turns, tok)
-            conv = Conversation(tok, msgs, [BASH_TOOL], 32768)
+            conv = Conversation(tok, msgs, TOOLS, 32768)
             await run_agent_loop(gen, conv, parser, execute, params, warm, tok)
             await gate()
             # the loop stopped after its last call: that call's result, as the agent sends it next
@@ -479,7 +495,7 @@ async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: st
                 env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
                 driver = DRIVER if shape == "chat" else SHAPE_DRIVER
                 args = {"shape": shape, "socks": which, "turns": turns, "warm": warm, "stream": stream,
-                        "obs": OBSERVATION, "tools": [BASH_TOOL], "system": SYSTEM}
+                        "obs": OBSERVATION, "tools": TOOLS, "system": SYSTEM}
                 p = await asyncio.create_subprocess_exec(sys.executable, "-c", driver, stdin=subprocess.PIPE,
                                                          stdout=subprocess.PIPE, env=env, preexec_fn=die_with_parent)
                 mine = [sessions[socks.index(w)] for w in which]
@@ -643,9 +659,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=["http", "inline"], default="http",
                     help="http: the scripted backend process over HTTP (LLMClient); inline: its replies from a "
                          "function in this process, no HTTP client on either side (less noise: see inline_generate)")
+    ap.add_argument("--tools", type=int, default=1,
+                    help="tools every request declares: bash and N-1 harness-sized ones (Claude Code sends ~17)")
     ap.add_argument("--no-uncached", action="store_true",
                     help="long-history case: skip the comparison run with the translation cache off")
     args = ap.parse_args(argv)
+    if args.tools < 1:
+        ap.error("--tools: at least 1 (bash)")
+    TOOLS[1:] = [harness_tool(i) for i in range(args.tools - 1)]
     shapes = [x for x in args.shapes.split(",") if x]
     modes = [x for x in args.modes.split(",") if x]
     if set(shapes) - set(SHAPES):
@@ -675,7 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     hurl = f"http://127.0.0.1:{port}"
     print(f"# tokenizer: {tok_desc}; backend: " + ("scripted replies in this process (--backend inline)"
                                                    if args.backend == "inline" else
-                                                   f"scripted (separate process, zero latency) at {url}"))
+                                                   f"scripted (separate process, zero latency) at {url}")
+          + f"; tools per request: {len(TOOLS)} ({len(json.dumps(TOOLS)):,} bytes of JSON)")
     print(f"# python {sys.version.split()[0]}, uvicorn {uvicorn.__version__}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f} at start")
     rows: list[dict] = []

@@ -107,14 +107,17 @@ def too_long(n: int, limit: int, detail: str = "", *, at_least: bool = False) ->
 def nesting_ok(obj: Any, limit: int, prev: Any = None) -> bool:
     """No container of ``obj`` deeper than ``limit`` (iterative: deep input must not recurse).
     ``prev``: a body that passed this check with the same ``limit``; an item of a top-level list
-    of ``obj`` equal to the item at the same position under the same key in ``prev`` is not walked
-    again (agents resend their whole history every call: the walk was 0.4-1.4 ms per call at 200
-    messages, the equality is C speed and recurses no deeper than ``prev``'s item)."""
+    of ``obj`` equal to the item at the same position under the same key in ``prev``, or a value
+    that is ``prev``'s very object under the same key, is not walked again (agents resend their
+    whole history every call: the walk was 0.4-1.4 ms per call at 200 messages, the equality is C
+    speed and recurses no deeper than ``prev``'s item)."""
     stack = [(obj, 1)]
     if type(obj) is dict and type(prev) is dict and limit >= 3:
         stack = []
         for k, v in obj.items():
             p = prev.get(k)
+            if v is p:  # the previous body's very object (resent.py), which passed
+                continue
             if type(v) is list and type(p) is list:  # the list is at depth 2, its items at 3
                 n, same = len(p), same_prefix(v, p)
                 stack.extend((x, 3) for i, x in enumerate(v[same:], same)

@@ -6,6 +6,10 @@ extra work per call. :class:`ResentBodies` keeps the previous body's text and, f
 top-level list, where each item ended. When the new body's text is the same up to the end of
 item k of that list, the parse state there is the same (JSON is read left to right), so items
 0..k-1 are the previous body's objects and only the rest is decoded (the C scanner, item by item).
+Any other value under a key (``tools``, ``system``: 10-40 KB that a coding harness resends on
+every call) that opens with ``{``, ``[`` or ``"`` and repeats the previous body's value under that
+key character for character is the previous body's object too: such a value's text decides where
+it ends, so the same text is the same value.
 
 The result, and every error, is what ``json.loads(raw)`` gives: any body the walk does not
 expect (not an object, a duplicate key, anything malformed) is handed to ``json.loads`` itself.
@@ -59,12 +63,14 @@ class ResentBodies:
     """Decodes one job's request bodies in turn (one at a time: the job's endpoint thread).
     ``decode`` then, once the body passed the caller's checks, ``keep``."""
 
-    __slots__ = ("body", "_kept", "_pending")
+    __slots__ = ("body", "_kept", "_text", "_values", "_pending")
 
     def __init__(self) -> None:
         self.body: dict | None = None  # the last body kept
         self._kept: _Kept | None = None
-        self._pending: tuple[Any, _Kept | None] | None = None
+        self._text = ""  # the last body kept, as text
+        self._values: dict[str, tuple[int, int, Any]] = {}  # key -> (where its value starts and ends in _text, the value)
+        self._pending: tuple | None = None
 
     def decode(self, raw: bytes) -> Any:
         """``json.loads(raw)``: the same value, the same errors."""
@@ -73,22 +79,23 @@ class ResentBodies:
             return json.loads(raw)
         try:
             text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # as json.loads decodes bytes
-            body, kept = self._walk(text)
+            body, kept, values = self._walk(text)
         except (_Malformed, ValueError, IndexError, RecursionError):
             return json.loads(raw)
-        self._pending = (body, kept)
+        self._pending = (body, kept, values, text)
         return body
 
     def keep(self, body: dict) -> None:
         """``body`` (the last decoded) passed the checks: the next body may reuse its items."""
         pending, self._pending = self._pending, None
         self.body = body
-        self._kept = pending[1] if pending is not None and pending[0] is body else None
+        ours = pending is not None and pending[0] is body
+        self._kept, self._values, self._text = pending[1:] if ours else (None, {}, "")
 
-    def _walk(self, text: str) -> tuple[dict, _Kept | None]:
-        prev = self._kept
+    def _walk(self, text: str) -> tuple[dict, _Kept | None, dict[str, tuple[int, int, Any]]]:
+        prev, prev_values, prev_text = self._kept, self._values, self._text
+        values: dict[str, tuple[int, int, Any]] = {}
         k = prev.shared(text) if prev is not None else 0
-        only = prev.key if prev is not None else None  # itemize that list alone (else every list, once)
         pos = _WS(text, 0).end()
         if text[pos] != "{":
             raise _Malformed
@@ -110,15 +117,21 @@ class ResentBodies:
                 if text[pos] != ":":
                     raise _Malformed
                 pos = _WS(text, pos + 1).end()
-                if text[pos] == "[" and (only is None or key == only):
-                    reuse = k if k and pos + 1 == prev.start else 0  # k > 0 only with a prev
+                seen = prev_values.get(key)
+                if seen is not None and text.startswith(prev_text[seen[0]:seen[1]], pos):  # the previous body's value
+                    value, end = seen[2], pos + seen[1] - seen[0]
+                    steps += 1
+                elif text[pos] == "[":  # a list that changed (a history grew): item by item
+                    reuse = k if k and key == prev.key and pos + 1 == prev.start else 0  # k > 0 only with a prev
                     value, ends, end, steps = self._items(text, pos + 1, prev, reuse, steps)
                     if best is None or len(ends) > len(best.ends):
                         best = _Kept(text, key, pos + 1, value, ends)
-                    pos = end
                 else:
-                    value, pos = _SCAN(text, pos)
+                    value, end = _SCAN(text, pos)
                     steps += 1
+                if text[pos] in '{["':  # a value whose text decides where it ends
+                    values[key] = (pos, end, value)
+                pos = end
                 obj[key] = value
                 pos = _WS(text, pos).end()
                 c = text[pos]
@@ -130,7 +143,9 @@ class ResentBodies:
                 pos = _WS(text, pos).end()
         if _WS(text, pos).end() != len(text):
             raise _Malformed  # "Extra data"
-        return obj, best
+        if best is not None:
+            del values[best.key]  # the kept list is reused item by item
+        return obj, best, values
 
     @staticmethod
     def _items(text: str, pos: int, prev: _Kept | None, reuse: int, steps: int) -> tuple[list, list[int], int, int]:

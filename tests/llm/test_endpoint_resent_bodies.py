@@ -111,12 +111,14 @@ def test_an_edited_shrunk_or_reordered_history_is_decoded_again_where_it_differs
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_bodies_and_their_corruptions_decode_or_fail_as_json_loads(seed):
-    """Every prefix cut, byte flip, splice and duplicate of a history body, after a body that
-    passed: the same value or the same error as json.loads, NaN and big ints included."""
+    """Every prefix cut, byte flip, splice and duplicate of a history body (its system prompt and
+    tools too), after a body that passed: the same value or the same error as json.loads, NaN and
+    big ints included."""
     rng = random.Random(seed)
     r = ResentBodies()
     msgs = [msg(i, rng) for i in range(12)]
-    base = {"model": "m", "messages": msgs, "temperature": float("nan") if seed % 2 else 0.5, "seed": 10 ** 30}
+    base = {"model": "m", "system": "be brief " * 20, "messages": msgs, "tools": harness_tools(2),
+            "temperature": float("nan") if seed % 2 else 0.5, "seed": 10 ** 30}
     for style in range(4):
         check(r, dumps(base, rng, style))
     good = json.dumps({**base, "messages": msgs + [msg(50, rng)]})
@@ -192,3 +194,70 @@ def test_a_body_of_tiny_pieces_is_left_to_json_loads(monkeypatch, shape):
         assert got == json.loads(raw)
         assert calls[0] <= resent.MAX_STEPS + 2  # plus the values of the keys before
         r.keep(got)
+
+
+def harness_tools(n: int) -> list[dict]:
+    """A coding harness's tool list: more tools than its first request has messages."""
+    return [{"type": "function", "function": {"name": f"tool_{i}", "description": "reads and edits files " * 20,
+             "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}} for i in range(n)]
+
+
+def test_a_history_shorter_than_the_tool_list_is_still_reused_once_it_grows():
+    """A coding harness's first request: one user message, 17 tools. The history must still be the
+    list whose items are reused once it grows past the tools (before: the tool list, the longest at
+    the first request, stayed the kept list, and no history item was ever reused)."""
+    rng = random.Random(3)
+    r = ResentBodies()
+    tools = harness_tools(17)
+    msgs = [{"role": "user", "content": "fix the failing test"}]
+    prev = None
+    for i in range(40):
+        msgs = msgs + [msg(i, rng)]
+        _, got = check(r, json.dumps({"model": "m", "messages": msgs, "tools": tools, "stream": True}).encode())
+        if i >= 20:
+            n = len(prev["messages"])
+            assert all(got["messages"][j] is prev["messages"][j] for j in range(n)), i
+        prev = got
+
+
+def test_an_unchanged_tool_list_system_prompt_and_object_are_the_previous_bodys():
+    """What a harness resends unchanged besides its history (``tools``, ``system``, a config
+    object) is not decoded again; any change inside one is decoded, as json.loads would."""
+    rng = random.Random(5)
+    r = ResentBodies()
+    tools = harness_tools(12)
+    system = "You are a coding agent. " * 400
+    cfg = {"temperature": 0.7, "stop": ["</s>"], "nested": {"a": [1, 2, {"b": None}]}}
+    msgs = [msg(i, rng) for i in range(15)]  # past the tools: the history is the list reused item by item
+    body = lambda m, t=tools, s=system, c=cfg, n=12: {"system": s, "messages": m, "tools": t, "config": c, "n": n}  # noqa: E731
+    _, first = check(r, json.dumps(body(msgs)).encode())
+    msgs = msgs + [msg(20, rng)]
+    _, second = check(r, json.dumps(body(msgs)).encode())
+    _, third = check(r, json.dumps(body(msgs + [msg(21, rng)])).encode())
+    for key in ("tools", "system", "config"):
+        assert third[key] is second[key], key
+    edited = json.loads(json.dumps(tools))
+    edited[7]["function"]["description"] += "!"
+    _, fourth = check(r, json.dumps(body(msgs, t=edited)).encode())
+    assert fourth["tools"] is not third["tools"] and fourth["tools"][7]["function"]["description"].endswith("!")
+    _, fifth = check(r, json.dumps(body(msgs, s=system[:-1], c={**cfg, "temperature": 0.75}, n=123)).encode())
+    assert fifth["system"] == system[:-1] and fifth["config"]["temperature"] == 0.75 and fifth["n"] == 123
+    # a value that starts as the previous one did but goes on (a longer string, a number) is not taken over
+    raw = json.dumps(body(msgs, n=12)).replace('"n": 12', '"n": 12345')
+    _, sixth = check(r, raw.encode())
+    assert sixth["n"] == 12345
+
+
+def test_a_resent_object_made_too_deep_is_refused():
+    """The nesting walk skips only the previous body's very objects: a tool list that was fine and
+    comes back nested past the limit is walked and refused, as without the job's bodies."""
+    r = ResentBodies()
+    tools = harness_tools(3)
+    ok = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    assert load_body(json.dumps(ok).encode(), 8, r)["tools"] == tools
+    assert load_body(json.dumps(ok).encode(), 8, r)["tools"] is r.body["tools"]  # taken over
+    deep = {**ok, "tools": tools + [{"type": "function", "function": {"parameters": [[[[[["x"]]]]]]}}]}
+    for raw in (json.dumps(deep).encode(), json.dumps({**ok, "config": [[[[[[[[1]]]]]]]]}).encode()):
+        with pytest.raises(EndpointError) as e:
+            load_body(raw, 8, r)
+        assert e.value.status == 400 and "nested deeper" in e.value.message
