@@ -9,6 +9,8 @@ fix through the preset's own tools, the next call gets the budget's message. Rea
 bwrap sandbox through ``rolloutd up``, the scripted backend with the tiny model's tokenizer."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.harness.conftest import harness_deployment, long_prompt_backend
@@ -54,9 +56,11 @@ def test_a_spent_budget_ends_the_run(preset, results):
         return
     assert r["status"] == "ok", (r["error"], agent.get("output_tail", "")[-2000:])
     assert agent["exit_code"] == 0
-    # the fix went in with the one call; eval ran as after any run (qwen-code got 0 once in a CI run
-    # and passed alone: the message now says what eval and the CLI saw)
-    assert r["reward"] == 1.0, ({k: v for k, v in r["eval_details"].items() if k != "agent"},
-                                agent.get("output_tail", "")[-3000:])
+    # the fix went in with the one call; eval ran as after any run (qwen-code, then gemini-cli, got 0
+    # once in a CI run and passed alone: the message says what eval and the CLI saw, in full -- a
+    # message that is not a str is cut to 240 characters by pytest)
+    assert r["reward"] == 1.0, "eval: {}\nthe CLI's output tail:\n{}".format(
+        json.dumps({k: v for k, v in r["eval_details"].items() if k != "agent"}, indent=1, default=str),
+        agent.get("output_tail", "")[-3000:])
     # mini-swe-agent stops at its own step limit (= max_llm_calls) before asking again
     assert (m["budget_replies"] == 0) if preset == "mini-swe-agent" else (1 <= m["budget_replies"] <= 2), m
