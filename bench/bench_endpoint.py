@@ -88,6 +88,8 @@ from rolloutd.llm.tokenizer_utils import load_tokenizer
 from rolloutd.llm.toolparse import get_parser
 
 SYSTEM = "You are a software engineering agent working in a sandbox."
+SHAPES = ("chat", "anthropic", "responses", "gemini")
+MODES = ("json", "stream")
 TOOLS = [BASH_TOOL]  # --tools N: bash and N-1 of harness_tool's
 
 
@@ -100,8 +102,7 @@ def harness_tool(i: int) -> dict:
              for j in range(5)}
     return {"type": "function", "function": {"name": f"tool_{i}", "description": desc,
                                              "parameters": {"type": "object", "properties": props, "required": ["arg0"]}}}
-SHAPES = ("chat", "anthropic", "responses", "gemini")
-MODES = ("json", "stream")
+
 
 # Both drivers end the same way. Each rollout makes ``warm`` calls (its history), then waits at
 # the gate; once every rollout is there: READY, a line on stdin starts the measured calls, DONE
