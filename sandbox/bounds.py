@@ -120,8 +120,9 @@ def template_image(templates: os.PathLike, size_bytes: int, uid: int, gid: int) 
             mfd = _detached_ext4(tmp)
             try:
                 os.rmdir("lost+found", dir_fd=mfd)
+                _sync_fs(mfd)
             finally:
-                os.close(mfd)  # the only reference: unmounted here, the loop device goes (autoclear)
+                os.close(mfd)  # unmounted here, the loop device goes (autoclear)...
             os.replace(tmp, t)  # concurrent makers: identical content, last rename wins
         except BaseException:
             try:
@@ -130,6 +131,20 @@ def template_image(templates: os.PathLike, size_bytes: int, uid: int, gid: int) 
                 pass
             raise
     return t
+
+
+def _sync_fs(mount_fd: int) -> None:
+    """Write the mounted filesystem's changes into its image now (syncfs). ...unless a child
+    forked meanwhile still holds the mount: its unmount, and the write-back, then come later,
+    and a copy of the image taken before them was torn (CI: a workspace whose root still listed
+    lost+found, and pytest's collection stat of it failed with EBADMSG)."""
+    fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=mount_fd)
+    try:
+        if _libc.syncfs(fd) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e))
+    finally:
+        os.close(fd)
 
 
 def make_ext4_image(image: os.PathLike, size_bytes: int, uid: int, gid: int,

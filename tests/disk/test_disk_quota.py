@@ -342,3 +342,38 @@ def test_the_workspace_pool_turns_itself_off_where_the_root_has_no_tmpfile(monke
         assert pool.take(8 << 20, 0, 0) is None and pool.size() == 0 and len(calls) == 1
     finally:
         pool.close()
+
+
+def test_a_template_is_whole_even_while_a_child_still_holds_its_mount(monkeypatch):
+    """A workspace is a copy of a template image whose lost+found was removed through a detached
+    mount. A child forked meanwhile (another sandbox's bwrap, between fork and exec) holds that
+    mount past our close: its unmount and write-back come later, and a copy taken before them was
+    torn (CI: a workspace root still listing lost+found; pytest's stat in it: EBADMSG). The
+    template must hold the removal when template_image returns, whoever else holds the mount."""
+    require_root_mounts()
+    import subprocess
+
+    from rolloutd.sandbox import bounds
+
+    held: list[int] = []
+    detached = bounds._detached_ext4
+
+    def inherited(image):  # what a forked child's copy of the fd table keeps alive
+        fd = detached(image)
+        held.append(os.dup(fd))
+        return fd
+
+    monkeypatch.setattr(bounds, "_detached_ext4", inherited)
+    root = short_tmpdir("rd-dqt-")
+    try:
+        t = bounds.template_image(root / "templates", 8 << 20, 65534, 65534)
+        assert held, "the template was not made through a mount"
+        ls = subprocess.run(["debugfs", "-R", "ls -l /", str(t)], capture_output=True, text=True, timeout=30)
+        assert ls.returncode == 0, ls.stderr
+        assert "lost+found" not in ls.stdout, ls.stdout  # the image file itself, read while the mount lives
+        fsck = subprocess.run(["e2fsck", "-fn", str(t)], capture_output=True, text=True, timeout=60)
+        assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+    finally:
+        for fd in held:
+            os.close(fd)
+        _remove_tree(root)
