@@ -30,11 +30,12 @@ and translated; the
 same calls are also run with that cache off (``uncached``: the bench swaps those names for the
 run, no production code changes) to show what it saves. A rollout's connection idle at the gate
 for more than 3 s is reopened by its first measured call (the server closes idle ones at 5 s).
-``parse`` = CPU per call translating the request (JSON body -> messages, in the endpoint thread),
-``thread`` = all the endpoint-thread work per call (parse, history matching, rendering the new
-messages, parsing the reply), ``loop`` = the event loop's thread CPU per call, built-in | endpoint
-(the endpoint's: uvicorn and its HTTP parser, the hand-offs, the backend call and the reply's
-JSON; the built-in's also renders and tokenizes), ``gc`` = the garbage collector's CPU per call,
+``parse`` = CPU per call translating the request (JSON body -> messages),
+``thread`` = all the session's counted work per call (parse, history matching, rendering the new
+messages, parsing the reply: in the endpoint thread, or on the loop when small), ``loop`` = the
+event loop's thread CPU per call, built-in | endpoint (the endpoint's: uvicorn and its HTTP
+parser, the hand-offs, the backend call, the reply's JSON and the small work; the built-in's also
+renders and tokenizes), ``gc`` = the garbage collector's CPU per call,
 built-in | endpoint (counted in both totals; a full collection landing in one side's window
 shows here). After the tokenizer is loaded the process freezes its heap (``gc.freeze``), as
 the run daemon does after its set-up: without it, a full collection walked every imported
@@ -326,12 +327,12 @@ def translation_cache(on: bool):
     if on:
         yield
         return
-    from rolloutd.endpoint import bounds, session as sm, wire
+    from rolloutd.endpoint import session as sm, wire
     from rolloutd.endpoint.shapes import anthropic, chat, gemini, responses
 
     saved = [(sm, "parse_messages", sm.parse_messages), (sm, "load_body", sm.load_body)]
     sm.parse_messages = lambda raw, prev=None: chat.parse_messages(raw, None)
-    sm.load_body = lambda raw, depth, resent=None: bounds.load_body(raw, depth, None)  # json.loads, the walk in full
+    sm.load_body = uncached_load  # json.loads, the walk in full, always in the endpoint thread
     for m in (anthropic, responses, gemini):
         saved += [(m, "memo_items", m.memo_items), (m, "memo_value", m.memo_value)]
         m.memo_items = lambda items, fn, cache: wire.memo_items(items, fn, None)
@@ -343,9 +344,21 @@ def translation_cache(on: bool):
             setattr(m, k, v)
 
 
+def uncached_load(raw, depth, resent=None, new_chars=None):
+    """``bounds.load_body`` without the job's previous bodies; a request the loop would keep
+    (``new_chars``) is refused to it, as nothing shows how much of the body is new."""
+    from rolloutd.endpoint import bounds
+
+    if new_chars is not None:
+        from rolloutd.endpoint.resent import Unshared
+
+        raise Unshared
+    return bounds.load_body(raw, depth, None)
+
+
 def count_parse_cpu(s: EndpointSession) -> None:
     """``s.parse_cpu_s``: thread CPU of the session's request translation (JSON body -> messages,
-    tools, sampling: ``_prepare_chat`` / ``_prepare_wire``, run in its endpoint thread)."""
+    tools, sampling: ``_prepare_chat`` / ``_prepare_wire``, in its endpoint thread or on the loop)."""
     s.parse_cpu_s = 0.0
     s.last_bodies = collections.deque(maxlen=2)  # for breakdown()
     for name in ("_prepare_chat", "_prepare_wire"):

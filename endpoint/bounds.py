@@ -135,14 +135,15 @@ def nesting_ok(obj: Any, limit: int, prev: Any = None) -> bool:
     return True
 
 
-def load_body(raw: bytes | dict, depth: int, resent: ResentBodies | None = None) -> dict:
-    """The JSON body (bounded nesting) as a dict; runs in an endpoint thread. ``resent``: the
-    job's bodies so far (see :mod:`.resent`): the history the body resends is neither decoded
-    nor walked again (:func:`nesting_ok`'s ``prev``)."""
+def load_body(raw: bytes | dict, depth: int, resent: ResentBodies | None = None, new_chars: int | None = None) -> dict:
+    """The JSON body (bounded nesting) as a dict. ``resent``: the job's bodies so far (see
+    :mod:`.resent`): the history the body resends is neither decoded nor walked again
+    (:func:`nesting_ok`'s ``prev``); ``new_chars`` (with ``resent``): ``resent.Unshared`` when
+    more than that many characters of it are new."""
     if isinstance(raw, dict):
         return raw
     try:
-        body = json.loads(raw) if resent is None else resent.decode(raw)
+        body = json.loads(raw) if resent is None else resent.decode(raw, new_chars)
     except RecursionError:
         body = None
     except (ValueError, UnicodeDecodeError) as e:

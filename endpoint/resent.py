@@ -14,6 +14,9 @@ it ends, so the same text is the same value.
 The result, and every error, is what ``json.loads(raw)`` gives: any body the walk does not
 expect (not an object, a duplicate key, anything malformed) is handed to ``json.loads`` itself.
 Reused items are shared with the previous body: the endpoint never changes a decoded body.
+Under a budget of new characters (``decode(raw, new_chars)``: the event loop keeping a request
+whose new part is small) the walk raises :class:`Unshared` instead of going past it or handing
+the body to ``json.loads``.
 """
 from __future__ import annotations
 
@@ -31,6 +34,10 @@ MAX_STEPS = 10_000
 
 class _Malformed(Exception):
     """The walk met something it leaves to ``json.loads`` (which raises the right error, or decodes)."""
+
+
+class Unshared(Exception):
+    """Decoding the body takes more new characters than the caller's budget (or ``json.loads``)."""
 
 
 class _Kept:
@@ -72,15 +79,23 @@ class ResentBodies:
         self._values: dict[str, tuple[int, int, Any]] = {}  # key -> (where its value starts and ends in _text, the value)
         self._pending: tuple | None = None
 
-    def decode(self, raw: bytes) -> Any:
-        """``json.loads(raw)``: the same value, the same errors."""
+    def decode(self, raw: bytes, new_chars: int | None = None) -> Any:
+        """``json.loads(raw)``: the same value, the same errors. ``new_chars``: raise
+        :class:`Unshared` instead once more than that many characters that are not the previous
+        body's were decoded, or where ``json.loads`` would be called."""
         self._pending = None
         if not isinstance(raw, (bytes, bytearray)):
+            if new_chars is not None:
+                raise Unshared
             return json.loads(raw)
         try:
             text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # as json.loads decodes bytes
-            body, kept, values = self._walk(text)
+            if new_chars is not None and len(text) - len(self._text) > new_chars:
+                raise Unshared  # grown by more than that: so much is new at least
+            body, kept, values = self._walk(text, new_chars if new_chars is not None else len(text))
         except (_Malformed, ValueError, IndexError, RecursionError):
+            if new_chars is not None:
+                raise Unshared from None
             return json.loads(raw)
         self._pending = (body, kept, values, text)
         return body
@@ -92,7 +107,9 @@ class ResentBodies:
         ours = pending is not None and pending[0] is body
         self._kept, self._values, self._text = pending[1:] if ours else (None, {}, "")
 
-    def _walk(self, text: str) -> tuple[dict, _Kept | None, dict[str, tuple[int, int, Any]]]:
+    def _walk(self, text: str, left: int) -> tuple[dict, _Kept | None, dict[str, tuple[int, int, Any]]]:
+        """The body's object, its longest list that changed and its other values that open
+        with ``{``, ``[`` or ``"``; ``left``: new characters it may decode (``Unshared`` past them)."""
         prev, prev_values, prev_text = self._kept, self._values, self._text
         values: dict[str, tuple[int, int, Any]] = {}
         k = prev.shared(text) if prev is not None else 0
@@ -110,7 +127,9 @@ class ResentBodies:
                 steps += 1
                 if text[pos] != '"' or steps > MAX_STEPS:
                     raise _Malformed
-                key, pos = _SCAN(text, pos)
+                key, end = _SCAN(text, pos)
+                left -= end - pos
+                pos = end
                 if key in obj:
                     raise _Malformed  # json.loads keeps the last; not worth a second path
                 pos = _WS(text, pos).end()
@@ -123,12 +142,15 @@ class ResentBodies:
                     steps += 1
                 elif text[pos] == "[":  # a list that changed (a history grew): item by item
                     reuse = k if k and key == prev.key and pos + 1 == prev.start else 0  # k > 0 only with a prev
-                    value, ends, end, steps = self._items(text, pos + 1, prev, reuse, steps)
+                    value, ends, end, steps, left = self._items(text, pos + 1, prev, reuse, steps, left)
                     if best is None or len(ends) > len(best.ends):
                         best = _Kept(text, key, pos + 1, value, ends)
                 else:
                     value, end = _SCAN(text, pos)
                     steps += 1
+                    left -= end - pos
+                if left < 0:
+                    raise Unshared
                 if text[pos] in '{["':  # a value whose text decides where it ends
                     values[key] = (pos, end, value)
                 pos = end
@@ -148,10 +170,11 @@ class ResentBodies:
         return obj, best, values
 
     @staticmethod
-    def _items(text: str, pos: int, prev: _Kept | None, reuse: int, steps: int) -> tuple[list, list[int], int, int]:
+    def _items(text: str, pos: int, prev: _Kept | None, reuse: int, steps: int,
+               left: int) -> tuple[list, list[int], int, int, int]:
         """The list opened just before ``pos``: its items, where each ended, the offset after its
-        ``]``, and ``steps`` plus the items decoded. ``reuse``: leading items that are ``prev``'s,
-        character for character."""
+        ``]``, ``steps`` plus the items decoded and ``left`` minus their characters (``Unshared``
+        below 0). ``reuse``: leading items that are ``prev``'s, character for character."""
         if reuse:
             items, ends = prev.items[:reuse], prev.ends[:reuse]
             pos = _next_item(text, ends[-1])
@@ -165,10 +188,13 @@ class ResentBodies:
             if steps > MAX_STEPS:
                 raise _Malformed  # not a history: json.loads, at its own speed
             value, end = _SCAN(text, pos)
+            left -= end - pos
+            if left < 0:
+                raise Unshared
             items.append(value)
             ends.append(end)
             pos = _next_item(text, end)
-        return items, ends, ~pos, steps
+        return items, ends, ~pos, steps, left
 
 
 def _next_item(text: str, end: int) -> int:

@@ -27,9 +27,10 @@ Interface (what the harness handler uses)::
   ``GET /v1/responses/{id}``, ``POST /v1beta/models/{m}:generateContent|:streamGenerateContent|
   :countTokens``; each answers errors in its own shape.
 * A session's requests run concurrently; each conversation is extended by one at a time.
-  Request parsing, rendering and tokenization run in endpoint threads, never on the caller's
-  loop (only a short sampled reply is parsed there); ``EndpointBounds`` bounds what one job's
-  traffic may cost (docs/HARNESS.md, "Bounds").
+  Request parsing, rendering and tokenization run in endpoint threads, not on the caller's
+  loop, but for small work: a request that adds at most ``INLINE_REQUEST_CHARS`` to the
+  previous body and extends a conversation, and a short sampled reply; ``EndpointBounds``
+  bounds what one job's traffic may cost (docs/HARNESS.md, "Bounds").
 * ``parser`` names a tool-call parser of the registry (``rolloutd.llm.toolparse``); ``conv_options``
   are extra ``Conversation`` keywords (model-family settings); ``api_key`` is checked when set.
 
@@ -69,7 +70,7 @@ from .bounds import (POOL, EndpointBounds, EndpointLimits, check_size, encode_re
                      unaddressed)
 from ..llm.encode_worker import ENCODE_STATS, EncodeRefused
 from .shapes.chat import parse_messages, parse_sampling, parse_tool_choice, parse_tools
-from .resent import ResentBodies
+from .resent import ResentBodies, Unshared
 from .stops import TokenText, apply_stop
 from .tree import ConversationTree, Gen, Segment
 from .wire import EndpointError, Msg, Reply, Sampling, WireRequest, bad, canon_args
@@ -83,6 +84,12 @@ GenerateFn = Callable[[Any, SamplingParams], Awaitable[tuple[Generation, str, in
 # A sampled reply this long or shorter is parsed on the loop (EndpointSession._short): ~0.1 ms
 # (Hermes, Qwen2.5 tokenizer; 512 tokens took 0.19 ms).
 INLINE_REPLY_TOKENS = 256
+# A request whose body repeats the previous one's text but for at most this many characters, and
+# whose new messages (as many characters at most) extend a conversation, is decoded, translated
+# and placed on the loop (EndpointSession._request): an agent's usual call, one reply and one tool
+# result after its resent history. Its work there is ~0.1-0.3 ms; the hand-off it saves ~40-80 us
+# of CPU and two loop turns. Longer texts would hold the loop (a tokenizer encode ~1 us per char).
+INLINE_REQUEST_CHARS = 4096
 
 
 def _release(seg: Segment | None) -> None:
@@ -194,6 +201,20 @@ class EndpointSession:
         except EncodeRefused as e:
             raise self._encode_refusal(e) from None
 
+    async def _request(self, work: Callable[[int | None], tuple], raw: bytes | dict) -> tuple:
+        """``work(INLINE_REQUEST_CHARS)`` on the loop when ``raw`` is a body (bytes) and none of
+        this job's thread work runs; ``work(None)`` in the job's endpoint thread when that is not
+        so or the body is more of a change than that (``Unshared``: nothing was kept). ``work``
+        returns (the parsed request, its segment or None)."""
+        if isinstance(raw, (bytes, bytearray)) and not self._work.locked():
+            try:
+                return self._counted(work, INLINE_REQUEST_CHARS)
+            except Unshared:
+                pass
+            except EncodeRefused as e:
+                raise self._encode_refusal(e) from None
+        return await self._offload(work, None, abandoned=_release_placed)
+
     def _encode_refusal(self, e: EncodeRefused) -> EndpointError:
         return encode_refusal(e, self.limits, self.metrics["endpoint_cpu_s"])
 
@@ -205,14 +226,14 @@ class EndpointSession:
         b = self.bounds
         return self.limits.max_context * self._mbpt * b.json_expansion + b.json_overhead
 
-    def _load(self, raw: bytes | dict) -> dict:
+    def _load(self, raw: bytes | dict, new_chars: int | None = None) -> dict:
         """The request body; the history it resends is decoded and walked only where it differs
-        from the last body's."""
-        return load_body(raw, self.bounds.max_depth, self._resent)
+        from the last body's (``Unshared`` when more than ``new_chars`` characters do)."""
+        return load_body(raw, self.bounds.max_depth, self._resent, new_chars)
 
-    def _prepare_chat(self, raw: bytes | dict):
-        """Parse and check a chat request, the cheap refusals first; runs in an endpoint thread."""
-        body = self._load(raw)
+    def _prepare_chat(self, raw: bytes | dict, new_chars: int | None = None):
+        """Parse and check a chat request, the cheap refusals first (``new_chars``: ``_load``'s)."""
+        body = self._load(raw, new_chars)
         msgs_raw = body.get("messages")
         if isinstance(msgs_raw, list) and len(msgs_raw) > self.limits.max_context:
             raise bad(f"{len(msgs_raw)} messages cannot fit this job's context window of {self.limits.max_context} "
@@ -293,18 +314,19 @@ class EndpointSession:
         if err is not None:
             raise self._refuse(err)
 
-    def _placed(self, msgs: list[Msg], tools: list | None) -> Segment | None:
+    def _placed(self, msgs: list[Msg], tools: list | None, max_chars: int | None = None) -> Segment | None:
         """The request's segment (``tree.place``) if the loop would serve it now, else None (the
-        loop then answers it as before). In the endpoint thread, right after the request's parse:
-        one hand-off per request, not two."""
+        loop then answers it as before, placing it in a thread if ``max_chars`` declined it).
+        Right after the request's parse, in the same thread or loop turn: one hand-off at most."""
         if self._budget_spent() or self._refusal() is not None:
             return None
-        return self.tree.place(msgs, tools)
+        return self.tree.place(msgs, tools, max_chars)
 
     # -- chat ------------------------------------------------------------------------------
     async def chat(self, body: dict | bytes) -> Reply:
         """One ``/v1/chat/completions`` request (the body as bytes or parsed). Raises
-        :class:`EndpointError`. Parsing, rendering and tokenization run in an endpoint thread."""
+        :class:`EndpointError`. Parsing, rendering and tokenization run in an endpoint thread
+        unless the request is a small change (``_request``)."""
         return (await self._chat(body))[0]
 
     async def _chat(self, body: dict | bytes) -> tuple[Reply, dict]:
@@ -312,11 +334,11 @@ class EndpointSession:
         if self._mbpt is None:
             await self.max_body()
 
-        def work():
-            p = self._prepare_chat(body)
-            return p, self._placed(p[1], p[2])
+        def work(inline: int | None):
+            p = self._prepare_chat(body, inline)
+            return p, self._placed(p[1], p[2], inline)
 
-        (body, msgs, tools, parse_calls, samp), seg = await self._offload(work, abandoned=_release_placed)
+        (body, msgs, tools, parse_calls, samp), seg = await self._request(work, body)
         return await self.serve_messages(msgs, tools, parse_calls, samp, bool(body.get("logprobs")), seg), body
 
     async def serve_messages(self, msgs: list[Msg], tools: list | None, parse_calls: bool, samp: Sampling,
@@ -457,23 +479,25 @@ class EndpointSession:
                 fut.cancel()
 
     # -- completions -----------------------------------------------------------------------
-    def _prepare_wire(self, raw: bytes | dict, parse: Callable[[dict], WireRequest]) -> WireRequest:
-        req = parse(self._load(raw))
+    def _prepare_wire(self, raw: bytes | dict, parse: Callable[[dict], WireRequest],
+                      new_chars: int | None = None) -> WireRequest:
+        req = parse(self._load(raw, new_chars))
         check_size(req.messages, self._mbpt, self.limits.max_context)
         return req
 
     async def serve_wire(self, raw: bytes | dict, parse: Callable[[dict], WireRequest]) -> tuple[WireRequest, Reply]:
         """One request of another API shape: ``parse`` (a wire module's, e.g. ``shapes.anthropic.parse``)
-        translates the body in an endpoint thread; then the same session path as Chat Completions."""
+        translates the body (``_request``: a small change on the loop, else in an endpoint thread);
+        then the same session path as Chat Completions."""
         self._admit(calls=False)
         if self._mbpt is None:
             await self.max_body()
 
-        def work():
-            req = self._prepare_wire(raw, parse)
-            return req, self._placed(req.messages, req.tools)
+        def work(inline: int | None):
+            req = self._prepare_wire(raw, parse, inline)
+            return req, self._placed(req.messages, req.tools, inline)
 
-        req, seg = await self._offload(work, abandoned=_release_placed)
+        req, seg = await self._request(work, raw)
         return req, await self.serve_messages(req.messages, req.tools, req.parse_calls, req.sampling, seg=seg)
 
     def _count(self, req: WireRequest) -> int:

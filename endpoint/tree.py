@@ -31,6 +31,23 @@ log = structlog.get_logger("rolloutd.llm")
 _CUT = operator.itemgetter(0)
 
 
+def _same_tools(seg: Segment, tools: list | None) -> bool:
+    """``tools`` equals ``seg.tools``. An equal list becomes ``seg.tools``: the job's next body
+    resends this very object (endpoint/resent.py), compared by identity then (comparing a coding
+    harness's 10-40 KB of tools item by item took ~50 us per conversation per request)."""
+    if tools is seg.tools:
+        return True
+    if tools != seg.tools:
+        return False
+    seg.tools = tools
+    return True
+
+
+def _chars(m: Msg) -> int:
+    """The characters of a message that rendering it reads (text, reasoning, calls' arguments)."""
+    return len(m.content) + len(m.reasoning or "") + sum(len(a) for _, a in m.calls)
+
+
 @dataclass(slots=True, eq=False)
 class Gen:
     """One assistant message we returned: what the agent may send back."""
@@ -131,7 +148,7 @@ class ConversationTree:
         best = None
         n = len(msgs)
         for seg in reversed(self.segments):
-            if seg.conv is None or seg.closed or seg.busy or tools != seg.tools:
+            if seg.conv is None or seg.closed or seg.busy or not _same_tools(seg, tools):
                 continue
             entries = seg.entries
             k = len(entries)
@@ -158,12 +175,17 @@ class ConversationTree:
             return True
         return False
 
-    def place(self, msgs: list[Msg], tools: list | None) -> Segment:
+    def place(self, msgs: list[Msg], tools: list | None, max_chars: int | None = None) -> Segment | None:
         """The conversation this request continues (its new messages appended), or a new one;
-        marked busy until the request is done. Runs in an endpoint thread, one per job at a time."""
-        self.calls += 1
+        marked busy until the request is done. Runs in an endpoint thread, one per job at a time,
+        or on the loop with ``max_chars``: then only an extension whose new messages hold at most
+        that many characters is placed, and None (nothing changed) is returned for any other."""
         seg = self.continued(msgs, tools)
         fork = self.fork_point(msgs, tools, len(seg.entries) if seg is not None else 0)
+        if max_chars is not None and (fork is not None or seg is None
+                                      or sum(map(_chars, msgs[len(seg.entries):])) > max_chars):
+            return None
+        self.calls += 1
         if fork is not None:
             forked = self.fork(*fork, msgs, tools)
             if forked is not None:
@@ -281,7 +303,7 @@ class ConversationTree:
         n = len(msgs)
         for seg in list(self.segments):
             cuts = list(seg.cuts)  # appended on the loop while this runs in an endpoint thread
-            if seg.conv is None or not cuts or tools != seg.tools:
+            if seg.conv is None or not cuts or not _same_tools(seg, tools):
                 continue
             floor = best[1] if best is not None else beat
             i = bisect.bisect_left(cuts, n, key=_CUT)  # cuts ascend (add_reply): the last one before message n

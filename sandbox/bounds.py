@@ -140,9 +140,7 @@ def _sync_fs(mount_fd: int) -> None:
     lost+found, and pytest's collection stat of it failed with EBADMSG)."""
     fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=mount_fd)
     try:
-        if _libc.syncfs(fd) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, os.strerror(e))
+        _checked(_libc.syncfs(fd))
     finally:
         os.close(fd)
 
@@ -237,12 +235,16 @@ def attach_loop(image: Union[os.PathLike, int]) -> Tuple[str, int]:
             os.close(img)
 
 
-def _syscall(nr: int, *args) -> int:
-    r = _libc.syscall(nr, *args)
+def _checked(r: int) -> int:
+    """A libc call's result, or its errno raised as OSError when it failed (< 0)."""
     if r < 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e))
     return r
+
+
+def _syscall(nr: int, *args) -> int:
+    return _checked(_libc.syscall(nr, *args))
 
 
 def _detached_ext4(image: Union[os.PathLike, int]) -> int:

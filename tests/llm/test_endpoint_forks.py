@@ -270,3 +270,57 @@ def test_a_fork_the_template_cannot_render_incrementally_falls_back_to_a_full_re
     assert m["assistant_tokens_reencoded"] > 0, m
     check_segments(traj, ag, tok)
     assert "Hurry." in tok.decode(traj["prompt_ids"].tolist())
+
+
+class _CountedTool(dict):
+    """A tool whose comparisons are counted (a coding harness sends 10-40 KB of them per call)."""
+
+    compared = 0
+
+    def __eq__(self, other):
+        _CountedTool.compared += 1
+        return dict.__eq__(self, other)
+
+    __hash__ = None
+
+
+def test_an_equal_tool_list_extends_the_conversation_and_is_compared_once(qwen_tokenizer, arun):
+    """A request whose tools equal its conversation's but are another list (a harness's first
+    bodies are decoded afresh: endpoint/resent.py keeps the history, not the tools, until the
+    history outgrows them) extends it, and that list becomes the conversation's: the job's next
+    body resends that very object and is matched without comparing a tool (before: every tool
+    compared twice per request, ~50 us for 17 harness tools). Other tools still open a new
+    conversation."""
+    from rolloutd.endpoint.session import EndpointSession
+    from rolloutd.llm.client import Generation
+
+    tok = qwen_tokenizer
+    eos = tok.get_vocab()["<|im_end|>"]
+    reply = np.asarray(tok.encode("done", add_special_tokens=False) + [eos], np.int32)
+
+    async def generate(ids, params):
+        return Generation(token_ids=reply, logprobs=np.zeros(len(reply), np.float32), finish_reason="stop",
+                          prompt_tokens=len(ids)), "b0", 0
+
+    def tools(desc="reads a file"):
+        return [_CountedTool(type="function", function={"name": f"tool_{i}", "description": desc,
+                                                        "parameters": {"type": "object", "properties": {}}})
+                for i in range(5)]
+
+    async def main():
+        s = EndpointSession(generate, tok)
+        msgs = [user("fix the bug")]
+        for i in range(3):  # each request's tools an equal list of its own, as decoded afresh
+            last = tools()
+            await s.chat({"model": "m", "messages": msgs, "tools": last})
+            msgs = msgs + [{"role": "assistant", "content": "done"}, user(f"and step {i}")]
+        _CountedTool.compared = 0
+        await s.chat({"model": "m", "messages": msgs, "tools": last})  # the very object, as resent.py gives it
+        assert _CountedTool.compared == 0
+        msgs = msgs + [{"role": "assistant", "content": "done"}, user("go on")]
+        await s.chat({"model": "m", "messages": msgs, "tools": tools("writes a file")})
+        return s.trajectory()
+
+    traj = arun(main())
+    assert len(traj["segments"]) == 2  # the other tools opened a second conversation
+    assert [len(x["turns"]) for x in traj["segments"]] == [4, 1]  # the equal lists extended the first

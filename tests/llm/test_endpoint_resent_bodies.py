@@ -11,7 +11,7 @@ import random
 import pytest
 
 from rolloutd.endpoint.bounds import load_body
-from rolloutd.endpoint.resent import ResentBodies
+from rolloutd.endpoint.resent import ResentBodies, Unshared
 from rolloutd.endpoint.wire import EndpointError
 
 
@@ -261,3 +261,49 @@ def test_a_resent_object_made_too_deep_is_refused():
         with pytest.raises(EndpointError) as e:
             load_body(raw, 8, r)
         assert e.value.status == 400 and "nested deeper" in e.value.message
+
+
+def test_a_budget_of_new_characters_decodes_a_small_change_and_refuses_a_large_one():
+    """``decode(raw, new_chars)`` (the endpoint's loop deciding whether to keep a request): the
+    same value as ``json.loads`` while at most ``new_chars`` characters are not the previous
+    body's; ``Unshared`` otherwise (a first big body, a changed tool list, a long new message, a
+    malformed body: the endpoint's thread decodes those), and nothing the next decode reuses is
+    changed by a refusal."""
+    rng = random.Random(11)
+    r = ResentBodies()
+    tools = harness_tools(17)
+    msgs = [{"role": "user", "content": "fix the failing test"}] + [msg(i, rng) for i in range(30)]
+    body = lambda m, t=tools: json.dumps({"model": "m", "messages": m, "tools": t}).encode()  # noqa: E731
+    with pytest.raises(Unshared):
+        r.decode(body(msgs), 4096)  # nothing to share yet: 40 KB of new text
+    check(r, body(msgs))
+    msgs = msgs + [msg(40, rng), {"role": "tool", "tool_call_id": "call_40", "content": "ok\n" * 100}]
+    got = r.decode(body(msgs), 4096)  # a reply and a tool result: ~500 new characters
+    assert same(got, json.loads(body(msgs)))
+    assert got["tools"] is r.body["tools"] and got["messages"][5] is r.body["messages"][5]
+    r.keep(got)
+    for raw in (body(msgs + [{"role": "tool", "tool_call_id": "x", "content": "y" * 5000}]),  # a long new message
+                body(msgs, t=json.loads(json.dumps(tools))[::-1]),  # the same tools, reordered: all new text
+                body(msgs)[:-1],  # malformed: json.loads' error comes from the thread
+                body(msgs).replace(b'"model"', b'"messages": [], "model"')):  # a duplicate key
+        with pytest.raises(Unshared):
+            r.decode(raw, 4096)
+    last = msgs + [msg(41, rng)]
+    again = r.decode(body(last), 4096)  # the refusals changed nothing: still the kept body's items
+    assert same(again, json.loads(body(last))) and again["messages"][30] is got["messages"][30]
+
+
+def test_load_body_under_a_budget_refuses_or_decodes_as_without():
+    """``load_body(..., new_chars)``: a small change passes the same checks (nesting refused as
+    without a budget); a large one raises ``Unshared`` before any check."""
+    r = ResentBodies()
+    tools = harness_tools(3)
+    ok = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    load_body(json.dumps(ok).encode(), 8, r)
+    grown = {**ok, "messages": ok["messages"] + [{"role": "user", "content": "more"}]}
+    assert load_body(json.dumps(grown).encode(), 8, r, 4096)["tools"] is r.body["tools"]
+    with pytest.raises(EndpointError) as e:
+        load_body(json.dumps({**grown, "config": [[[[[[[[1]]]]]]]]}).encode(), 8, r, 4096)
+    assert "nested deeper" in e.value.message
+    with pytest.raises(Unshared):
+        load_body(json.dumps({**grown, "system": "s" * 5000}).encode(), 8, r, 4096)
