@@ -43,6 +43,10 @@ object (~0.24 s) and added up to ~3.7 ms per call to whichever side's window it 
 ``--tools N``: every request of both sides declares bash and N-1 harness-sized tools (~1.5 KB of
 JSON each, never called): a coding harness resends its whole tool list (10-40 KB) on every call,
 which the endpoint reads each time and the built-in loop rendered once.
+``--agent-churn N``: the agent also decodes N copies of its request per call. The endpoint's CPU
+per call depends on what the agent process does between calls: its memory traffic evicts the
+endpoint's working set from the shared caches (the ``openai`` SDK's chat agent costs the endpoint
+~0.35 ms more per call at 200 messages than the plain-httpx agents; N = 6 does the same to them).
 Example::
 
     python bench/bench_endpoint.py --rollouts 16 --turns 8 --repeats 3
@@ -92,6 +96,7 @@ SYSTEM = "You are a software engineering agent working in a sandbox."
 SHAPES = ("chat", "anthropic", "responses", "gemini")
 MODES = ("json", "stream")
 TOOLS = [BASH_TOOL]  # --tools N: bash and N-1 of harness_tool's
+AGENT_CHURN = [0]  # --agent-churn N
 
 
 def harness_tool(i: int) -> dict:
@@ -149,9 +154,11 @@ LIMITS = httpx_lib.Limits(keepalive_expiry=3.0)  # under the server's 5 s: a rol
 a = json.loads(sys.stdin.readline())
 socks, turns, warm, stream, obs, tools, system = (a[k] for k in ("socks", "turns", "warm", "stream", "obs", "tools",
                                                                  "system"))
+JUNK = []
 
 
 async def ask(c, msgs):
+    JUNK[:] = [json.loads(json.dumps(msgs)) for _ in range(a["churn"])]  # --agent-churn
     if not stream:
         r = await c.chat.completions.create(model="m", messages=msgs, tools=tools, max_tokens=512)
         return r.choices[0].message.model_dump(exclude_none=True)
@@ -224,7 +231,11 @@ async def events(c, url, body):
                 yield json.loads(line[5:])
 
 
+JUNK = []
+
+
 async def post(c, url, body):
+    JUNK[:] = [json.loads(json.dumps(body)) for _ in range(a["churn"])]  # --agent-churn
     if not stream:
         return (await c.post(url, json=body)).raise_for_status().json()
     if shape == "anthropic":
@@ -509,7 +520,7 @@ async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: st
                 env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
                 driver = DRIVER if shape == "chat" else SHAPE_DRIVER
                 args = {"shape": shape, "socks": which, "turns": turns, "warm": warm, "stream": stream,
-                        "obs": OBSERVATION, "tools": TOOLS, "system": SYSTEM}
+                        "obs": OBSERVATION, "tools": TOOLS, "system": SYSTEM, "churn": AGENT_CHURN[0]}
                 p = await asyncio.create_subprocess_exec(sys.executable, "-c", driver, stdin=subprocess.PIPE,
                                                          stdout=subprocess.PIPE, env=env, preexec_fn=die_with_parent)
                 mine = [sessions[socks.index(w)] for w in which]
@@ -675,12 +686,16 @@ def main(argv: list[str] | None = None) -> int:
                          "function in this process, no HTTP client on either side (less noise: see inline_generate)")
     ap.add_argument("--tools", type=int, default=1,
                     help="tools every request declares: bash and N-1 harness-sized ones (Claude Code sends ~17)")
+    ap.add_argument("--agent-churn", type=int, default=0,
+                    help="the agent decodes a copy of its request N times per call (memory traffic of its own, "
+                         "as the openai SDK's models make: it evicts the endpoint's working set from the caches)")
     ap.add_argument("--no-uncached", action="store_true",
                     help="long-history case: skip the comparison run with the translation cache off")
     args = ap.parse_args(argv)
     if args.tools < 1:
         ap.error("--tools: at least 1 (bash)")
     TOOLS[1:] = [harness_tool(i) for i in range(args.tools - 1)]
+    AGENT_CHURN[0] = max(0, args.agent_churn)
     shapes = [x for x in args.shapes.split(",") if x]
     modes = [x for x in args.modes.split(",") if x]
     if set(shapes) - set(SHAPES):
@@ -711,7 +726,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# tokenizer: {tok_desc}; backend: " + ("scripted replies in this process (--backend inline)"
                                                    if args.backend == "inline" else
                                                    f"scripted (separate process, zero latency) at {url}")
-          + f"; tools per request: {len(TOOLS)} ({len(json.dumps(TOOLS)):,} bytes of JSON)")
+          + f"; tools per request: {len(TOOLS)} ({len(json.dumps(TOOLS)):,} bytes of JSON)"
+          + f"; agent churn: {AGENT_CHURN[0]} request copies decoded per call")
     print(f"# python {sys.version.split()[0]}, uvicorn {uvicorn.__version__}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f} at start")
     rows: list[dict] = []
@@ -752,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_procs(procs, wait_s=10)
     summary = {"tokenizer": tok_desc, "backend": args.backend, "rollouts": args.rollouts, "turns": args.turns, "repeats": args.repeats,
                "history": args.history, "history_rollouts": args.history_rollouts,
-               "history_calls": args.history_calls, "load_average_start": load0,
+               "history_calls": args.history_calls, "agent_churn": AGENT_CHURN[0], "load_average_start": load0,
                "load_average_end": os.getloadavg()[0], "results": summarize(rows), "translation_breakdown": parts,
                "handoff": asyncio.run(handoff_cost(300 if args.quick else 3000))}
     print(json.dumps(summary, indent=2))
