@@ -19,7 +19,8 @@ is written last, and only after a server started from the venv answered a comple
 token ids: whoever waits for the marker (another build, the tests) gets a venv that serves.
 
 ``VLLMServer(venv, model_dir)`` starts one server in its own process group (vLLM's engine core is a
-child process), waits until ``/v1/models`` answers, and ``stop()`` ends the whole group.
+child process), waits until ``/v1/models`` answers, and ``stop()`` ends the whole group. Beside
+rolloutd's daemons on one box (the tests, the demo) it is given ``cpus=cpus_beside_daemons()``.
 """
 from __future__ import annotations
 
@@ -63,6 +64,16 @@ BASE_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 START_TIMEOUT_S = 600.0  # a bound, not a speed target: ~40-90 s here, minutes on a loaded 2-core box
+
+
+def cpus_beside_daemons() -> list[int] | None:
+    """The CPUs for a vLLM that shares its box with rolloutd's daemons: this process's but the
+    first, or None (not pinned) when it has one. Unpinned on 2 cores, vLLM's engine (its worker
+    spins on ``sched_yield`` between steps) kept woken neighbours waiting on the run queue for
+    0.2-3.6 s, and the daemons stalled together for up to 8 s: a router answer missed the
+    gateway's 5 s ``router_timeout_s`` in CI. Pinned, a neighbour waited 14 ms at most
+    (docs/LLM.md, "A real vLLM"; bench/bench_vllm_neighbour.py)."""
+    return sorted(os.sched_getaffinity(0))[1:] or None
 
 
 def default_venv() -> Path:
@@ -153,12 +164,14 @@ class VLLMServer:
     ``--max-model-len`` and ``--max-num-batched-tokens`` (no chunked prefill: :data:`BASE_ARGS`);
     ``eager`` adds ``--enforce-eager``. The server's output goes to ``log_path`` (a temp file by default; read it
     with :meth:`log_tail`). ``url`` is ``http://127.0.0.1:PORT``; ``model`` the served name (the
-    directory's path, vLLM's default); ``version`` vLLM's ``/version`` once ready."""
+    directory's path, vLLM's default); ``version`` vLLM's ``/version`` once ready. ``cpus`` pins the
+    server and every process and thread it starts to those CPUs (``taskset``; None: not pinned)."""
 
     def __init__(self, venv: str | os.PathLike, model_dir: str | os.PathLike, *, port: int | None = None,
                  host: str = "127.0.0.1", max_model_len: int = 4096, args: tuple[str, ...] | list[str] = (),
                  api_key: str | None = None, log_path: str | os.PathLike | None = None,
-                 env: dict[str, str] | None = None, eager: bool = True) -> None:
+                 env: dict[str, str] | None = None, eager: bool = True,
+                 cpus: list[int] | tuple[int, ...] | None = None) -> None:
         self.venv = Path(venv)
         self.model_dir = Path(model_dir)
         self.host = host
@@ -170,6 +183,9 @@ class VLLMServer:
         self.args = list(args) + (list(EAGER_ARGS) if eager else [])
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="rd-vllm-", suffix=".log")[1])
         self.env = dict(env or {})
+        if cpus is not None and not cpus:
+            raise ValueError("cpus: at least one CPU, or None for no pinning")
+        self.cpus = sorted({int(c) for c in cpus}) if cpus is not None else None
         self.proc: subprocess.Popen | None = None
         self.scratch: Path | None = None  # the server's TMPDIR while it runs (start())
         self.version: str | None = None
@@ -195,11 +211,18 @@ class VLLMServer:
         self.scratch = Path(tempfile.mkdtemp(prefix="rd-vllm-tmp-"))
         env["TMPDIR"] = str(self.scratch)
         env.update(self.env)
+        argv = self.command()
+        if self.cpus is not None:  # exec'd by taskset: everything vLLM starts inherits the mask
+            taskset = shutil.which("taskset")
+            if taskset is None:
+                raise FileNotFoundError("taskset (util-linux) pins vLLM to its cpus and is not on PATH")
+            argv = [taskset, "--cpu-list", ",".join(map(str, self.cpus)), *argv]
         with open(self.log_path, "ab") as out:
             # its own session: stop() ends the server and its engine-core child as one group
-            self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True, cwd="/")
-        log.info("vllm_server_started", pid=self.proc.pid, url=self.url, model=self.model, log=str(self.log_path))
+        log.info("vllm_server_started", pid=self.proc.pid, url=self.url, model=self.model, log=str(self.log_path),
+                 cpus=self.cpus)
         return self
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "VLLMServer":
@@ -263,6 +286,23 @@ class VLLMServer:
             shutil.rmtree(self.scratch, ignore_errors=True)
         log.info("vllm_server_stopped", pid=pgid, returncode=self.proc.returncode)
 
+    def tasks(self) -> list[int]:
+        """The thread ids of every process in the server's group (its API server, engine core and
+        workers), read from /proc."""
+        if self.proc is None:
+            return []
+        out = []
+        for p in Path("/proc").iterdir():
+            if not p.name.isdigit():
+                continue
+            try:
+                stat = (p / "stat").read_text()
+                if int(stat[stat.rindex(")") + 2:].split()[2]) == self.proc.pid:  # field 5: pgrp
+                    out.extend(int(t.name) for t in (p / "task").iterdir())
+            except (OSError, ValueError):
+                pass  # gone meanwhile
+        return out
+
     def __enter__(self) -> "VLLMServer":
         self.start()
         try:
@@ -290,6 +330,20 @@ def _group_gone(proc: subprocess.Popen, timeout_s: float) -> bool:
         time.sleep(0.1)
 
 
+def _cpus_arg(p: argparse.ArgumentParser, text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    if text == "beside-daemons":
+        return cpus_beside_daemons()
+    try:
+        cpus = [int(c) for c in text.split(",")]
+    except ValueError:
+        p.error(f"--cpus: comma-separated CPU numbers or 'beside-daemons', got {text!r}")
+    if not cpus or min(cpus) < 0:
+        p.error(f"--cpus: CPU numbers >= 0, got {text!r}")
+    return cpus
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rolloutd.backends.vllm_cpu",
                                 description="vLLM's CPU build: its pinned venv, and a server from it")
@@ -302,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--venv", default=None, help=f"default {default_venv()}")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-model-len", type=int, default=4096)
+    s.add_argument("--cpus", default=None, help="comma-separated CPUs to pin the server to (default: not pinned); "
+                   "'beside-daemons': all but the first, for a box that also runs rolloutd")
     ns, extra = p.parse_known_args(argv)  # serve: unknown flags go to vLLM (e.g. --enable-scale-out)
     if extra and ns.cmd != "serve":
         p.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -309,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         print(build_vllm_venv(ns.dir, python=ns.python, quiet=False))
         return 0
     extra = [a for a in extra if a != "--"]
+    cpus = _cpus_arg(p, ns.cpus)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -317,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)
     with VLLMServer(ns.venv or default_venv(), ns.model_dir, port=ns.port, max_model_len=ns.max_model_len,
-                    args=extra) as srv:
+                    args=extra, cpus=cpus) as srv:
         print(f"READY {srv.url} vllm {srv.version}", flush=True)
         try:
             srv.proc.wait()

@@ -1,7 +1,7 @@
 """Smoke-run every benchmark's ``--quick`` mode so none of them rots (``make bench-smoke``, CI).
 
 Figures printed here are not results: a smoke run only proves each benchmark still runs to its
-end. So they run ``--jobs`` at a time (29 quick runs: 650 s one at a time, ~400 s two at a time
+end. So they run ``--jobs`` at a time (30 quick runs: 650 s one at a time, ~400 s two at a time
 in CI), each one's output printed whole when it ends, with its time. Exit 1 when any failed, naming them.
 
     python bench/smoke.py [--jobs 2] [bench/bench_x.py ...]
@@ -21,8 +21,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # Started first so the longest runs do not end up alone at the end (their --quick took 40-75 s
 # in CI; the others take 1-25 s).
-SLOWEST_FIRST = ("bench_vllm_api.py", "bench_endpoint.py", "bench_endpoint_isolation.py",
-                 "bench_control_plane.py", "bench_pipeline.py", "bench_harness.py")
+SLOWEST_FIRST = ("bench_vllm_api.py", "bench_vllm_neighbour.py", "bench_endpoint.py",
+                 "bench_endpoint_isolation.py", "bench_control_plane.py", "bench_pipeline.py", "bench_harness.py")
 TIMEOUT_S = 900  # one quick run; a hang fails the smoke instead of the CI's budget
 
 

@@ -225,7 +225,7 @@ def start_vllm(args, model_dir: Path, log_path: Path, children: Children, consol
     """The demo's vLLM: the one at --vllm-url, or one started from the vLLM venv (stopped at the end)."""
     if args.vllm_url:
         return args.vllm_url.rstrip("/"), f"tiny random model on vLLM at {args.vllm_url}"
-    from rolloutd.backends.vllm_cpu import VLLMServer, default_venv, venv_ready
+    from rolloutd.backends.vllm_cpu import VLLMServer, cpus_beside_daemons, default_venv, venv_ready
 
     venv = Path(args.vllm_venv or os.environ.get("ROLLOUTD_VLLM_VENV") or default_venv())
     if not venv_ready(venv):
@@ -233,7 +233,7 @@ def start_vllm(args, model_dir: Path, log_path: Path, children: Children, consol
                         "(python -m rolloutd.backends.vllm_cpu venv DIR)")
     console.print(f"starting [bold]vLLM[/] ({venv}) on the tiny model ({model_dir}); log: {log_path} "
                   "(a minute or two on a small machine) ...")
-    srv = children.add("vllm", VLLMServer(venv, model_dir, log_path=log_path))
+    srv = children.add("vllm", VLLMServer(venv, model_dir, log_path=log_path, cpus=cpus_beside_daemons()))
     srv.start()
     try:
         srv.wait_ready()

@@ -6,7 +6,9 @@ Without one the tests here skip, and fail under ``ROLLOUTD_TEST_STRICT=1`` (CI b
 
 The server serves the tiny model's ``vllm`` variant (head_dim 64; same tokenizer and template as
 every other tiny-model test) with ``--enable-scale-out`` (the ``/v1/*/render`` routes), and is
-stopped at the end of the session: its whole process group, checked. Its log is
+stopped at the end of the session: its whole process group, checked. It runs on
+``cpus_beside_daemons()`` (all CPUs but the first): unpinned, its engine kept the daemons under
+test off the CPU for seconds (docs/LLM.md, "A real vLLM"). Its log is
 ``vllm_server.log_path``; a failing test prints its tail (``pytest_runtest_makereport`` below).
 """
 from __future__ import annotations
@@ -89,12 +91,12 @@ _SERVER = None
 def vllm_server(vllm_model_dir):
     """One real vLLM server for the whole session (module doc)."""
     global _SERVER
-    from rolloutd.backends.vllm_cpu import VLLMServer
+    from rolloutd.backends.vllm_cpu import VLLMServer, cpus_beside_daemons
 
     venv = require_vllm()
     log_dir = Path(tempfile.mkdtemp(prefix="rd-vllm-log-"))
     srv = VLLMServer(venv, vllm_model_dir, max_model_len=MAX_MODEL_LEN, args=SERVER_ARGS,
-                     log_path=log_dir / "vllm.log")
+                     log_path=log_dir / "vllm.log", cpus=cpus_beside_daemons())
     srv.start()
     _SERVER = srv
     try:

@@ -5,6 +5,7 @@ import asyncio
 import re
 
 import numpy as np
+import pytest
 
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")  # vLLM's ipc socket names
 
@@ -83,3 +84,36 @@ def test_the_servers_scratch_files_live_in_its_own_tmpdir(vllm_server):
     made = [p.name for p in scratch.iterdir() if p.name.startswith("vllm_dist_") or UUID.fullmatch(p.name)]
     assert made, sorted(p.name for p in scratch.iterdir())  # vLLM made them there
     assert not [n for n in made if (scratch.parent / n).exists()]
+
+
+def test_the_server_runs_on_the_cpus_beside_the_daemons(vllm_server):
+    """Every thread of the server's process group (API server, engine core, worker, OpenMP) is
+    pinned to ``cpus_beside_daemons()``: the first CPU is left to the daemons under test, which the
+    unpinned engine kept off the CPU for seconds (docs/LLM.md, "A real vLLM")."""
+    import os
+
+    from rolloutd.backends.vllm_cpu import cpus_beside_daemons
+
+    srv = vllm_server.server
+    want = cpus_beside_daemons()
+    assert srv.cpus == want
+    expected = set(want) if want else set(os.sched_getaffinity(0))  # one CPU: nothing to leave
+    masks = {}
+    for tid in srv.tasks():
+        try:
+            masks[tid] = os.sched_getaffinity(tid)
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
+    assert len(masks) > 2, masks  # the API server's and the engine's threads at least
+    assert {t: m for t, m in masks.items() if m != expected} == {}
+
+
+def test_a_server_pinned_to_no_cpu_is_refused(tmp_path):
+    from rolloutd.backends.vllm_cpu import VLLMServer, main
+
+    with pytest.raises(ValueError, match="at least one CPU"):
+        VLLMServer(tmp_path, tmp_path, cpus=[])
+    for bad in ("", "a,1", "-1"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", str(tmp_path), "--cpus", bad])
+        assert e.value.code == 2
