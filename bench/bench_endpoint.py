@@ -46,7 +46,9 @@ which the endpoint reads each time and the built-in loop rendered once.
 ``--agent-churn N``: the agent also decodes N copies of its request per call. The endpoint's CPU
 per call depends on what the agent process does between calls: its memory traffic evicts the
 endpoint's working set from the shared caches (the ``openai`` SDK's chat agent costs the endpoint
-~0.35 ms more per call at 200 messages than the plain-httpx agents; N = 6 does the same to them).
+~0.35-1.1 ms more per call at 200 messages than the plain-httpx agents; N = 6 does the same to them).
+``--chat-agent httpx``: the chat shape's agent is plain httpx like the others' (same bodies), not
+the ``openai`` SDK: the chat path's own cost without the SDK's traffic beside it.
 Example::
 
     python bench/bench_endpoint.py --rollouts 16 --turns 8 --repeats 3
@@ -97,6 +99,7 @@ SHAPES = ("chat", "anthropic", "responses", "gemini")
 MODES = ("json", "stream")
 TOOLS = [BASH_TOOL]  # --tools N: bash and N-1 of harness_tool's
 AGENT_CHURN = [0]  # --agent-churn N
+CHAT_AGENT = ["openai"]  # --chat-agent: the openai SDK, or plain httpx as the other shapes' agent
 
 
 def harness_tool(i: int) -> dict:
@@ -227,7 +230,7 @@ async def events(c, url, body):
     async with c.stream("POST", url, json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if line.startswith("data:"):
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
                 yield json.loads(line[5:])
 
 
@@ -238,6 +241,21 @@ async def post(c, url, body):
     JUNK[:] = [json.loads(json.dumps(body)) for _ in range(a["churn"])]  # --agent-churn
     if not stream:
         return (await c.post(url, json=body)).raise_for_status().json()
+    if shape == "chat":
+        content, calls = "", {}
+        async for d in events(c, url, dict(body, stream=True)):
+            x = d["choices"][0].get("delta") or {} if d.get("choices") else {}
+            content += x.get("content") or ""
+            for tc in x.get("tool_calls") or ():
+                e = calls.setdefault(tc["index"], {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+                e["id"] += tc.get("id") or ""
+                f = tc.get("function") or {}
+                e["function"]["name"] += f.get("name") or ""
+                e["function"]["arguments"] += f.get("arguments") or ""
+        m = {"role": "assistant", "content": content}
+        if calls:
+            m["tool_calls"] = [calls[k] for k in sorted(calls)]
+        return {"choices": [{"message": m}]}
     if shape == "anthropic":
         blocks = {}
         async for d in events(c, url, dict(body, stream=True)):
@@ -273,7 +291,19 @@ async def one(i, sock):
                           headers={"x-api-key": "k", "authorization": "Bearer k", "x-goog-api-key": "k"})
     n = 0
     try:
-        if shape == "anthropic":
+        if shape == "chat":  # --chat-agent httpx: what the openai SDK sends, without the SDK
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": first(i)}]
+            while n < warm + turns:
+                await gate(n)
+                r = await post(c, "/v1/chat/completions", {"model": "m", "messages": msgs, "tools": tools,
+                                                           "max_tokens": 512})
+                n += 1
+                m = {k: v for k, v in r["choices"][0]["message"].items() if v is not None}
+                msgs.append(m)
+                if not m.get("tool_calls"):
+                    break
+                msgs += [{"role": "tool", "tool_call_id": tc["id"], "content": obs} for tc in m["tool_calls"]]
+        elif shape == "anthropic":
             msgs = [{"role": "user", "content": first(i)}]
             tl = [{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]} for fn in fns]
             while n < warm + turns:
@@ -518,7 +548,7 @@ async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: st
         try:
             async def drive(which: list[str], warm: int) -> tuple[list[int], float, float, float, float, float, float]:
                 env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-                driver = DRIVER if shape == "chat" else SHAPE_DRIVER
+                driver = DRIVER if shape == "chat" and CHAT_AGENT[0] == "openai" else SHAPE_DRIVER
                 args = {"shape": shape, "socks": which, "turns": turns, "warm": warm, "stream": stream,
                         "obs": OBSERVATION, "tools": TOOLS, "system": SYSTEM, "churn": AGENT_CHURN[0]}
                 p = await asyncio.create_subprocess_exec(sys.executable, "-c", driver, stdin=subprocess.PIPE,
@@ -689,6 +719,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agent-churn", type=int, default=0,
                     help="the agent decodes a copy of its request N times per call (memory traffic of its own, "
                          "as the openai SDK's models make: it evicts the endpoint's working set from the caches)")
+    ap.add_argument("--chat-agent", choices=("openai", "httpx"), default="openai",
+                    help="the chat shape's agent: the openai SDK (default), or plain httpx like the other shapes' "
+                         "(same bodies: tells the SDK's own cost to the endpoint apart from the chat path's)")
     ap.add_argument("--no-uncached", action="store_true",
                     help="long-history case: skip the comparison run with the translation cache off")
     args = ap.parse_args(argv)
@@ -696,6 +729,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--tools: at least 1 (bash)")
     TOOLS[1:] = [harness_tool(i) for i in range(args.tools - 1)]
     AGENT_CHURN[0] = max(0, args.agent_churn)
+    CHAT_AGENT[0] = args.chat_agent
     shapes = [x for x in args.shapes.split(",") if x]
     modes = [x for x in args.modes.split(",") if x]
     if set(shapes) - set(SHAPES):
@@ -727,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    if args.backend == "inline" else
                                                    f"scripted (separate process, zero latency) at {url}")
           + f"; tools per request: {len(TOOLS)} ({len(json.dumps(TOOLS)):,} bytes of JSON)"
-          + f"; agent churn: {AGENT_CHURN[0]} request copies decoded per call")
+          + f"; agent churn: {AGENT_CHURN[0]} request copies decoded per call; chat agent: {CHAT_AGENT[0]}")
     print(f"# python {sys.version.split()[0]}, uvicorn {uvicorn.__version__}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f} at start")
     rows: list[dict] = []
@@ -768,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_procs(procs, wait_s=10)
     summary = {"tokenizer": tok_desc, "backend": args.backend, "rollouts": args.rollouts, "turns": args.turns, "repeats": args.repeats,
                "history": args.history, "history_rollouts": args.history_rollouts,
-               "history_calls": args.history_calls, "agent_churn": AGENT_CHURN[0], "load_average_start": load0,
+               "history_calls": args.history_calls, "agent_churn": AGENT_CHURN[0], "chat_agent": CHAT_AGENT[0], "load_average_start": load0,
                "load_average_end": os.getloadavg()[0], "results": summarize(rows), "translation_breakdown": parts,
                "handoff": asyncio.run(handoff_cost(300 if args.quick else 3000))}
     print(json.dumps(summary, indent=2))
