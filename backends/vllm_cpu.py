@@ -69,10 +69,10 @@ START_TIMEOUT_S = 600.0  # a bound, not a speed target: ~40-90 s here, minutes o
 def cpus_beside_daemons() -> list[int] | None:
     """The CPUs for a vLLM that shares its box with rolloutd's daemons: this process's but the
     first, or None (not pinned) when it has one. Unpinned on 2 cores, vLLM's engine (its worker
-    spins on ``sched_yield`` between steps) kept woken neighbours waiting on the run queue for
-    0.2-3.6 s, and the daemons stalled together for up to 8 s: a router answer missed the
-    gateway's 5 s ``router_timeout_s`` in CI. Pinned, a neighbour waited 14 ms at most
-    (docs/LLM.md, "A real vLLM"; bench/bench_vllm_neighbour.py)."""
+    spins on ``sched_yield`` between steps) kept a woken neighbour waiting on the run queue for
+    up to 0.1-4.7 s, and the daemons stalled together for up to 8 s: a router answer missed the
+    gateway's 5 s ``router_timeout_s`` in CI. Pinned, 2-4 ms (docs/LLM.md, "A real vLLM";
+    bench/bench_vllm_neighbour.py)."""
     return sorted(os.sched_getaffinity(0))[1:] or None
 
 
