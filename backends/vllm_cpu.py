@@ -172,6 +172,9 @@ class VLLMServer:
                  api_key: str | None = None, log_path: str | os.PathLike | None = None,
                  env: dict[str, str] | None = None, eager: bool = True,
                  cpus: list[int] | tuple[int, ...] | None = None) -> None:
+        if cpus is not None and not cpus:
+            raise ValueError("cpus: at least one CPU, or None for no pinning")
+        self.cpus = sorted({int(c) for c in cpus}) if cpus is not None else None
         self.venv = Path(venv)
         self.model_dir = Path(model_dir)
         self.host = host
@@ -181,11 +184,11 @@ class VLLMServer:
         self.max_model_len = int(max_model_len)
         self.api_key = api_key
         self.args = list(args) + (list(EAGER_ARGS) if eager else [])
-        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="rd-vllm-", suffix=".log")[1])
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="rd-vllm-", suffix=".log")
+            os.close(fd)  # start() appends to it by name
+        self.log_path = Path(log_path)
         self.env = dict(env or {})
-        if cpus is not None and not cpus:
-            raise ValueError("cpus: at least one CPU, or None for no pinning")
-        self.cpus = sorted({int(c) for c in cpus}) if cpus is not None else None
         self.proc: subprocess.Popen | None = None
         self.scratch: Path | None = None  # the server's TMPDIR while it runs (start())
         self.version: str | None = None

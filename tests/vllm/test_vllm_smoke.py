@@ -109,10 +109,15 @@ def test_the_server_runs_on_the_cpus_beside_the_daemons(vllm_server):
 
 
 def test_a_server_pinned_to_no_cpu_is_refused(tmp_path):
+    import glob
+    import tempfile
+
     from rolloutd.backends.vllm_cpu import VLLMServer, main
 
+    logs = set(glob.glob(f"{tempfile.gettempdir()}/rd-vllm-*.log"))
     with pytest.raises(ValueError, match="at least one CPU"):
         VLLMServer(tmp_path, tmp_path, cpus=[])
+    assert set(glob.glob(f"{tempfile.gettempdir()}/rd-vllm-*.log")) == logs  # refused before making its log
     for bad in ("", "a,1", "-1"):
         with pytest.raises(SystemExit) as e:
             main(["serve", str(tmp_path), "--cpus", bad])
