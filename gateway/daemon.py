@@ -130,9 +130,12 @@ class Gateway(Daemon):
         poll_ms = int(float(self.dcfg["poll_s"]) * 1000)
         stall_s = float(self.dcfg["heartbeat_s"])
         last_sweep = turn = time.monotonic()
+        got = 0
         while not self.stopping:
             timeout = poll_ms if not self.waiters else max(0, min(poll_ms, int((min(w[0] for w in self.waiters) - time.monotonic()) * 1000) + 1))
-            await waiter.wait(0 if self.cancels or self.submits or self.dispatch_more else timeout)
+            # A turn that received something is likely followed by more: drain again after one loop
+            # turn, without asking every socket first (that scan was ~8% of the gateway's CPU under load).
+            await waiter.wait(0 if got or self.cancels or self.submits or self.dispatch_more else timeout)
             prev, turn = turn, time.monotonic()
             if turn - prev > stall_s:  # we did not run for a heartbeat or more (turns are <= poll_s apart)
                 self.woke_at = turn
@@ -140,12 +143,10 @@ class Gateway(Daemon):
             # The slices of large requests get what is left of SLICE_S after this turn's receiving
             # (a decode of the largest request may have used it all: then one step each).
             slice_until = time.perf_counter() + SLICE_S
-            self._drain(self.results, self._on_result)
-            self._drain(self.front, self._on_request)
+            got = self._drain(self.results, self._on_result) + self._drain(self.front, self._on_request)
             for sock, fn in zip(self.routers, on_reply):
-                self._drain(sock, fn)
-            self._drain(self.watch, self._on_event)
-            self._drain(self.to_init.sock, self._on_credit)
+                got += self._drain(sock, fn)
+            got += self._drain(self.watch, self._on_event) + self._drain(self.to_init.sock, self._on_credit)
             if (self.cancels or self.submits) and self.replies and self._commit():
                 # A large request is being worked: what this turn received is answered before its
                 # slice, so another client waits one slice at most, not two (issue 38.3).
@@ -166,15 +167,17 @@ class Gateway(Daemon):
                 self._sweep(now)
         self.journal.commit()
 
-    def _drain(self, sock, fn):
-        for _ in range(DRAIN_BATCH):
+    def _drain(self, sock, fn) -> int:
+        """Handle up to DRAIN_BATCH messages queued on ``sock``; how many there were."""
+        for n in range(DRAIN_BATCH):
             frames = recv_now(sock)
             if frames is None:
-                return
+                return n
             try:
                 fn(frames)
             except Exception as e:  # noqa: BLE001 - one bad message must not stop the gateway
                 self.log.error("message_handling_failed", error=f"{type(e).__name__}: {e}")
+        return DRAIN_BATCH
 
     # -- trainer requests -------------------------------------------------------------------
     def _on_request(self, frames):
