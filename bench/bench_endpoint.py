@@ -49,6 +49,10 @@ endpoint's working set from the shared caches (the ``openai`` SDK's chat agent c
 ~0.35-1.1 ms more per call at 200 messages than the plain-httpx agents; N = 6 does the same to them).
 ``--chat-agent httpx``: the chat shape's agent is plain httpx like the others' (same bodies), not
 the ``openai`` SDK: the chat path's own cost without the SDK's traffic beside it.
+``--profile DIR``: ``py-spy record --gil`` of this process through each measured long-history
+window (``DIR/<shape>-<mode>-...txt``, raw stacks; the top self lines are printed). Its line
+attribution around the endpoint thread's hand-offs is unreliable (``_counted``'s clock reads showed
+10-25% there, ~3 us per call measured): take the functions, time lines another way.
 Example::
 
     python bench/bench_endpoint.py --rollouts 16 --turns 8 --repeats 3
@@ -70,6 +74,7 @@ import contextlib
 import gc
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -82,6 +87,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_agent_loop import BASH_TOOL, OBSERVATION, POLICY, ROOT, start_backend, tokenizer_dir
+from bench import common
 from bench.common import die_with_parent, stop_procs
 from rolloutd.backends.policies import get_policy
 from rolloutd.llm.agent_loop import run_agent_loop
@@ -100,6 +106,7 @@ MODES = ("json", "stream")
 TOOLS = [BASH_TOOL]  # --tools N: bash and N-1 of harness_tool's
 AGENT_CHURN = [0]  # --agent-churn N
 CHAT_AGENT = ["openai"]  # --chat-agent: the openai SDK, or plain httpx as the other shapes' agent
+PROFILE: list = [None]  # --profile DIR: py-spy this process through each measured window
 
 
 def harness_tool(i: int) -> dict:
@@ -433,6 +440,37 @@ class GcClock:
 GC = GcClock()
 
 
+def profile_start(name: str):
+    """``py-spy record`` of this process (``--gil``: Python on a CPU) into PROFILE/name.txt, raw
+    collapsed stacks; None without --profile."""
+    if PROFILE[0] is None:
+        return None
+    exe = common.pyspy_path()
+    if exe is None:
+        raise RuntimeError("--profile: py-spy not found")
+    PROFILE[0].mkdir(parents=True, exist_ok=True)
+    out = PROFILE[0] / f"{name}.txt"
+    spy = subprocess.Popen([exe, "record", "--pid", str(os.getpid()), "-r", "1000", "-f", "raw", "-o", str(out),
+                            "--nonblocking", "--gil"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           preexec_fn=die_with_parent)
+    time.sleep(0.5)  # attached before the window opens
+    return spy, out
+
+
+def profile_stop(spy) -> None:
+    """Stop the recorder (it writes its file on SIGINT) and print the window's top self lines."""
+    if spy is None:
+        return
+    proc, out = spy
+    proc.send_signal(signal.SIGINT)
+    proc.wait(30)
+    rep = common.pyspy_report([(out.stem, out, proc)])
+    for name, r in rep.items():
+        print(f"# profile {name} ({r['samples']} samples, {out}); self:")
+        for share, f in r["self"][:12]:
+            print(f"#   {100 * share:5.1f}%  {f}")
+
+
 class Gate:
     """Rollouts build their history, then wait here until every one has: the measured part."""
 
@@ -562,12 +600,15 @@ async def endpoint_phase(url: str, tok, n: int, turns: int, tmp: Path, shape: st
                         raise RuntimeError(f"agent driver did not start: {line!r}")
                     th0 = sum(s.metrics["endpoint_cpu_s"] for s in mine)
                     pa0 = sum(s.parse_cpu_s for s in mine)
+                    spy = profile_start(f"{shape}-{'stream' if stream else 'json'}-{'cached' if cache else 'uncached'}"
+                                        f"-{len(which)}x{warm}") if warm else None
                     c0, t0, g0, l0 = time.process_time(), time.perf_counter(), GC.cpu_s, time.thread_time()
                     p.stdin.write(b"go\n")
                     await p.stdin.drain()
                     line = await asyncio.wait_for(p.stdout.readline(), 600)
                     cpu, wall, gc_s = time.process_time() - c0, time.perf_counter() - t0, GC.cpu_s - g0
                     loop_s = time.thread_time() - l0
+                    profile_stop(spy)
                     if not line.startswith(b"DONE "):
                         raise RuntimeError(f"agent driver failed: {line!r}")
                     th = sum(s.metrics["endpoint_cpu_s"] for s in mine) - th0
@@ -722,6 +763,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chat-agent", choices=("openai", "httpx"), default="openai",
                     help="the chat shape's agent: the openai SDK (default), or plain httpx like the other shapes' "
                          "(same bodies: tells the SDK's own cost to the endpoint apart from the chat path's)")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="py-spy this process through each measured long-history window into this dir (raw stacks)")
     ap.add_argument("--no-uncached", action="store_true",
                     help="long-history case: skip the comparison run with the translation cache off")
     args = ap.parse_args(argv)
@@ -730,6 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     TOOLS[1:] = [harness_tool(i) for i in range(args.tools - 1)]
     AGENT_CHURN[0] = max(0, args.agent_churn)
     CHAT_AGENT[0] = args.chat_agent
+    PROFILE[0] = args.profile
     shapes = [x for x in args.shapes.split(",") if x]
     modes = [x for x in args.modes.split(",") if x]
     if set(shapes) - set(SHAPES):

@@ -183,7 +183,7 @@ def make_app(session: EndpointSession, *, max_body: int = MAX_BODY):
             if req.stream:
                 await send_sse(send, rw.stream_events(r, req))
             else:
-                await send_json(send, 200, dumps(obj))
+                await send_json(send, 200, rw.response_body(obj, req))
         elif path.startswith("/models/") and ":" in path:  # Gemini, after the /v1beta prefix
             from .shapes import gemini as gw
 

@@ -66,7 +66,7 @@ from ..llm.conversation import Conversation
 from ..llm.errors import BackendError, ContextOverflow, RequestError
 from ..llm.tokenizer_utils import encode_bounds, fast_encoder
 from ..llm.toolparse import CallIds, get_parser, parse_reply, parser_name_for
-from .bounds import (POOL, EndpointBounds, EndpointLimits, check_size, encode_refusal, load_body, max_bytes_per_token,
+from .bounds import (POOL, EndpointBounds, EndpointLimits, SizeCheck, encode_refusal, load_body, max_bytes_per_token,
                      unaddressed)
 from ..llm.encode_worker import ENCODE_STATS, EncodeRefused
 from .shapes.chat import parse_messages, parse_sampling, parse_tool_choice, parse_tools
@@ -130,6 +130,7 @@ class EndpointSession:
         self._cancelled: str | None = None
         self.text = TokenText(tokenizer)  # sampled ids -> text (stop strings, logprobs' tokens)
         self._prev_msgs: tuple[list, list[Msg]] | None = None
+        self._size = SizeCheck()  # the characters of the last request's messages, counted once
         self._resent = ResentBodies()  # the request bodies so far: their resent history is not decoded again
         self.bounds = EndpointBounds()
         self._work = asyncio.Semaphore(1)  # this job's share of the endpoint threads: one at a time
@@ -240,7 +241,7 @@ class EndpointSession:
                       "tokens", "messages", "context_length_exceeded")
         msgs = parse_messages(msgs_raw, self._prev_msgs)
         self._prev_msgs = (msgs_raw, msgs)
-        check_size(msgs, self._mbpt, self.limits.max_context)
+        self._size.check(msgs, self._mbpt, self.limits.max_context)
         tools = parse_tools(body.get("tools"))
         return body, msgs, tools, parse_tool_choice(body.get("tool_choice"), tools), parse_sampling(body)
 
@@ -482,7 +483,7 @@ class EndpointSession:
     def _prepare_wire(self, raw: bytes | dict, parse: Callable[[dict], WireRequest],
                       new_chars: int | None = None) -> WireRequest:
         req = parse(self._load(raw, new_chars))
-        check_size(req.messages, self._mbpt, self.limits.max_context)
+        self._size.check(req.messages, self._mbpt, self.limits.max_context)
         return req
 
     async def serve_wire(self, raw: bytes | dict, parse: Callable[[dict], WireRequest]) -> tuple[WireRequest, Reply]:

@@ -457,6 +457,21 @@ def response(r: Reply, req: WireRequest | None = None) -> dict:
     return _response(r, req, output_items(r, req), _status(r))
 
 
+def _with_tools(obj: dict, tools_json: bytes) -> tuple[bytes, ...]:
+    """The pieces of ``dumps(obj)`` with its ``tools`` (the request's, often tens of KB: a coding
+    harness's whole list) as the JSON the request parse kept, put last, instead of encoding them
+    again per reply; joined once by the caller (each ``+`` copied the tools again)."""
+    rest = dict(obj)
+    del rest["tools"]
+    return dumps(rest)[:-1], b',"tools":', tools_json, b"}"
+
+
+def response_body(obj: dict, req: WireRequest | None = None) -> bytes:
+    """The JSON body of a ``response`` object made for ``req`` (:func:`response`)."""
+    tools_json = req.extras.get("tools_json") if req is not None else None
+    return dumps(obj) if tools_json is None else b"".join(_with_tools(obj, tools_json))
+
+
 def conversation_items(req: WireRequest, r: Reply) -> list[dict]:
     """What to store under :func:`response_id` for a later ``previous_response_id``: the request's
     items (its history included) followed by the reply's output items."""
@@ -480,13 +495,13 @@ def stream_events(r: Reply, req: WireRequest | None = None) -> list[bytes]:
         d.update(data)
         resp = d.get("response")
         if resp is None:
-            body = dumps(d)
+            out.append(b"".join((b"event: ", kind.encode(), b"\ndata: ", dumps(d), b"\n\n")))
         else:  # the request's tools (often large) are echoed three times: encoded once, put last
-            tools = resp.pop("tools")
             if tools_json is None:
-                tools_json = dumps(tools)
-            body = dumps(d)[:-2] + b',"tools":' + tools_json + b"}}"
-        out.append(b"event: " + kind.encode() + b"\ndata: " + body + b"\n\n")
+                tools_json = dumps(resp["tools"])
+            d["response"] = None
+            out.append(b"".join((b"event: ", kind.encode(), b"\ndata: ", dumps(d)[:-len(b"null}")],
+                                 *_with_tools(resp, tools_json), b"}\n\n")))
         seq += 1
 
     ev("response.created", response=_response(r, req, [], "in_progress"))

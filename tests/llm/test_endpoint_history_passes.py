@@ -93,3 +93,34 @@ def test_an_edited_earlier_message_is_not_an_extension(qwen_tokenizer, scripted,
     assert m["llm_calls"] == 4 and m["segments"] == 2 and m["forks"] == 0, m
     segs = check_segments(traj, ag, qwen_tokenizer)  # every prompt decodes to its call's messages
     assert [len(s["turns"]) for s in segs] == [3, 1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.booleans(), st.integers(0, 30)), max_size=8), min_size=1, max_size=6),
+       st.integers(1, 4))
+def test_the_size_check_counts_what_a_whole_count_would(requests, mbpt):
+    """Each request keeps a prefix of the last one's very messages (True: the next shared one)
+    or brings new ones; ``SizeCheck`` counts only the new but refuses exactly what a count of
+    every character refuses, however the history was kept, shortened or replaced."""
+    from rolloutd.endpoint.bounds import SizeCheck
+    from rolloutd.endpoint.wire import EndpointError, Msg
+
+    check, last, max_context = SizeCheck(), [], 40
+    for spec in requests:
+        msgs, i = [], 0
+        for keep, n in spec:
+            if keep and i < len(last) and len(msgs) == i:
+                msgs.append(last[i])  # the same object, as a parse reuses a resent message
+                i += 1
+            else:
+                msgs.append(Msg(role="tool", content="x" * n))
+        whole = sum(len(m.content) for m in msgs)
+        try:
+            check.check(msgs, mbpt, max_context)
+            refused = None
+        except EndpointError as e:
+            refused = str(e)
+        assert (refused is not None) == (whole > mbpt * max_context), (whole, refused)
+        if refused:
+            assert f"hold {whole} characters" in refused
+        last = msgs

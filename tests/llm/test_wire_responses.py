@@ -328,3 +328,22 @@ def test_every_event_validates_strictly_against_the_sdk_models(finish):
         d = json.loads(data)
         assert head == b"event: " + d["type"].encode() and ev.endswith(b"\n\n")
         ta.validate_python(d)
+
+
+def test_the_response_body_carries_the_requests_tools_as_they_were_sent():
+    """The non-streamed body and the stream's response objects put the request's tools in as the
+    JSON the parse kept (not encoded again per reply): the same object as ``response`` builds."""
+    r = reply("text", CALLS, reasoning="why")
+    for tools in (TOOLS, None):
+        body = {"model": "m", "input": "x", **({"tools": tools} if tools else {})}
+        req = W.parse(body)
+        obj = W.response(r, req)
+        sent = json.loads(W.response_body(obj, req))
+        assert sent == obj and sent["tools"] == (tools or [])
+        assert json.loads(W.response_body(obj)) == obj  # no request: encoded whole
+        objs = [json.loads(ev.split(b"\ndata: ", 1)[1])["response"] for ev in W.stream_events(r, req)
+                if b'"response":' in ev]
+        assert [o["status"] for o in objs] == ["in_progress", "in_progress", "completed"]
+        assert all(o["tools"] == (tools or []) for o in objs)
+        assert {k: v for k, v in objs[-1].items() if k != "completed_at"} == \
+            {k: v for k, v in obj.items() if k != "completed_at"}
