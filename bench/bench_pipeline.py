@@ -402,7 +402,9 @@ def _bench_overhead(args, tmp: str) -> dict:
             prof = common.pyspy_report(procs)
             out["profile"] = prof
             for name, p in prof.items():
-                print(f"    [{name}] {p['samples']} samples; own code, inclusive:")
+                print(f"    [{name}] {p['samples']} samples; by category (common.PYSPY_CATEGORIES): "
+                      + ", ".join(f"{k} {100 * share:.1f}%" for share, k in p["categories"]))
+                print(f"    [{name}] own code, inclusive:")
                 for share, f in p["inclusive_own"][:8]:
                     print(f"       {100 * share:5.1f}%  {f}")
                 print(f"    [{name}] self time:")

@@ -303,6 +303,22 @@ def pyspy_start(pids: dict[str, int], seconds: float, out_dir: Path, rate: int =
     return procs
 
 
+# Where a daemon's samples go, by the first of these found from a sample's innermost frame outwards.
+PYSPY_CATEGORIES = (("sockets", ("bus/sockets.py", "zmq/")), ("msgpack", ("bus/codec.py", "msgpack/")),
+                    ("message checks", ("bus/messages.py",)), ("credit", ("bus/credit.py",)),
+                    ("events", ("bus/events.py", "lease_rows")), ("handler", ("handlers/",)),
+                    ("logging", ("structlog", "logging/")), ("asyncio", ("asyncio/",)),
+                    ("own code", ("daemons/", "gateway/", "bus/", "endpoint/", "llm/")))
+
+
+def _category(frames: list[str]) -> str:
+    for f in reversed(frames):
+        for name, keys in PYSPY_CATEGORIES:
+            if any(k in f for k in keys):
+                return name
+    return "other"
+
+
 def pyspy_report(procs, top: int = 12) -> dict[str, list[tuple[float, str]]]:
     """Wait for the recorders and summarise each profile: inclusive share of the project's own
     functions and self share of every function."""
@@ -315,7 +331,7 @@ def pyspy_report(procs, top: int = 12) -> dict[str, list[tuple[float, str]]]:
             lines = path.read_text().splitlines()
         except OSError:
             continue
-        selfc, incl, total = collections.Counter(), collections.Counter(), 0
+        selfc, incl, cats, total = collections.Counter(), collections.Counter(), collections.Counter(), 0
         for line in lines:
             stack, _, cnt = line.rpartition(" ")
             if not stack:
@@ -324,6 +340,7 @@ def pyspy_report(procs, top: int = 12) -> dict[str, list[tuple[float, str]]]:
             total += n
             frames = stack.split(";")
             selfc[frames[-1]] += n
+            cats[_category(frames)] += n
             for f in set(frames):
                 incl[f] += n
         if not total:
@@ -332,7 +349,8 @@ def pyspy_report(procs, top: int = 12) -> dict[str, list[tuple[float, str]]]:
                if any(f"({pkg}/" in f for pkg in ("bus", "daemons", "gateway", "handlers"))
                and "cli.py" not in f and "base.py:85" not in f and "base.py:55" not in f][:top]
         slf = [(c / total, f) for f, c in selfc.most_common(top)]
-        out[name] = {"samples": total, "inclusive_own": own, "self": slf}
+        out[name] = {"samples": total, "inclusive_own": own, "self": slf,
+                     "categories": [(c / total, k) for k, c in cats.most_common()]}
     return out
 
 
