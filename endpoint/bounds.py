@@ -169,21 +169,21 @@ class SizeCheck:
     the cache more than the sums). A reused message is never changed (the tree's matching
     relies on the same)."""
 
-    __slots__ = ("msgs", "chars")
+    __slots__ = ("msgs", "n", "chars")
 
     def __init__(self) -> None:
         self.msgs: list[Msg] = []
-        self.chars = 0
+        self.n = self.chars = 0  # how many of them were counted (the list may grow after), their characters
 
     def check(self, msgs: list[Msg], mbpt: int | None, max_context: int) -> None:
         # A token is at most max_bytes_per_token bytes, a character at least one byte.
         if len(msgs) > max_context:
             raise bad(f"{len(msgs)} messages cannot fit this job's context window of {max_context} "
                       "tokens", "messages", "context_length_exceeded")
-        prev = self.msgs
-        known = len(prev) if len(msgs) >= len(prev) and same_objects(msgs, prev) == len(prev) else 0
+        n = self.n
+        known = n if len(msgs) >= n and same_objects(msgs, self.msgs[:n]) == n else 0
         chars = (self.chars if known else 0) + sum(map(len, map(_CONTENT, msgs[known:])))
-        self.msgs, self.chars = msgs, chars
+        self.msgs, self.n, self.chars = msgs, len(msgs), chars
         if mbpt is not None and chars > mbpt * max_context:
             raise bad(f"the messages hold {chars} characters; no tokenization of them fits this job's context "
                       f"window of {max_context} tokens", "messages", "context_length_exceeded")

@@ -124,3 +124,15 @@ def test_the_size_check_counts_what_a_whole_count_would(requests, mbpt):
         if refused:
             assert f"hold {whole} characters" in refused
         last = msgs
+
+
+def test_the_size_check_counts_a_list_that_grew_in_place_after_it_was_checked():
+    from rolloutd.endpoint.bounds import SizeCheck
+    from rolloutd.endpoint.wire import EndpointError, Msg
+
+    check = SizeCheck()
+    msgs = [Msg(role="user", content="x" * 10)]
+    check.check(msgs, 1, 25)
+    msgs.append(Msg(role="tool", content="y" * 20))  # the same list object, longer: 30 characters > 25
+    with pytest.raises(EndpointError, match="hold 30 characters"):
+        check.check(msgs, 1, 25)
