@@ -60,7 +60,7 @@ def main() -> None:
 class _Nowhere:
     """The front socket and the events publisher: replies and events go nowhere."""
 
-    def send_multipart(self, *a, **kw):
+    def send(self, *a, **kw):  # bus.sockets sends frame by frame
         pass
 
     def publish(self, *a, **kw):
