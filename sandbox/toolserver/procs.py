@@ -149,9 +149,14 @@ def kill_pids(pids: List[int], sig: int = signal.SIGKILL) -> None:
 
 
 def kill_tree(root: int, include_root: bool = True, rounds: int = 10) -> None:
-    """SIGSTOP every descendant, rescanning until no new one appears, then SIGKILL all."""
-    seen: List[int] = []
+    """SIGSTOP the root and every descendant, rescanning until no new one appears, then SIGKILL
+    all. The root stops first: running, it would see its children die and go on (a shell runs
+    its next line and exits 0) before its own SIGKILL lands."""
     me = os.getpid()
+    seen: List[int] = []
+    if include_root and root != me:
+        kill_pids([root], signal.SIGSTOP)
+        seen.append(root)
     for _ in range(rounds):
         new = [p for p in descendants(root) if p not in seen and p != me]
         if not new:
@@ -159,8 +164,6 @@ def kill_tree(root: int, include_root: bool = True, rounds: int = 10) -> None:
         kill_pids(new, signal.SIGSTOP)
         seen.extend(new)
     kill_pids(seen, signal.SIGKILL)
-    if include_root and root != me:
-        kill_pids([root])
 
 
 @contextlib.contextmanager
