@@ -29,6 +29,7 @@ from rolloutd.bus.messages import Job, MessageError, Result, empty_trajectory, f
 from rolloutd.bus.sockets import SUBSCRIBE as _SUBSCRIBE
 from rolloutd.bus.sockets import recv, recv_now, send_now
 from rolloutd.daemons import lease_rows
+from rolloutd.daemons.deadlines import deadlines
 from rolloutd.daemons.llm_session import StaleLease
 from rolloutd.handlers.base import JobContext, PhaseTimeout, Services
 from rolloutd.handlers.registry import UnknownHandler, get_handler
@@ -44,7 +45,6 @@ def default_prefetch(pool: int) -> int:
     return max(2, pool // 8)
 
 
-_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 CANCEL_MEMORY = 100_000  # cancelled ids remembered, for jobs still in a pipe
 
 
@@ -269,18 +269,19 @@ class PhaseDaemon(Daemon):
         if limit <= 0:
             coro.close()
             raise PhaseTimeout(self.phase, 0.0)
+        deadline = deadlines().arm(limit)
         try:
-            if _timeout is not None:  # in this task: wait_for wraps every phase in a second task
-                async with _timeout(limit) as cm:
-                    await coro
-                # The limit's cancellation can be swallowed inside the handler (3.11's wait_for
-                # returns a result that is done at that moment): the phase ran out all the same.
-                if cm.expired():
-                    raise PhaseTimeout(self.phase, limit)
-            else:
-                await asyncio.wait_for(coro, limit)
-        except asyncio.TimeoutError:
-            raise PhaseTimeout(self.phase, limit) from None
+            await coro
+        except asyncio.CancelledError:
+            if deadline.expired():
+                raise PhaseTimeout(self.phase, limit) from None
+            raise
+        finally:
+            # The limit's cancellation can be swallowed inside the handler (3.11's wait_for
+            # returns a result that is done at that moment): the phase ran out all the same.
+            timed_out = deadline.expired()
+        if timed_out:
+            raise PhaseTimeout(self.phase, limit)
 
     def _job_log(self, job: Job):
         """The daemon's logger bound to ``job``: made when a line is written (a bind is ~2.5 us,
