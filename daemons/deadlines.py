@@ -1,12 +1,13 @@
 """Phase time limits: one timer per event loop for every job's limit.
 
 ``asyncio.timeout`` arms a TimerHandle per phase and cancels it on exit (a heap push, a lazy
-removal, the loop's sweeps of cancelled handles): ~5 us of every job in every phase daemon,
-4-9% of a phase daemon's samples at the pipeline benchmark's load (bench/bench_pipeline.py
-``--profile``). Here a phase adds an entry to one heap and marks it done on exit (~1 us); one
+removal, the loop's sweeps of cancelled handles): ~5 us per phase in a micro-run, and the
+pipeline benchmark's CPU per job fell ~4% without it (docs/BENCHMARKS.md, "Phase limits on one
+timer"). Here a phase adds an entry to one heap and marks it done on exit (~1 us); one
 TimerHandle stands for the earliest live deadline. The semantics are asyncio.timeout's: the
 task is cancelled when its deadline passes, and the cancel counts as the timeout's only when
-no other cancel was asked of the task meanwhile (3.11's ``Task.uncancel``).
+no other cancel was asked of the task meanwhile (3.11's ``Task.uncancel``; on 3.10, which
+cannot tell, a deadline that fired is always the timeout).
 """
 from __future__ import annotations
 
