@@ -33,21 +33,25 @@ class Deadline:
         """Disarm; True when the deadline had passed and cancelled the task, and that cancel was
         the only one asked meanwhile (the task then carries no pending cancel of it)."""
         state, self.state = self.state, _DONE
+        task, self.task = self.task, None  # a done entry waiting in the heap holds no task (nor its loop)
         if state == _ARMED:
             self.keeper._armed -= 1
         if state != _FIRED:
             return False
-        uncancel = getattr(self.task, "uncancel", None)  # Python >= 3.11
+        uncancel = getattr(task, "uncancel", None)  # Python >= 3.11
         return uncancel is None or uncancel() <= self.base
 
 
 class Deadlines:
+    """Found by its loop in a weak map, so it holds the loop (and its timer, which holds the
+    loop) only weakly: the loop's own schedule keeps the timer while it is pending."""
+
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
+        self._loop = weakref.ref(loop)
         self._heap: list = []
         self._armed = 0
         self._seq = itertools.count()  # ties never compare Deadline objects
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = _no_timer
 
     def arm(self, limit: float) -> Deadline:
         """A deadline ``limit`` seconds from now for the running task; call ``expired()`` on
@@ -56,37 +60,43 @@ class Deadlines:
         if task is None:
             raise RuntimeError("a deadline needs a running task")
         cancelling = getattr(task, "cancelling", None)
-        d = Deadline(self, self._loop.time() + limit, task, cancelling() if cancelling else 0)
+        loop = self._loop()
+        d = Deadline(self, loop.time() + limit, task, cancelling() if cancelling else 0)
         heap = self._heap
         if len(heap) > 64 and len(heap) > 2 * self._armed:  # mostly finished entries: drop them
             heap[:] = [e for e in heap if e[2].state == _ARMED]
             heapq.heapify(heap)
         heapq.heappush(heap, (d.when, next(self._seq), d))
         self._armed += 1
-        timer = self._timer
+        timer = self._timer()
         if timer is None or d.when < timer.when():
             if timer is not None:
                 timer.cancel()
-            self._timer = self._loop.call_at(d.when, self._fire)
+            self._timer = weakref.ref(loop.call_at(d.when, self._fire))
         return d
 
     def _fire(self) -> None:
-        self._timer = None
+        self._timer = _no_timer
+        loop = self._loop()
         heap = self._heap
-        now = self._loop.time()
+        now = loop.time()
         while heap:
             when, _, d = heap[0]
             if d.state != _ARMED:
                 heapq.heappop(heap)
                 continue
             if when > now:
-                self._timer = self._loop.call_at(when, self._fire)
+                self._timer = weakref.ref(loop.call_at(when, self._fire))
                 return
             heapq.heappop(heap)
             self._armed -= 1
             if not d.task.done():
                 d.state = _FIRED
                 d.task.cancel()
+
+
+def _no_timer() -> None:
+    return None
 
 
 _PER_LOOP: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Deadlines]" = weakref.WeakKeyDictionary()

@@ -108,3 +108,22 @@ def test_many_short_phases_keep_the_heap_small():
         return len(deadlines()._heap)
 
     assert run(main()) <= 130
+
+
+def test_a_finished_loop_is_not_kept_alive_by_its_keeper():
+    """The keeper is found by its loop (a weak map): nothing it holds may keep that loop alive,
+    or every loop that ever ran a phase would stay (one per asyncio.run in a test process)."""
+    import gc
+    import weakref
+
+    seen = []
+
+    async def main():
+        seen.append(weakref.ref(asyncio.get_running_loop()))
+        assert not await guarded(30, lambda: asyncio.sleep(0))  # a timer still armed at the end
+        slow = asyncio.create_task(guarded(0.05, lambda: asyncio.sleep(10)))
+        assert await slow
+
+    asyncio.run(main())
+    gc.collect()
+    assert seen[0]() is None
