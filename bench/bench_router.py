@@ -798,13 +798,16 @@ def main_vllm(args) -> int:
             import tempfile
 
             from rolloutd.backends.tiny_model import make_tiny_model
-            from rolloutd.backends.vllm_cpu import VLLMServer, default_venv
+            from rolloutd.backends.vllm_cpu import VLLMServer, cpus_beside_daemons, default_venv
 
             d = Path(tempfile.mkdtemp(prefix="bench-router-vllm-"))
             make_tiny_model(d / "m", seed=0, variant="vllm")
             venv = os.environ.get("ROLLOUTD_VLLM_VENV") or default_venv()
             flags = ["--max-num-seqs", str(VLLM_SEQS), "--enable-server-load-tracking"]
-            servers = [VLLMServer(venv, d / "m", args=flags, log_path=d / f"vllm-{i}.log").start() for i in range(2)]
+            # Off the first CPU, as the tests and the demo run it: unpinned, vLLM's engine kept the
+            # daemons' router waiting for seconds on 2 cores (backends/vllm_cpu.cpus_beside_daemons).
+            servers = [VLLMServer(venv, d / "m", args=flags, log_path=d / f"vllm-{i}.log",
+                                  cpus=cpus_beside_daemons()).start() for i in range(2)]
             for srv in servers:
                 srv.wait_ready()
             urls = [srv.url for srv in servers]

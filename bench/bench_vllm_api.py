@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     try:
         if not args.url:  # start one (the routes measured need --enable-scale-out)
             from rolloutd.backends.tiny_model import make_tiny_model
-            from rolloutd.backends.vllm_cpu import VLLMServer, default_venv, venv_ready
+            from rolloutd.backends.vllm_cpu import VLLMServer, cpus_beside_daemons, default_venv, venv_ready
 
             venv = os.environ.get("ROLLOUTD_VLLM_VENV") or default_venv()
             if not venv_ready(venv):
@@ -174,7 +174,10 @@ def main(argv=None) -> int:
                 return 0
             d = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
             make_tiny_model(d / "m", seed=0, variant="vllm")
-            srv = VLLMServer(venv, d / "m", args=["--enable-scale-out"], log_path=d / "vllm.log").start()
+            # Off the first CPU (as the tests and the demo run it): this process's client CPU per
+            # call is what is measured, and an unpinned engine shares its core.
+            srv = VLLMServer(venv, d / "m", args=["--enable-scale-out"], log_path=d / "vllm.log",
+                             cpus=cpus_beside_daemons()).start()
             srv.wait_ready()
             url, pid = srv.url, srv.proc.pid
         else:
