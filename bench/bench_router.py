@@ -828,9 +828,9 @@ def main_vllm(args) -> int:
         deadline = time.monotonic() + 120
         while _server_load(urls[0])[0] < VLLM_OUTSIDE and time.monotonic() < deadline:
             time.sleep(0.2)
-        # One unmeasured batch through each rolloutd first: the first batch of a run ran ~12 s per
-        # job (B leased but nearly idle), every later one ~1 s, and the policy that went first paid
-        # it (the cause is not known: docs/BENCHMARKS.md, "Router on real vLLM servers").
+        # One unmeasured batch through each rolloutd first: a fresh vLLM's first request that asks
+        # for logprobs takes ~10 s (plain ones ~0.1 s), so the session's first batch ran ~12 s per
+        # job and the policy that went first paid it (docs/BENCHMARKS.md, "Router on real vLLM servers").
         for p in VLLM_POLICIES:
             _vllm_run(clients[p], samplers[p], urls, model, f"warm{p[6]}")
         rows = {p: [] for p in VLLM_POLICIES}
